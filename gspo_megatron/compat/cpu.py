@@ -1,0 +1,292 @@
+"""Run megatron-core 0.16.x on a machine without CUDA (gloo backend, fp32).
+
+megatron-core assumes a CUDA device in a few dozen places. None of them is about the maths: they
+allocate small buffers "on the current CUDA device", create side streams, or seed the CUDA RNG.
+This module makes those places resolve to the CPU, and nothing else.
+
+How (and how far each fix reaches):
+
+* ``_TorchOnCpu`` is a stand-in for the ``torch`` *module-level name* inside a short, explicit list
+  of megatron modules (``_PATCHED_MODULES``). Inside those modules, and only there,
+  ``torch.cuda.current_device()`` returns the CPU device, CUDA streams/events are no-ops, the CUDA RNG
+  calls use the CPU generator, and tensor factories given ``device="cuda"`` allocate on the CPU.
+  Everything else is the real ``torch``. Code outside those modules (ours, the user's, torch
+  itself) is untouched, so this is not a global monkeypatch of ``torch.cuda``.
+* Three module functions are replaced by CPU equivalents where no narrower fix exists (the RNG
+  state getters/setters of ``tensor_parallel.random`` and the fp32 grad-clip helper that asserts the
+  type string ``torch.cuda.FloatTensor``).
+* ``torch.compile`` (megatron's ``jit_fuser``) is set to run eagerly with
+  ``torch.compiler.set_stance("force_eager")``. That switch is process-wide: it costs ~17 s and a C++
+  toolchain per process on first use, and buys nothing at the sizes a CPU runs.
+
+Every fix is applied once, by :func:`apply_cpu_compat`, which the distributed initialisation calls;
+it does nothing when CUDA is available. Each entry says which failure it fixes and for which
+megatron-core versions it was checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import types
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CHECKED_VERSIONS = ("0.16",)
+_APPLIED = False
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``, int) to CPU."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _on_cpu(factory):
+    """Wrap a tensor factory so that ``device=<cuda>`` allocates on the CPU."""
+
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    wrapped.__name__ = getattr(factory, "__name__", "factory")
+    return wrapped
+
+
+class _NoOpStream:
+    """A CUDA stream/event stand-in: on CPU every op is already ordered, so waiting is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CudaOnCpu(types.SimpleNamespace):
+    """``torch.cuda`` as megatron's buffer/stream/RNG code sees it on a CPU-only machine."""
+
+    Stream = _NoOpStream
+    Event = _NoOpStream
+
+    @staticmethod
+    def current_device():
+        # Failure 1: buffers allocated at torch.cuda.current_device() (router, TP mappings, rotary).
+        return torch.device("cpu")
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        # Failure 2: the alltoall dispatcher and the shared expert overlap use side streams.
+        return _NoOpStream()
+
+    @staticmethod
+    def stream(*args, **kwargs):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        pass
+
+    # Failure 3: the CUDA RNG tracker seeds/saves/restores the CUDA generator. On CPU the tracker
+    # forks the CPU generator instead, which is what dropout and init draw from there.
+    get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
+    set_rng_state = staticmethod(lambda state, *a, **k: torch.set_rng_state(state))
+    manual_seed = staticmethod(lambda seed: torch.manual_seed(seed))
+    manual_seed_all = staticmethod(lambda seed: torch.manual_seed(seed))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _as_int_list(split_sizes: Any) -> Any:
+    """Tensor / numpy split sizes -> list[int] (gloo's all_to_all_single takes only lists)."""
+    if split_sizes is None or isinstance(split_sizes, list):
+        return split_sizes
+    if hasattr(split_sizes, "tolist"):
+        return [int(x) for x in split_sizes.tolist()]
+    return [int(x) for x in split_sizes]
+
+
+class _DistributedOnCpu(types.SimpleNamespace):
+    """``torch.distributed`` as the MoE dispatcher sees it on gloo.
+
+    Failure 8: with EP>1 the alltoall dispatcher passes its split sizes as CPU tensors (on GPU they
+    are numpy arrays from a device-to-host copy); gloo's ``all_to_all_single`` accepts only lists.
+    """
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        return torch.distributed.all_to_all_single(
+            output, input, output_split_sizes=_as_int_list(output_split_sizes),
+            input_split_sizes=_as_int_list(input_split_sizes), group=group, async_op=async_op)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+
+_FACTORIES = (
+    "tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "randperm",
+    "linspace", "eye", "triu", "tril", "empty_strided", "as_tensor", "empty_like", "zeros_like",
+    "ones_like", "full_like",
+)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """The ``torch`` name inside a patched megatron module; see the module docstring."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        self.distributed = _DistributedOnCpu()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        setattr(self, name, value)  # cache: later lookups skip __getattr__
+        return value
+
+
+# Modules whose ``torch`` name is redirected, and why. Paths are relative to ``megatron.core``.
+_PATCHED_MODULES = {
+    "transformer.moe.router": "router buffers and aux-loss scalars at current_device()",
+    "transformer.moe.moe_utils": "MoE metric tracker with device='cuda'; record_stream",
+    "transformer.moe.token_dispatcher": "alltoall dispatcher's device-to-host stream",
+    "transformer.moe.experts": "expert weights allocated at current_device()",
+    "transformer.moe.shared_experts": "shared-expert overlap stream",
+    "transformer.utils": "causal mask built with device='cuda' (failure 5)",
+    "transformer.attention": "buffers at current_device()",
+    "transformer.dot_product_attention": "buffers at current_device()",
+    "transformer.transformer_layer": "buffers at current_device()",
+    "transformer.module": "buffers at current_device()",
+    "tensor_parallel.mappings": "all-gather / reduce-scatter outputs at current_device()",
+    "tensor_parallel.layers": "weights and SP gather buffers at current_device()",
+    "tensor_parallel.random": "CUDA RNG tracker (failure 3)",
+    "tensor_parallel.utils": "buffers at current_device()",
+    "tensor_parallel.data": "broadcast buffers on cuda",
+    "models.common.embeddings.rotary_pos_embedding": "inv_freq at current_device()",
+    "models.gpt.gpt_model": "buffers at current_device()",
+    "pipeline_parallel.schedules": "token counters with device='cuda' (failure 10)",
+    "pipeline_parallel.p2p_communication": "receive buffers at current_device()",
+    "distributed.param_and_grad_buffer": "grad buffers at current_device() (failure 10)",
+    "distributed.distributed_data_parallel": "buffers at current_device()",
+    "optimizer.optimizer": "found-inf / scale tensors with device='cuda' (failure 10)",
+    "optimizer.grad_scaler": "loss scale tensors with device='cuda'",
+    "optimizer.clip_grads": "grad-norm scalars with device='cuda' (failure 10)",
+    "optimizer.distrib_optimizer": "buffers at current_device()",
+    "inference.contexts.static_context": "KV cache at current_device()",
+    "inference.text_generation_controllers.text_generation_controller": "sampling buffers on cuda",
+    "inference.model_inference_wrappers.abstract_model_inference_wrapper": "buffers on cuda",
+    "inference.model_inference_wrappers.gpt.gpt_inference_wrapper": "buffers on cuda",
+    "inference.communication_utils": "pipeline broadcast buffers on cuda",
+    "inference.utils": "buffers on cuda",
+    "dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() before writing",
+    "dist_checkpointing.strategies.async_utils": "synchronize; liveness flags at current_device()",
+    "dist_checkpointing.strategies.state_dict_saver": "save-plan validation flags on cuda",
+    "dist_checkpointing.strategies.fully_parallel": "synchronize around exchanges",
+    "dist_checkpointing.tensor_aware_state_dict": "synchronize",
+    "dist_checkpointing.exchange_utils": "exchange buffers with device='cuda'",
+    "rerun_state_machine": "validation scalars with device='cuda'",
+    "utils": "buffers at current_device()",
+}
+
+
+def _cpu_rng_get(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's fp32 grad clipping without its ``torch.cuda.FloatTensor`` type assertion
+    (failure 11). Same semantics: scale every grad in place by ``max_norm / (total_norm + 1e-6)``."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(clip_coeff)
+
+
+def apply_cpu_compat() -> bool:
+    """Make megatron-core run on CPU. Idempotent; a no-op (returns False) when CUDA is available."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    import megatron.core
+    from megatron.core.package_info import __version__ as mcore_version
+
+    if not mcore_version.startswith(_CHECKED_VERSIONS):
+        logger.warning(
+            "gspo_megatron CPU compat was checked on megatron-core %s, found %s; "
+            "if a CUDA call fails on CPU, add its module to compat/cpu.py",
+            "/".join(_CHECKED_VERSIONS), mcore_version,
+        )
+
+    # Failure 7: jit_fuser is torch.compile; make it eager (process-wide, see module docstring).
+    torch.compiler.set_stance("force_eager")
+
+    proxy = _TorchOnCpu()
+    for rel_name in _PATCHED_MODULES:
+        try:
+            module = importlib.import_module(f"megatron.core.{rel_name}")
+        except ImportError:  # a module moved or needs an optional dependency: nothing to patch
+            logger.debug("compat: megatron.core.%s not importable, skipped", rel_name)
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+
+    # Failure 4 (0.16.1 bug): the router calls te_general_gemm, which is undefined without TE.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # Failure 3: activation checkpointing and the RNG tracker save/restore the CUDA RNG state.
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _cpu_rng_get
+    mcore_random._set_cuda_rng_state = _cpu_rng_set
+
+    # Failure 11: fp32 grad clipping asserts the CUDA tensor type string.
+    from megatron.core.optimizer import clip_grads, optimizer as mcore_optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    _APPLIED = True
+    logger.info("megatron-core %s: CUDA absent, CPU compatibility applied", mcore_version)
+    return True

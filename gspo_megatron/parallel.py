@@ -1,0 +1,152 @@
+"""Distributed start-up: process groups, Megatron's parallel state, seeds.
+
+The algorithm code never reads Megatron's globals; it receives the groups it reduces over from
+:class:`ParallelGroups`, which is built here once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.model.config import ModelConfig, ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups and ranks a training step needs, read once from Megatron."""
+
+    world_size: int
+    rank: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    ep_size: int
+    cp_rank: int
+    cp_size: int
+    dp_rank: int
+    dp_size: int
+    tp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    """Data-parallel group *without* CP: ranks holding different sequences."""
+    dp_cp_group: dist.ProcessGroup
+    """Data x context parallel: where gradients are averaged."""
+    pp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its CUDA device if present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def initialize_distributed(
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    seed: int,
+    timeout_minutes: int = 30,
+) -> ParallelGroups:
+    """Start torch.distributed from the torchrun environment (a single process when it is unset),
+    validate the layout, build Megatron's parallel state and seed every RNG.
+
+    gloo is used without CUDA (after :func:`gspo_megatron.compat.apply_cpu_compat`), NCCL with it.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    from gspo_megatron.compat import apply_cpu_compat
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    parallel.validate(world_size, model)  # before any group or weight exists
+    apply_cpu_compat()
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend=backend, world_size=world_size, rank=rank,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=False,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return read_parallel_groups()
+
+
+def read_parallel_groups() -> ParallelGroups:
+    """Snapshot Megatron's parallel state into a :class:`ParallelGroups`."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelGroups(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        model_parallel_group=ps.get_model_parallel_group(),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,274 @@
+"""Reward-function registry and a batch scorer that never crashes the run.
+
+A reward function has the signature::
+
+    def my_reward(response: str, answer: str, example: PromptExample | None = None) -> float
+
+``response`` is the decoded generated text (special tokens skipped), ``answer`` the example's
+reference answer, ``example`` the full :class:`~gspo_megatron.data.PromptExample` (metadata,
+messages) when available. It returns a finite float; by convention 1.0 means fully correct.
+
+Register one with ``@register_reward("name")``, or point the config at any importable function
+with a dotted path (``"my_pkg.my_module:my_reward"`` or ``"my_pkg.my_module.my_reward"``).
+
+:func:`compute_rewards` scores a batch: an exception, a timeout or a non-numeric / non-finite
+return gives reward 0 for that response and is counted in the stats; the run goes on.
+
+Timeouts use one daemon thread per call, waited on with ``join(timeout)``. Python cannot kill a
+thread: a reward function that never returns keeps its thread (and a share of the GIL) alive
+until it returns or the process exits. Such threads are counted in ``reward/hung_threads``; if
+that number grows, fix the reward function (or make it check a deadline itself).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gspo_megatron.data.prompts import PromptExample
+
+__all__ = [
+    "RewardFn",
+    "compute_rewards",
+    "get_reward_fn",
+    "is_correct",
+    "list_rewards",
+    "register_reward",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class RewardFn(Protocol):
+    """``fn(response, answer, example=None) -> float``."""
+
+    def __call__(self, response: str, answer: str, example: "PromptExample | None" = None) -> float: ...
+
+
+_REGISTRY: dict[str, Callable[..., float]] = {}
+_REQUIRES: dict[str, tuple[str, str]] = {}  # name -> (module to import, pip package)
+_HUNG: list[threading.Thread] = []  # timed-out threads, kept to report how many are still alive
+
+#: Rewards at or above this count as correct (``reward/accuracy``).
+CORRECT_THRESHOLD = 1.0
+
+
+def register_reward(name: str, requires: tuple[str, str] | None = None) -> Callable[[Callable[..., float]], Callable[..., float]]:
+    """Decorator registering a reward function under ``name``.
+
+    Args:
+        name: Registry name (used in configs).
+        requires: Optional ``(module, pip_package)``: :func:`get_reward_fn` checks the module is
+            importable and otherwise fails at lookup, before any compute, saying what to install.
+    """
+
+    def deco(fn: Callable[..., float]) -> Callable[..., float]:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"Reward '{name}' is already registered ({_REGISTRY[name]!r})")
+        _REGISTRY[name] = fn
+        if requires is not None:
+            _REQUIRES[name] = requires
+        return fn
+
+    return deco
+
+
+def _ensure_builtins() -> None:
+    # Importing the module registers the built-in rewards.
+    importlib.import_module("gspo_megatron.rewards.math")
+
+
+def list_rewards() -> list[str]:
+    """Names of all registered reward functions."""
+    _ensure_builtins()
+    return sorted(_REGISTRY)
+
+
+def _import_dotted(path: str) -> Callable[..., float]:
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"Reward '{path}' is not 'package.module:function' or 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"Reward '{path}': cannot import module '{module_name}': {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"Reward '{path}': module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"Reward '{path}' is not callable ({type(obj).__name__})")
+    return obj
+
+
+def get_reward_fn(name: str | Callable[..., float]) -> Callable[..., float]:
+    """Resolve a reward: a registered name, a dotted path to a function, or a callable (as is).
+
+    Raises:
+        ValueError: Unknown name (lists the registered ones) or a dotted path that cannot be
+            imported.
+        ImportError: The reward needs an optional package that is not installed.
+    """
+    if callable(name):
+        return name
+    _ensure_builtins()
+    if name in _REGISTRY:
+        if name in _REQUIRES:
+            module, package = _REQUIRES[name]
+            if importlib.util.find_spec(module) is None:
+                raise ImportError(f"Reward '{name}' needs the '{package}' package: `pip install {package}`")
+        return _REGISTRY[name]
+    if "." in name or ":" in name:
+        return _import_dotted(name)
+    raise ValueError(
+        f"Unknown reward '{name}'. Registered rewards: {', '.join(sorted(_REGISTRY))}; "
+        "or give a dotted path 'package.module:function'"
+    )
+
+
+def is_correct(reward: float, threshold: float = CORRECT_THRESHOLD) -> bool:
+    """Whether a reward counts as a correct answer (``reward >= threshold``, with 1e-6 slack)."""
+    return reward >= threshold - 1e-6
+
+
+def _to_float(value: Any) -> float | None:
+    """A finite float, or None for anything else (strings, None, NaN, inf, multi-element)."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        value = value.item()
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+class _Call:
+    """One reward call run in a daemon thread; result or exception kept on the object."""
+
+    __slots__ = ("done", "error", "result", "thread")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="gspo-reward")
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self.result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - report everything, never crash the run
+            self.error = e
+        self.done = True
+
+
+def compute_rewards(
+    fn: Callable[..., float],
+    responses: Sequence[str],
+    answers: Sequence[str],
+    examples: Sequence["PromptExample | None"] | None = None,
+    timeout_s: float | None = 10.0,
+    max_workers: int = 1,
+    correct_threshold: float = CORRECT_THRESHOLD,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Score ``responses`` against ``answers`` with ``fn``, never raising for a bad call.
+
+    Args:
+        fn: Reward function (see the module docstring for the signature).
+        responses, answers: Same length N.
+        examples: Optional examples (length N), passed as the third argument.
+        timeout_s: Wall-clock limit per call; ``None`` or ``<= 0`` calls ``fn`` directly in this
+            thread with no limit (and exceptions are still caught).
+        max_workers: Calls run concurrently in groups of this size (helps I/O-bound rewards, e.g.
+            remote judges; with CPU-bound Python rewards keep 1, since threads share the GIL and
+            the timeout is wall-clock).
+        correct_threshold: Reward at or above which a response counts as correct.
+
+    Returns:
+        ``(rewards, stats)``: a float32 tensor ``[N]`` and a dict with ``reward/mean``,
+        ``reward/std``, ``reward/accuracy``, ``reward/errors``, ``reward/timeouts``,
+        ``reward/invalid`` and ``reward/hung_threads``.
+    """
+    n = len(responses)
+    if len(answers) != n or (examples is not None and len(examples) != n):
+        raise ValueError(
+            f"compute_rewards: {n} responses, {len(answers)} answers, "
+            f"{'no' if examples is None else len(examples)} examples; lengths must match"
+        )
+    rewards = [0.0] * n
+    errors = timeouts = invalid = 0
+    first_problem: str | None = None
+
+    def record(i: int, value: Any, error: BaseException | None, timed_out: bool) -> None:
+        nonlocal errors, timeouts, invalid, first_problem
+        if timed_out:
+            timeouts += 1
+            first_problem = first_problem or f"response {i}: timed out after {timeout_s}s"
+        elif error is not None:
+            errors += 1
+            first_problem = first_problem or f"response {i}: {type(error).__name__}: {error}"
+        else:
+            out = _to_float(value)
+            if out is None:
+                invalid += 1
+                first_problem = first_problem or f"response {i}: non-numeric or non-finite reward {value!r:.80}"
+            else:
+                rewards[i] = out
+
+    def args_of(i: int) -> tuple[Any, ...]:
+        return (responses[i], answers[i], None if examples is None else examples[i])
+
+    if timeout_s is None or timeout_s <= 0:
+        for i in range(n):
+            try:
+                record(i, fn(*args_of(i)), None, False)
+            except Exception as e:  # noqa: BLE001
+                record(i, None, e, False)
+    else:
+        step = max(1, int(max_workers))
+        for lo in range(0, n, step):
+            group = [(i, _Call(fn, args_of(i))) for i in range(lo, min(n, lo + step))]
+            starts = {}
+            for i, call in group:
+                starts[i] = time.monotonic()
+                call.thread.start()
+            for i, call in group:
+                call.thread.join(max(0.0, starts[i] + timeout_s - time.monotonic()))
+                if not call.done:
+                    _HUNG.append(call.thread)
+                    record(i, None, None, True)
+                else:
+                    record(i, call.result, call.error, False)
+
+    _HUNG[:] = [t for t in _HUNG if t.is_alive()]
+    if first_problem is not None:
+        logger.warning(
+            "Reward function %s: %d errors, %d timeouts, %d invalid of %d (scored 0). First: %s",
+            getattr(fn, "__name__", fn), errors, timeouts, invalid, n, first_problem,
+        )
+    tensor = torch.tensor(rewards, dtype=torch.float32)
+    stats = {
+        "reward/mean": float(tensor.mean()) if n else 0.0,
+        "reward/std": float(tensor.std(unbiased=False)) if n else 0.0,
+        "reward/accuracy": (sum(is_correct(r, correct_threshold) for r in rewards) / n) if n else 0.0,
+        "reward/errors": float(errors),
+        "reward/timeouts": float(timeouts),
+        "reward/invalid": float(invalid),
+        "reward/hung_threads": float(len(_HUNG)),
+    }
+    return tensor, stats

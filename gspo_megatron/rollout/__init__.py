@@ -1,0 +1,1 @@
+"""Rollouts through Megatron-Core's inference engine."""

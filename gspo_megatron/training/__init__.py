@@ -1,0 +1,1 @@
+"""The RL training machinery on Megatron-Core."""

@@ -1,0 +1,36 @@
+"""gspo_megatron: GSPO / GRPO RL post-training for Megatron-Core MoE models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="gspo_megatron",
+    version="0.1.0",
+    description="Group Sequence Policy Optimization for Megatron-Core Mixture-of-Experts models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["gspo_megatron", "gspo_megatron.*"]),
+    install_requires=[
+        "torch>=2.4",
+        # 0.16.x is the newest for Python 3.11 (CI); NGC containers on Python 3.12 run newer ones.
+        "megatron-core>=0.16.1",
+        "numpy",
+        "packaging",
+        "pyyaml>=6",
+        "sentencepiece>=0.2",
+        "psutil",  # dist_checkpointing's writer process needs it (save hangs without)
+        "tqdm",  # megatron-core's inference engine imports it
+        "math-verify>=0.8",
+    ],
+    extras_require={
+        # The GPU stack: never needed (or importable) on CPU.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+        "apex": [],  # apex is not on PyPI: build it from github.com/NVIDIA/apex (optional)
+        "hf": ["transformers>=4.51", "safetensors"],
+        "parquet": ["pyarrow"],
+        "wandb": ["wandb"],
+        "plots": ["matplotlib"],
+        "test": ["pytest>=8", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": ["gspo-train=gspo_megatron.train:main"]},
+)
