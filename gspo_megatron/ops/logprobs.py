@@ -35,13 +35,18 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
 
 def _scaled_chunk(logits: torch.Tensor, start: int, end: int, temperature: float,
                   vocab_start: int, vocab_size: int | None) -> torch.Tensor:
-    """``logits[start:end]`` as fp32 divided by temperature, padded vocabulary set to -inf. [C, V/k]"""
-    chunk = logits[start:end].float()
+    """``logits[start:end]`` in fp32 (fp64 if given fp64) divided by temperature, padded vocabulary
+    set to -inf. [C, V/k]"""
+    chunk = logits[start:end].to(_compute_dtype(logits))
     if temperature != 1.0:
         chunk = chunk / temperature
     if vocab_size is not None and vocab_start + chunk.shape[-1] > vocab_size:
         chunk[:, max(vocab_size - vocab_start, 0):] = float("-inf")
     return chunk
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -51,14 +56,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         n, local_vocab = logits.shape
         rank = dist.get_rank(tp_group) if tp_group is not None else 0
         vocab_start = rank * local_vocab
-        row_max = torch.empty(n, dtype=torch.float32, device=logits.device)
+        dtype = _compute_dtype(logits)
+        row_max = torch.empty(n, dtype=dtype, device=logits.device)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             row_max[s:e] = _scaled_chunk(logits, s, e, temperature, vocab_start, vocab_size).amax(-1)
         _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
 
         # [3, N]: sum exp(l - max), target logit (on the owning rank, else 0), sum exp(l - max) * l
-        sums = torch.zeros(3, n, dtype=torch.float32, device=logits.device)
+        sums = torch.zeros(3, n, dtype=dtype, device=logits.device)
         local_target = target - vocab_start
         owned = (local_target >= 0) & (local_target < local_vocab)
         safe_target = local_target.clamp(0, local_vocab - 1)
@@ -133,7 +139,8 @@ def vocab_parallel_logprobs(
         chunk_size: tokens per fp32 chunk; bounds the extra memory to ``chunk_size x V/k`` floats.
 
     Returns:
-        ``(logprobs [...], entropy [...] or None)`` in fp32; both differentiable w.r.t. ``logits``.
+        ``(logprobs [...], entropy [...] or None)`` in fp32 (fp64 for fp64 logits); both
+        differentiable w.r.t. ``logits``.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -84,10 +84,6 @@ def build_policy(
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    optim_cfg.validate()
     gpt = build_gpt_model(
         model_cfg, parallel_cfg, precision_cfg,
         pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
@@ -108,39 +104,51 @@ def build_policy(
 
     optimizer = scheduler = None
     if with_optimizer:
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=optim_cfg.lr,
-                min_lr=optim_cfg.min_lr,
-                weight_decay=optim_cfg.weight_decay,
-                adam_beta1=optim_cfg.adam_beta1,
-                adam_beta2=optim_cfg.adam_beta2,
-                adam_eps=optim_cfg.adam_eps,
-                clip_grad=optim_cfg.clip_grad,
-                bf16=tf_config.bf16,
-                params_dtype=tf_config.params_dtype,
-                use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
-            ),
-            model,
-            use_gloo_process_groups=False,
-        )
-        decay_steps = optim_cfg.lr_decay_steps or max(total_steps, 1)
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0 if optim_cfg.lr_warmup_steps else optim_cfg.lr,
-            max_lr=optim_cfg.lr,
-            min_lr=optim_cfg.min_lr,
-            lr_warmup_steps=optim_cfg.lr_warmup_steps,
-            lr_decay_steps=max(decay_steps, optim_cfg.lr_warmup_steps + 1),
-            lr_decay_style=optim_cfg.lr_decay_style,
-            start_wd=optim_cfg.weight_decay,
-            end_wd=optim_cfg.weight_decay,
-            wd_incr_steps=max(decay_steps, 1),
-            wd_incr_style="constant",
-        )
+        optimizer, scheduler = build_optimizer(model, optim_cfg, total_steps)
     return MegatronPolicy(model=model, optimizer=optimizer, scheduler=scheduler,
                           transformer_config=tf_config)
+
+
+def build_optimizer(model: list, optim_cfg: OptimConfig, total_steps: int):
+    """Megatron's optimizer (Adam, grad clipping, fp32 main params under bf16) and LR schedule for
+    ``model`` (DDP chunks). Returns ``(optimizer, scheduler)``."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim_cfg.validate()
+    tf_config = model[0].module.config
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim_cfg.lr,
+            min_lr=optim_cfg.min_lr,
+            weight_decay=optim_cfg.weight_decay,
+            adam_beta1=optim_cfg.adam_beta1,
+            adam_beta2=optim_cfg.adam_beta2,
+            adam_eps=optim_cfg.adam_eps,
+            clip_grad=optim_cfg.clip_grad,
+            bf16=tf_config.bf16,
+            params_dtype=tf_config.params_dtype,
+            use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
+        ),
+        model,
+        use_gloo_process_groups=False,
+    )
+    decay_steps = optim_cfg.lr_decay_steps or max(total_steps, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim_cfg.lr_warmup_steps else optim_cfg.lr,
+        max_lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        lr_warmup_steps=optim_cfg.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, optim_cfg.lr_warmup_steps + 1),
+        lr_decay_style=optim_cfg.lr_decay_style,
+        start_wd=optim_cfg.weight_decay,
+        end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
 
 
 def zero_grad(policy: MegatronPolicy) -> None:
@@ -151,8 +159,31 @@ def zero_grad(policy: MegatronPolicy) -> None:
         policy.optimizer.zero_grad()
 
 
+def grads_are_finite(policy: MegatronPolicy) -> bool:
+    """True when every reduced gradient on every rank is finite (one MAX all-reduce).
+
+    Megatron's fp32 optimizer has no inf/nan check (only the fp16/bf16 loss-scaled path has one), so
+    the trainer checks before stepping."""
+    bad = torch.zeros(1)
+    for chunk in policy.model:
+        for p in chunk.module.parameters():
+            grad = getattr(p, "main_grad", None)
+            if grad is not None and not torch.isfinite(grad).all():
+                bad.fill_(1.0)
+                break
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        bad = bad.to(next(policy.model[0].parameters()).device)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
 def optimizer_step(policy: MegatronPolicy) -> tuple[bool, float, int | None]:
-    """One optimiser + scheduler step. Returns ``(applied, grad_norm, zeros)``."""
+    """One optimiser + scheduler step. Returns ``(applied, grad_norm, zeros)``.
+
+    A step whose gradients are not finite is skipped (``applied=False``): weights, optimizer state
+    and schedule are left untouched."""
+    if not grads_are_finite(policy):
+        return False, float("nan"), None
     applied, grad_norm, num_zeros = policy.optimizer.step()
     if applied:
         policy.scheduler.step(increment=1)

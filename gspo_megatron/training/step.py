@@ -188,3 +188,34 @@ def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, flo
                     t /= groups.dp_size
             out[key] = t
     return {k: float(v) for k, v in out.items()}
+
+
+def train_sft_minibatch(
+    policy_model: list,
+    batch: PolicyBatch,
+    micro_batch_size: int,
+    scoring: ScoringConfig,
+    groups: ParallelGroups,
+) -> dict[str, float]:
+    """Supervised warm-up: token-mean negative log-likelihood of the ``response_mask`` tokens
+    (prompt tokens are not trained), through the same schedule and log-prob kernel as the RL update.
+    Scoring uses temperature 1 whatever the rollout temperature."""
+    local_tokens = batch.response_mask.sum().double()
+    if groups.dp_size > 1:
+        dist.all_reduce(local_tokens, group=groups.dp_group)
+    normalizer = max(float(local_tokens), 1.0)
+    device = next(policy_model[0].parameters()).device
+    micro = [_to_device(mb, device) for mb in batch.split(micro_batch_size)]
+    scale = len(micro) * groups.dp_size
+
+    def loss_fn(mb: PolicyBatch, logits: torch.Tensor):
+        lp, _ = vocab_parallel_logprobs(
+            logits, mb.labels, temperature=1.0, tp_group=groups.tp_group,
+            vocab_size=scoring.vocab_size, compute_entropy=False,
+            chunk_size=scoring.logprob_chunk_size)
+        mask = mb.response_mask.to(lp.dtype)
+        loss = -(lp * mask).sum() / normalizer
+        return loss * scale, {"loss/sft_nll": loss.detach()}
+
+    outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn)
+    return reduce_metrics(outputs, groups)

@@ -1,0 +1,719 @@
+"""Load, override, validate, save and document a :class:`~gspo_megatron.config.TrainConfig`.
+
+A recipe is a YAML file whose top-level keys are the sections of ``TrainConfig`` (``model``,
+``parallel``, ``precision``, ``optim``, ``loss``, ``data``, ``tokenizer``, ``rollout``,
+``reward``, ``sft``, ``trainer``, ``checkpoint``, ``logging``)::
+
+    model:
+      preset: qwen3-30b-a3b     # fills every other model field from MODEL_PRESETS ...
+      seq_length: 5120          # ... explicit keys win
+    rollout:
+      group_size: 16
+
+Command-line overrides are ``--section.field=value`` (or ``section.field=value``; ``parse_cli``
+also takes ``--section.field value``). Values are parsed as YAML scalars and coerced to the
+field's annotated type (``int``, ``float`` incl. ``3e-4``, ``bool``, ``str``, ``X | None`` with
+``null``/``none``, ``Literal[...]``, ``list[int]`` like ``[1,0,1]``, ``int | list[int]``).
+
+Every problem raises :class:`ConfigError` (a ``ValueError``) naming the source (``file:line``
+or the override), the field path and the bad value, before any compute::
+
+    tiny.yaml:12: rollout.group_szie: unknown field; did you mean 'group_size'?
+
+:func:`load_config` checks types and names; :func:`validate_config` checks the values against
+each other and the world size. Files are read with ``yaml.safe_load`` only (no Python tags).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import os
+import textwrap
+import types
+import typing
+import warnings
+from typing import Any, Iterable, Literal, Sequence, Union
+
+import yaml
+
+from gspo_megatron.config import TrainConfig
+from gspo_megatron.model.config import MODEL_PRESETS
+
+__all__ = [
+    "ConfigError",
+    "ConfigWarning",
+    "config_from_argv",
+    "config_to_dict",
+    "describe_config",
+    "field_docs",
+    "load_config",
+    "parse_cli",
+    "save_config",
+    "section_types",
+    "validate_config",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid recipe, override or field combination. ``errors`` lists every problem found."""
+
+    def __init__(self, errors: str | Sequence[str]):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        if len(self.errors) == 1:
+            msg = self.errors[0]
+        else:
+            msg = f"{len(self.errors)} configuration errors:\n" + "\n".join(
+                f"  - {e}" for e in self.errors)
+        super().__init__(msg)
+
+
+class ConfigWarning(UserWarning):
+    """A legal but probably unintended configuration."""
+
+
+# ------------------------------------------------------------------------------------ schema
+
+
+@functools.lru_cache(maxsize=None)
+def section_types() -> dict[str, type]:
+    """``{section name: dataclass}`` for the sections of :class:`TrainConfig`."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _suggest(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# ------------------------------------------------------------------------------ type coercion
+
+
+class _CoerceError(Exception):
+    pass
+
+
+_NULL_WORDS = ("null", "none", "~", "")
+_TRUE_WORDS = ("true", "yes", "on", "1")
+_FALSE_WORDS = ("false", "no", "off", "0")
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _type_name(tp: Any) -> str:
+    """Human-readable type: ``int``, ``float or null``, ``one of 'a', 'b'``, ``list of int``."""
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if _is_union(tp):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        (arg, *_) = typing.get_args(tp) or (Any,)
+        return f"list of {_type_name(arg)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _accepts_str(tp: Any) -> bool:
+    if tp is str:
+        return True
+    return _is_union(tp) and any(a is str for a in typing.get_args(tp))
+
+
+def _is_list_type(tp: Any) -> bool:
+    return typing.get_origin(tp) in (list, tuple)
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """``value`` converted to ``tp`` or ``_CoerceError`` (message: what was expected)."""
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS):
+            return None
+        raise _CoerceError("expected null")
+    origin = typing.get_origin(tp)
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if type(None) in args and (
+                value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS)):
+            return None
+        members = [a for a in args if a is not type(None)]
+        # Lists try list members first; scalars try scalar members first (so "2" for
+        # ``list[int] | int`` is 2, not [2]).
+        members.sort(key=lambda a: _is_list_type(a) != isinstance(value, (list, tuple)))
+        for member in members:
+            try:
+                return _coerce(value, member)
+            except _CoerceError:
+                continue
+        raise _CoerceError(f"expected {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if isinstance(value, str) or value is None:
+            for a in allowed:
+                if a == value and type(a) is type(value):
+                    return a
+        hint = _suggest(value, [a for a in allowed if isinstance(a, str)]) if isinstance(value, str) else ""
+        raise _CoerceError(f"expected {_type_name(tp)}{hint}")
+    if origin in (list, tuple):
+        (arg, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [] if not text.strip() else [x.strip() for x in text.split(",")]
+        if not isinstance(value, (list, tuple)):
+            raise _CoerceError(f"expected {_type_name(tp)}")
+        try:
+            return [_coerce(x, arg) for x in value]
+        except _CoerceError:
+            raise _CoerceError(f"expected {_type_name(tp)}") from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in _TRUE_WORDS:
+                return True
+            if word in _FALSE_WORDS:
+                return False
+        raise _CoerceError("expected bool (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise _CoerceError("expected int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            text = value.strip().replace("_", "")
+            try:
+                return int(text)
+            except ValueError:
+                try:
+                    f = float(text)
+                except ValueError:
+                    f = math.nan
+                if math.isfinite(f) and f.is_integer():
+                    return int(f)
+        raise _CoerceError("expected int")
+    if tp is float:
+        if isinstance(value, bool):
+            raise _CoerceError("expected float")
+        if isinstance(value, (int, float)):
+            out = float(value)
+        elif isinstance(value, str):
+            try:
+                out = float(value.strip().replace("_", ""))
+            except ValueError:
+                raise _CoerceError("expected float") from None
+        else:
+            raise _CoerceError("expected float")
+        if not math.isfinite(out):
+            raise _CoerceError("expected a finite float")
+        return out
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _CoerceError("expected str")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise _CoerceError(f"expected {_type_name(tp)}")
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+@dataclasses.dataclass
+class _Entry:
+    value: Any
+    source: str  # "file.yaml:12", "override '--a.b=c'", "preset 'tiny'"
+    raw: str | None = None  # the override's text, used as-is for str fields
+
+
+def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark is not None else path
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    detail = f"{context}; {problem}" if context else problem
+    return ConfigError(f"{where}: invalid YAML: {detail}")
+
+
+def _read_yaml(path: str) -> tuple[dict[str, dict[str, _Entry]], list[str]]:
+    """``{section: {field: entry}}`` from a recipe, with the line of each key; plus errors."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e}") from e
+    try:
+        data = yaml.safe_load(text)  # never yaml.load: no Python object tags
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise _yaml_error(path, e) from e
+    if data is None:
+        return {}, []
+    if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections "
+                          f"({', '.join(section_types())}), got {type(data).__name__}")
+
+    errors: list[str] = []
+    sections = section_types()
+    out: dict[str, dict[str, _Entry]] = {}
+    seen_sections: set[str] = set()
+    for knode, vnode in root.value:
+        line = knode.start_mark.line + 1
+        where = f"{path}:{line}"
+        name = knode.value
+        if not isinstance(knode, yaml.ScalarNode) or knode.tag != "tag:yaml.org,2002:str":
+            errors.append(f"{where}: section names must be strings, got {name!r}")
+            continue
+        if name in seen_sections:
+            errors.append(f"{where}: {name}: duplicate section")
+            continue
+        seen_sections.add(name)
+        if name not in sections:
+            errors.append(f"{where}: {name}: unknown section{_suggest(name, sections)} "
+                          f"(sections: {', '.join(sections)})")
+            continue
+        value = data[name]
+        if value is None:
+            out[name] = {}
+            continue
+        if not isinstance(value, dict) or not isinstance(vnode, yaml.MappingNode):
+            errors.append(f"{where}: {name}: a section must be a mapping of fields, "
+                          f"got {value!r}")
+            continue
+        entries: dict[str, _Entry] = {}
+        for fknode, _ in vnode.value:
+            fline = fknode.start_mark.line + 1
+            fname = fknode.value
+            if not isinstance(fknode, yaml.ScalarNode) or fknode.tag != "tag:yaml.org,2002:str":
+                errors.append(f"{path}:{fline}: {name}: field names must be strings, got {fname!r}")
+                continue
+            if fname in entries:
+                errors.append(f"{path}:{fline}: {name}.{fname}: duplicate field "
+                              f"(first at {entries[fname].source})")
+                continue
+            entries[fname] = _Entry(value[fname], f"{path}:{fline}")
+        out[name] = entries
+    return out, errors
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    body = text[2:] if text.startswith("--") else text
+    key, sep, value = body.partition("=")
+    if not sep:
+        raise ConfigError(f"override {text!r}: expected --section.field=value")
+    return key.strip(), value
+
+
+def _parse_override_value(value: str) -> Any:
+    try:
+        return yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        return value
+
+
+def _apply_overrides(raw: dict[str, dict[str, _Entry]], overrides: Iterable[str],
+                     errors: list[str]) -> None:
+    sections = section_types()
+    for text in overrides:
+        if not isinstance(text, str):
+            errors.append(f"override {text!r}: expected a string --section.field=value")
+            continue
+        try:
+            key, value = _split_override(text)
+        except ConfigError as e:
+            errors.extend(e.errors)
+            continue
+        source = f"override {text!r}"
+        section, dot, fname = key.partition(".")
+        if not dot or not fname or "." in fname:
+            errors.append(f"{source}: {key!r} is not section.field "
+                          f"(sections: {', '.join(sections)})")
+            continue
+        if section not in sections:
+            errors.append(f"{source}: {section}: unknown section{_suggest(section, sections)}")
+            continue
+        raw.setdefault(section, {})[fname] = _Entry(_parse_override_value(value), source, value)
+
+
+def _coerce_entry(path: str, entry: _Entry, tp: Any) -> Any:
+    value = entry.value
+    if entry.raw is not None and _accepts_str(tp) and not (
+            type(None) in typing.get_args(tp) and entry.raw.strip().lower() in _NULL_WORDS):
+        value = entry.raw  # "--logging.run_dir=007" stays the string "007"
+    try:
+        return _coerce(value, tp)
+    except _CoerceError as e:
+        raise ConfigError(f"{entry.source}: {path}: {e}, got {value!r}") from None
+
+
+def _apply_preset(entries: dict[str, _Entry], errors: list[str]) -> None:
+    """Fill model fields from ``model.preset`` where the recipe or the overrides set none."""
+    if "preset" not in entries:
+        return
+    try:
+        name = _coerce_entry("model.preset", entries["preset"], str)
+    except ConfigError as e:
+        errors.extend(e.errors)
+        return
+    if name not in MODEL_PRESETS:
+        errors.append(f"{entries['preset'].source}: model.preset: unknown preset {name!r}"
+                      f"{_suggest(name, MODEL_PRESETS)} (presets: {', '.join(MODEL_PRESETS)})")
+        return
+    for key, value in MODEL_PRESETS[name].items():
+        entries.setdefault(key, _Entry(value, f"preset {name!r}"))
+
+
+def _build_section(section: str, cls: type, entries: dict[str, _Entry], errors: list[str]) -> Any:
+    ftypes = _field_types(cls)
+    kwargs: dict[str, Any] = {}
+    for fname, entry in entries.items():
+        path = f"{section}.{fname}"
+        if fname not in ftypes:
+            errors.append(f"{entry.source}: {path}: unknown field{_suggest(fname, ftypes)}")
+            continue
+        try:
+            kwargs[fname] = _coerce_entry(path, entry, ftypes[fname])
+        except ConfigError as e:
+            errors.extend(e.errors)
+    try:
+        return cls(**kwargs)  # frozen sections (loss) validate in their constructor
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        culprit = next((f for f in ftypes if msg.startswith(f) and f in kwargs), None)
+        where = entries[culprit].source if culprit else ", ".join(
+            sorted({entries[k].source for k in kwargs})) or "defaults"
+        field_path = f"{section}.{culprit}" if culprit else section
+        value = f" (got {kwargs[culprit]!r})" if culprit else ""
+        errors.append(f"{where}: {field_path}: {msg}{value}")
+        return None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Build a :class:`TrainConfig` from a YAML recipe (or the defaults) plus overrides.
+
+    Args:
+        path: A YAML recipe, or ``None`` for the defaults.
+        overrides: ``"--section.field=value"`` / ``"section.field=value"`` strings, applied after
+            the file (a ``model.preset`` override fills the model fields not set explicitly).
+
+    Raises:
+        ConfigError: unreadable/invalid YAML or a Python tag, unknown section or field (with a
+            suggestion), a value of the wrong type or outside a ``Literal`` (each with
+            ``file:line`` or the override, the field path and the value).
+
+    Only names and types are checked here; call :func:`validate_config` for the cross-field
+    checks (batch divisibility, parallel layout vs world size, paths, reward name).
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    errors: list[str] = []
+    raw: dict[str, dict[str, _Entry]] = {}
+    if path is not None:
+        raw, errors = _read_yaml(os.fspath(path))
+    _apply_overrides(raw, overrides, errors)
+    if "model" in raw:
+        _apply_preset(raw["model"], errors)
+    built: dict[str, Any] = {}
+    for section, cls in section_types().items():
+        built[section] = _build_section(section, cls, raw.get(section, {}), errors)
+    if errors:
+        raise ConfigError(errors)
+    return TrainConfig(**built)
+
+
+# --------------------------------------------------------------------------------- validation
+
+
+def _check(errors: list[str], fn, *args) -> Any:
+    try:
+        return fn(*args)
+    except (ValueError, ImportError) as e:
+        errors.append(str(e))
+        return None
+
+
+def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool = True) -> int:
+    """Cross-field checks for a run on ``world_size`` ranks; return the data-parallel size.
+
+    Raises one :class:`ConfigError` listing every problem, each naming the field(s) and values.
+    ``check_paths=False`` skips the checks that files exist (to check a cluster recipe elsewhere).
+    Warns (:class:`ConfigWarning`) for legal but wasteful settings.
+    """
+    errors: list[str] = []
+    m, par, opt, loss = cfg.model, cfg.parallel, cfg.optim, cfg.loss
+    data, tok, ro, rw = cfg.data, cfg.tokenizer, cfg.rollout, cfg.reward
+    sft, tr, ck, prec = cfg.sft, cfg.trainer, cfg.checkpoint, cfg.precision
+
+    # Model, layout, optimiser: the components' own checks.
+    dp = 0
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        errors.append(f"world size must be an int >= 1, got {world_size!r}")
+    _check(errors, m.validate)
+    if not errors:  # the layout checks assume a consistent model and a valid world size
+        dp = _check(errors, par.validate, world_size, m) or 0
+    _check(errors, opt.validate)
+    if not opt.min_lr <= opt.lr:
+        errors.append(f"optim.min_lr ({opt.min_lr}) must be <= optim.lr ({opt.lr})")
+    if opt.weight_decay < 0:
+        errors.append(f"optim.weight_decay must be >= 0, got {opt.weight_decay}")
+    if opt.adam_eps <= 0:
+        errors.append(f"optim.adam_eps must be > 0, got {opt.adam_eps}")
+    if opt.lr_decay_steps is not None and opt.lr_decay_steps < 1:
+        errors.append(f"optim.lr_decay_steps must be >= 1 or null, got {opt.lr_decay_steps}")
+    if prec.fp8 is not None and prec.transformer_impl == "local":
+        errors.append(f"precision.fp8={prec.fp8!r} needs Transformer Engine; "
+                      "precision.transformer_impl must be 'auto' or 'transformer_engine', not 'local'")
+
+    # Rollout.
+    if ro.group_size < 2:
+        errors.append(f"rollout.group_size must be >= 2 (GSPO/GRPO advantages are normalised "
+                      f"within a group of responses to the same prompt), got {ro.group_size}")
+    for name in ("prompts_per_step", "max_new_tokens", "max_batch_size"):
+        if getattr(ro, name) < 1:
+            errors.append(f"rollout.{name} must be >= 1, got {getattr(ro, name)}")
+    if not ro.temperature > 0:
+        errors.append(f"rollout.temperature must be > 0, got {ro.temperature}")
+    if not 0 < ro.top_p <= 1:
+        errors.append(f"rollout.top_p must be in (0, 1], got {ro.top_p}")
+    if ro.top_k < 0:
+        errors.append(f"rollout.top_k must be >= 0 (0 = off), got {ro.top_k}")
+
+    # Trainer: the rollout batch splits into minibatches, each into micro-batches.
+    for name in ("num_minibatches", "micro_batch_size"):
+        if getattr(tr, name) < 1:
+            errors.append(f"trainer.{name} must be >= 1, got {getattr(tr, name)}")
+    for name in ("steps", "eval_interval", "seed"):
+        if getattr(tr, name) < 0:
+            errors.append(f"trainer.{name} must be >= 0, got {getattr(tr, name)}")
+    batch = ro.prompts_per_step * ro.group_size
+    if tr.num_minibatches >= 1 and batch >= 1:
+        if batch % tr.num_minibatches:
+            errors.append(
+                f"trainer.num_minibatches ({tr.num_minibatches}) must divide the rollout batch "
+                f"rollout.prompts_per_step x rollout.group_size = {ro.prompts_per_step} x "
+                f"{ro.group_size} = {batch}")
+        elif tr.micro_batch_size >= 1 and (batch // tr.num_minibatches) % tr.micro_batch_size:
+            errors.append(
+                f"trainer.micro_batch_size ({tr.micro_batch_size}) must divide the minibatch "
+                f"(rollout.prompts_per_step x rollout.group_size / trainer.num_minibatches = "
+                f"{batch} / {tr.num_minibatches} = {batch // tr.num_minibatches})")
+
+    # Loss vs reference model.
+    if loss.kl_coef > 0 and not tr.reference_model:
+        errors.append(f"loss.kl_coef = {loss.kl_coef} > 0 needs trainer.reference_model: true "
+                      "(the k3 KL penalty needs the reference policy's log-probs)")
+    if tr.reference_model and loss.kl_coef == 0:
+        warnings.warn("trainer.reference_model is true but loss.kl_coef is 0: the reference "
+                      "copy costs memory and a forward pass per step for nothing",
+                      ConfigWarning, stacklevel=2)
+
+    # Data and lengths.
+    if data.source == "file":
+        if not data.train_path:
+            errors.append("data.train_path is required when data.source is 'file'")
+        elif check_paths and not os.path.exists(data.train_path):
+            errors.append(f"data.train_path: no such file {data.train_path!r}")
+    if check_paths and data.eval_path and not os.path.exists(data.eval_path):
+        errors.append(f"data.eval_path: no such file {data.eval_path!r}")
+    for name in ("prompt_key", "answer_key"):
+        if not getattr(data, name):
+            errors.append(f"data.{name} must be a non-empty field name")
+    if data.max_prompt_length < 1:
+        errors.append(f"data.max_prompt_length must be >= 1, got {data.max_prompt_length}")
+    if data.source == "arithmetic":
+        if data.num_train_examples < 1:
+            errors.append(f"data.num_train_examples must be >= 1, got {data.num_train_examples}")
+        if data.num_eval_examples < 0:
+            errors.append(f"data.num_eval_examples must be >= 0, got {data.num_eval_examples}")
+        if data.max_operand < 1:
+            errors.append(f"data.max_operand must be >= 1, got {data.max_operand}")
+    if m.seq_length < data.max_prompt_length + ro.max_new_tokens:
+        errors.append(
+            f"model.seq_length ({m.seq_length}) must be >= data.max_prompt_length + "
+            f"rollout.max_new_tokens = {data.max_prompt_length} + {ro.max_new_tokens} = "
+            f"{data.max_prompt_length + ro.max_new_tokens}")
+    if tok.kind == "hf" and not tok.path:
+        errors.append("tokenizer.path is required when tokenizer.kind is 'hf' "
+                      "(a Hugging Face name such as 'Qwen/Qwen3-30B-A3B' or a directory)")
+
+    # Reward (imported lazily: resolving may import the user's module).
+    try:
+        from gspo_megatron.rewards import get_reward_fn
+        get_reward_fn(rw.fn)
+    except (ValueError, ImportError) as e:
+        errors.append(f"reward.fn = {rw.fn!r}: {e}")
+
+    # SFT warm-up, checkpoints.
+    if sft.steps < 0:
+        errors.append(f"sft.steps must be >= 0, got {sft.steps}")
+    if sft.steps > 0:
+        if sft.batch_size < 1:
+            errors.append(f"sft.batch_size must be >= 1, got {sft.batch_size}")
+        if not sft.lr > 0:
+            errors.append(f"sft.lr must be > 0, got {sft.lr}")
+    if ck.keep_last < 1:
+        errors.append(f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
+    if ck.save_interval < 0:
+        errors.append(f"checkpoint.save_interval must be >= 0 (0 = only at the end), "
+                      f"got {ck.save_interval}")
+    if check_paths:
+        for name in ("init_weights", "load_dir"):
+            value = getattr(ck, name)
+            if value and not os.path.exists(value):
+                errors.append(f"checkpoint.{name}: no such path {value!r}")
+
+    if errors:
+        raise ConfigError(errors)
+    return dp
+
+
+# ----------------------------------------------------------------------------- saving, docs
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
+    """``{section: {field: value}}`` of plain Python values (YAML-serialisable)."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return {
+        f.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, f.name)).items()}
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
+    """Write ``cfg`` as a YAML recipe that :func:`load_config` reads back to an equal config."""
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Resolved gspo_megatron TrainConfig (gspo_megatron.config_loader.save_config).\n")
+        f.write(text)
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` for a dataclass: the string literal right after each field."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if node is None:
+        return {}
+    docs: dict[str, str] = {}
+    body = node.body
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def describe_config(sections: Iterable[str] | None = None, width: int = 100) -> str:
+    """Help text: every ``--section.field`` with its type, default and docstring."""
+    defaults = TrainConfig()
+    lines: list[str] = []
+    wanted = list(sections) if sections is not None else list(section_types())
+    for section in wanted:
+        cls = section_types()[section]
+        doc = inspect.cleandoc(cls.__doc__ or "").split("\n")[0]
+        lines.append(f"{section}:  {doc}".rstrip())
+        docs = field_docs(cls)
+        current = getattr(defaults, section)
+        for fname, tp in _field_types(cls).items():
+            default = getattr(current, fname)
+            shown = "null" if default is None else yaml.safe_dump(
+                default, default_flow_style=True).strip().removesuffix("...").strip()
+            lines.append(f"  --{section}.{fname}  ({_type_name(tp)}; default {shown})")
+            for para in docs.get(fname, "").split("\n"):
+                lines.extend(textwrap.wrap(para, width=width, initial_indent=" " * 6,
+                                           subsequent_indent=" " * 6) or [])
+        lines.append("")
+    return "\n".join(lines)
+
+
+_USAGE = """\
+usage: gspo-train [--config RECIPE.yaml] [--section.field=VALUE | --section.field VALUE ...]
+
+Every field of the recipe can be overridden; values are YAML scalars (3e-4, true, null, [1,0,1]).
+A 'model.preset' (tiny, qwen3-30b-a3b, qwen3-235b-a22b) fills the model fields not set explicitly.
+"""
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split ``argv`` into ``(config_path, overrides)`` for :func:`load_config`.
+
+    Accepts ``--config PATH`` / ``--config=PATH`` / ``-c PATH``, ``--section.field=value``,
+    ``--section.field value``, ``section.field=value``, and a bare ``--section.field`` (= true,
+    for bool fields). ``-h`` / ``--help`` prints every field's documentation and exits.
+    """
+    argv = list(argv)
+    config: str | None = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(_USAGE)
+            print(describe_config())
+            raise SystemExit(0)
+        if arg in ("--config", "-c"):
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a path")
+            config, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            config, i = arg.partition("=")[2], i + 1
+            continue
+        body = arg[2:] if arg.startswith("--") else arg
+        key, sep, _ = body.partition("=")
+        if "." not in key or (not sep and not arg.startswith("--")):
+            raise ConfigError(f"unrecognised argument {arg!r}; expected --config PATH or "
+                              "--section.field=value")
+        if sep:
+            overrides.append(arg)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            overrides.append(f"{arg}={argv[i + 1]}")
+            i += 2
+        else:
+            overrides.append(f"{arg}=true")
+            i += 1
+    return config, overrides
+
+
+def config_from_argv(argv: Sequence[str], world_size: int | None = None) -> TrainConfig:
+    """``parse_cli`` + ``load_config`` (+ ``validate_config`` when ``world_size`` is given)."""
+    path, overrides = parse_cli(argv)
+    cfg = load_config(path, overrides)
+    if world_size is not None:
+        validate_config(cfg, world_size)
+    return cfg

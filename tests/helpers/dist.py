@@ -1,0 +1,51 @@
+"""Run a function on N gloo processes (fork start, so test modules need no importable entry)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report any failure to the parent with its traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_gloo(fn, world_size: int, *args, timeout: float = 120.0):
+    """Call ``fn(rank, world_size, *args)`` on each rank; return the per-rank results in rank order."""
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(world_size):
+        rank, status, value = queue.get()
+        if status == "error":
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results[rank] = value
+    for p in procs:
+        p.join(timeout)
+    return [results[r] for r in range(world_size)]

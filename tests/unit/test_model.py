@@ -1,0 +1,128 @@
+"""Model configs, presets, layout validation, and the built Megatron Qwen3-MoE (single process)."""
+
+import pytest
+import torch
+
+from gspo_megatron.model.config import (MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig,
+                                        model_config_from_preset)
+from gspo_megatron.model.params import count_parameters
+
+
+@pytest.fixture(scope="module")
+def megatron_single():
+    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+
+    model = model_config_from_preset("tiny", num_layers=3, moe_layer_freq=[1, 0, 1])
+    groups = initialize_distributed(ParallelConfig(), model, seed=5)
+    yield model, groups
+    destroy_distributed()
+
+
+def test_built_model_is_qwen3_moe_and_matches_parameter_count(megatron_single):
+    from gspo_megatron.model.build import RMSNorm, build_gpt_model
+
+    model_cfg, _ = megatron_single
+    gpt = build_gpt_model(model_cfg, ParallelConfig(), PrecisionConfig(), pre_process=True,
+                          post_process=True)
+    names = dict(gpt.named_parameters())
+    assert not any(n.endswith(".bias") for n in names), "Qwen3 linears have no bias"
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in names  # QK-norm
+    assert "decoder.layers.0.mlp.router.weight" in names                   # MoE layer
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in names               # dense layer
+    assert "output_layer.weight" in names                                  # untied head
+    # GQA: qkv rows = (heads + 2 * groups) * head_dim
+    qkv = names["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.shape == ((4 + 2 * 2) * 16, 64)
+    # SwiGLU: fc1 produces gate and up
+    assert names["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape == (2 * 64, 64)
+    assert isinstance(gpt.decoder.final_layernorm, RMSNorm)
+    assert gpt.config.moe_router_topk == 2 and not gpt.config.moe_router_pre_softmax
+    assert sum(p.numel() for p in gpt.parameters()) == count_parameters(model_cfg).total
+
+    ids = torch.randint(0, model_cfg.vocab_size, (2, 8))
+    logits = gpt(ids, torch.arange(8).expand(2, -1), attention_mask=None)
+    assert logits.shape == (2, 8, model_cfg.padded_vocab_size())
+    assert torch.isfinite(logits).all()
+
+
+def test_qwen3_presets_match_published_sizes():
+    c30 = count_parameters(model_config_from_preset("qwen3-30b-a3b"))
+    assert c30.total / 1e9 == pytest.approx(30.5, abs=0.1)
+    assert c30.active / 1e9 == pytest.approx(3.3, abs=0.1)
+    c235 = count_parameters(model_config_from_preset("qwen3-235b-a22b"))
+    assert c235.total / 1e9 == pytest.approx(235, abs=1.5)
+    assert c235.active / 1e9 == pytest.approx(22, abs=0.5)
+
+
+def test_rmsnorm_matches_formula():
+    from types import SimpleNamespace
+
+    from gspo_megatron.model.build import RMSNorm
+
+    norm = RMSNorm(SimpleNamespace(params_dtype=torch.float64, sequence_parallel=True), 6, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(1.0, 7.0))
+    x = torch.randn(3, 2, 6, dtype=torch.float64)
+    expected = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-6) * torch.arange(1.0, 7.0)
+    torch.testing.assert_close(norm(x), expected)
+    assert norm.weight.sequence_parallel
+
+
+@pytest.mark.parametrize("kwargs, world, message", [
+    (dict(expert_model_parallel_size=3), 3, "num_moe_experts .4. is not divisible by parallel.expert_model_parallel_size .3."),
+    (dict(tensor_model_parallel_size=8), 8, "num_attention_heads .4. is not divisible by parallel.tensor_model_parallel_size .8."),
+    (dict(tensor_model_parallel_size=3), 3, "num_attention_heads .4. is not divisible by parallel.tensor_model_parallel_size"),
+    (dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible"),
+    (dict(pipeline_model_parallel_size=3), 3, "num_layers .2. is not divisible by parallel.pipeline_model_parallel_size"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=False), 2, "parallel.sequence_parallel must be true"),
+    (dict(expert_model_parallel_size=4), 2, "expert_model_parallel_size .4."),
+    (dict(tensor_model_parallel_size=0), 1, "parallel.tensor_model_parallel_size must be >= 1"),
+])
+def test_impossible_layouts_name_the_field(kwargs, world, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**kwargs).validate(world, model_config_from_preset("tiny"))
+
+
+def test_valid_layouts_return_data_parallel_size():
+    tiny = model_config_from_preset("tiny")
+    assert ParallelConfig().validate(4, tiny) == 4
+    assert ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2).validate(4, tiny) == 2
+    assert ParallelConfig(pipeline_model_parallel_size=2).validate(2, tiny) == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_query_groups=3), "num_attention_heads .4. must be divisible by model.num_query_groups .3."),
+    (dict(moe_router_topk=5), "moe_router_topk .5. exceeds model.num_moe_experts .4."),
+    (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq has 3 entries for model.num_layers=2"),
+    (dict(moe_layer_freq=[1, 2]), "moe_layer_freq entries must be 0 or 1"),
+    (dict(hidden_size=0), "model.hidden_size must be >= 1"),
+])
+def test_bad_model_config_names_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        model_config_from_preset("tiny", **overrides).validate()
+
+
+def test_unknown_preset_and_field():
+    with pytest.raises(ValueError, match="model.preset: unknown preset 'qwen9'"):
+        model_config_from_preset("qwen9")
+    with pytest.raises(ValueError, match="unknown field"):
+        model_config_from_preset("tiny", hiden_size=3)
+    assert set(MODEL_PRESETS) >= {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b"}
+
+
+def test_vocab_padding_is_layout_independent():
+    m = ModelConfig(vocab_size=151936)
+    assert m.padded_vocab_size() == 151936
+    assert ModelConfig(vocab_size=100).padded_vocab_size() == 128
+
+
+def test_transformer_engine_requested_without_it_is_refused():
+    from gspo_megatron.model.build import resolve_transformer_impl
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert resolve_transformer_impl(PrecisionConfig()) == "local"
+    with pytest.raises(RuntimeError, match="precision.transformer_impl='transformer_engine'"):
+        resolve_transformer_impl(PrecisionConfig(transformer_impl="transformer_engine"))
+    with pytest.raises(RuntimeError, match="precision.fp8"):
+        resolve_transformer_impl(PrecisionConfig(fp8="hybrid"))
