@@ -28,9 +28,9 @@ class DataConfig:
     """Field holding the prompt (a string or a list of chat messages); dotted keys reach nested fields."""
     answer_key: str = "answer"
     """Field holding the reference answer, e.g. ``reward_model.ground_truth`` for verl."""
-    num_train_examples: int = 2000
+    num_train_examples: int = 500
     """Size of the built-in task's training set."""
-    num_eval_examples: int = 200
+    num_eval_examples: int = 60
     """Size of the built-in task's held-out set."""
     max_operand: int = 20
     """Built-in task: operands are drawn from [0, max_operand]."""

@@ -101,7 +101,9 @@ def _suggest(name: str, choices: Iterable[str]) -> str:
 
 
 class _CoerceError(Exception):
-    pass
+    def __init__(self, msg: str, hint: str = ""):
+        super().__init__(msg)
+        self.hint = hint  # "; did you mean 'x'?"
 
 
 _NULL_WORDS = ("null", "none", "~", "")
@@ -156,12 +158,13 @@ def _coerce(value: Any, tp: Any) -> Any:
         # Lists try list members first; scalars try scalar members first (so "2" for
         # ``list[int] | int`` is 2, not [2]).
         members.sort(key=lambda a: _is_list_type(a) != isinstance(value, (list, tuple)))
+        hint = ""
         for member in members:
             try:
                 return _coerce(value, member)
-            except _CoerceError:
-                continue
-        raise _CoerceError(f"expected {_type_name(tp)}")
+            except _CoerceError as e:
+                hint = hint or e.hint
+        raise _CoerceError(f"expected {_type_name(tp)}", hint)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if isinstance(value, str) or value is None:
@@ -169,7 +172,7 @@ def _coerce(value: Any, tp: Any) -> Any:
                 if a == value and type(a) is type(value):
                     return a
         hint = _suggest(value, [a for a in allowed if isinstance(a, str)]) if isinstance(value, str) else ""
-        raise _CoerceError(f"expected {_type_name(tp)}{hint}")
+        raise _CoerceError(f"expected {_type_name(tp)}", hint)
     if origin in (list, tuple):
         (arg, *_) = typing.get_args(tp) or (Any,)
         if isinstance(value, str):
@@ -254,6 +257,8 @@ def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
     problem = getattr(e, "problem", None) or str(e)
     context = getattr(e, "context", None)
     detail = f"{context}; {problem}" if context else problem
+    if isinstance(e, yaml.constructor.ConstructorError):
+        detail += " (recipes are read with yaml.safe_load: plain YAML only, no Python tags)"
     return ConfigError(f"{where}: invalid YAML: {detail}")
 
 
@@ -365,7 +370,7 @@ def _coerce_entry(path: str, entry: _Entry, tp: Any) -> Any:
     try:
         return _coerce(value, tp)
     except _CoerceError as e:
-        raise ConfigError(f"{entry.source}: {path}: {e}, got {value!r}") from None
+        raise ConfigError(f"{entry.source}: {path}: {e}, got {value!r}{e.hint}") from None
 
 
 def _apply_preset(entries: dict[str, _Entry], errors: list[str]) -> None:

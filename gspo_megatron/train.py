@@ -104,7 +104,7 @@ def run(cfg: TrainConfig) -> dict:
     from gspo_megatron.training import checkpoint as ckpt
     from gspo_megatron.training.megatron_setup import build_policy
     from gspo_megatron.training.metrics_log import MetricsLogger
-    from gspo_megatron.training.model_io import load_model_weights
+    from gspo_megatron.training.model_io import load_model_weights, save_model_weights
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -149,9 +149,13 @@ def run(cfg: TrainConfig) -> dict:
                                  total_steps=1, with_optimizer=False)
         copy_weights(policy, reference)
 
-    engine = RolloutEngine(policy.unwrapped(), groups, tokenizer, cfg.rollout)
-    greedy_cfg = dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0)
-    greedy_engine = RolloutEngine(policy.unwrapped(), groups, tokenizer, greedy_cfg)
+    def make_engine(rollout_cfg):
+        return RolloutEngine(policy.unwrapped(), groups, eos_id=tokenizer.eos_id,
+                             pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
+                             config=rollout_cfg, tokenizer=tokenizer)
+
+    engine = make_engine(cfg.rollout)
+    greedy_engine = make_engine(dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0))
     metrics_logger = MetricsLogger(cfg.logging.run_dir, enabled=rank == 0,
                                    progress=cfg.logging.progress,
                                    wandb_project=cfg.logging.wandb_project,
@@ -166,6 +170,8 @@ def run(cfg: TrainConfig) -> dict:
         t = time.perf_counter()
         sft_warmup(cfg, policy, tokenizer, train_examples, groups, log)
         summary["sft_s"] = time.perf_counter() - t
+        # Reusable as checkpoint.init_weights: RL experiments from the same warm start.
+        save_model_weights(policy.unwrapped(), os.path.join(cfg.logging.run_dir, "sft_weights"))
     if eval_examples and start_step == 0:
         summary["accuracy_before"] = trainer.evaluate()
         log(f"held-out accuracy before RL: {summary['accuracy_before']:.3f}")
@@ -210,6 +216,7 @@ def run(cfg: TrainConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from gspo_megatron.config_loader import ConfigError, load_config, parse_cli
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # Megatron's static engine draws a progress bar per call
     logging.basicConfig(level=os.environ.get("GSPO_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:

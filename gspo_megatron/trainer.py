@@ -19,6 +19,7 @@ from gspo_megatron.algorithms import group_advantages
 from gspo_megatron.config import TrainConfig
 from gspo_megatron.parallel import ParallelGroups
 from gspo_megatron.training.batch import PolicyBatch, make_policy_batch
+from gspo_megatron.training.faults import maybe_fail
 from gspo_megatron.training.megatron_setup import MegatronPolicy, current_lr, optimizer_step, zero_grad
 from gspo_megatron.training.step import ScoringConfig, compute_logprobs, train_minibatch
 
@@ -73,19 +74,22 @@ def batch_stage(samples: list, advantages: torch.Tensor, pad_id: int, pad_to_mul
 def rollout_mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> float:
     """k3 KL estimate between the rollout engine's and the trainer's log-probs on response tokens:
     ``E[exp(d) - d - 1]`` with ``d = log p_train - log p_rollout`` (0 when they agree)."""
-    d = (train_lp - rollout_lp).clamp(-20, 20)[mask]
+    d = (train_lp.double() - rollout_lp.double()).clamp(-20, 20)[mask]
     return float((torch.exp(d) - d - 1).mean()) if d.numel() else 0.0
 
 
 def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
-                 scoring: ScoringConfig, groups: ParallelGroups, seed: int) -> dict[str, float]:
+                 scoring: ScoringConfig, groups: ParallelGroups, seed: int,
+                 step: int = 0) -> dict[str, float]:
     """Split the rollout batch into ``num_minibatches`` (shuffled, same order on every rank), one
     optimiser step each. Returns metrics averaged over the minibatches."""
     order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
     shuffled = batch.select(order)
     per_minibatch = batch.size // cfg.trainer.num_minibatches
     history: list[dict[str, float]] = []
-    for minibatch in shuffled.split(per_minibatch):
+    for i, minibatch in enumerate(shuffled.split(per_minibatch)):
+        if i == 1:
+            maybe_fail("mid_update", step)
         zero_grad(policy)
         metrics = train_minibatch(policy.model, minibatch, cfg.trainer.micro_batch_size,
                                   cfg.loss, scoring, groups)
@@ -134,6 +138,7 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         cfg, g = self.cfg, self.groups
         seed = cfg.trainer.seed + 1000 * self.step + g.dp_rank
+        maybe_fail("step_start", self.step)
         timings: dict[str, float] = {}
         t_step = t = time.perf_counter()
 
@@ -163,7 +168,7 @@ class Trainer:
                                                      cfg.trainer.micro_batch_size, self.scoring, g)
         timings["perf/old_logprobs_s"], t = time.perf_counter() - t, time.perf_counter()
 
-        update_metrics = update_stage(self.policy, batch, cfg, self.scoring, g, seed)
+        update_metrics = update_stage(self.policy, batch, cfg, self.scoring, g, seed, self.step)
         timings["perf/update_s"] = time.perf_counter() - t
         self.step += 1
 

@@ -17,6 +17,8 @@ Two hooks, nothing else is re-implemented:
 
 from __future__ import annotations
 
+import contextlib
+import types
 from typing import Any
 
 import torch
@@ -26,6 +28,84 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
+
+
+class _TimingEvent:
+    """CPU stand-in for ``torch.cuda.Event(enable_timing=True)`` (the static loop times each step)."""
+
+    def __init__(self, *args, **kwargs):
+        import time
+
+        self._time = time.perf_counter
+        self.t = None
+
+    def record(self, *args, **kwargs):
+        self.t = self._time()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end: "_TimingEvent") -> float:
+        return 1e3 * ((end.t or 0.0) - (self.t or 0.0))
+
+
+@contextlib.contextmanager
+def cpu_static_loop_fixes():
+    """Two CUDA-only spots in megatron-core 0.16's static generation loop that the module-level
+    ``torch`` proxy of :mod:`gspo_megatron.compat.cpu` cannot reach, fixed for the duration of one
+    ``generate_all_output_tokens_static_batch`` call and only when CUDA is absent:
+
+    * ``torch.zeros(...).cuda()`` (``generated_sequence_lengths``): a *tensor method*, so
+      ``Tensor.cuda`` is made the identity while the loop runs (it could only raise otherwise);
+    * ``torch.cuda.Event(enable_timing=True).elapsed_time``: the compat no-op event has no timer,
+      so the controller module's ``torch.cuda.Event`` becomes a wall-clock event;
+    * ``communication_utils._is_cuda`` asserts ``tensor.is_cuda`` before the pipeline-parallel
+      logits broadcast; it is relaxed to "not None" (the broadcast itself works on gloo).
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.inference import communication_utils as cu
+    from megatron.core.inference.text_generation_controllers import (
+        text_generation_controller as tgc,
+    )
+
+    orig_cuda = torch.Tensor.cuda
+    orig_module_torch = tgc.torch
+    orig_is_cuda = cu._is_cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    tgc.torch = _TorchWithTimingEvents(orig_module_torch)
+    cu._is_cuda = _is_not_none
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = orig_cuda
+        tgc.torch = orig_module_torch
+        cu._is_cuda = orig_is_cuda
+
+
+def _is_not_none(tensor):
+    assert tensor is not None
+
+
+class _CudaWithTimingEvents:
+    Event = _TimingEvent
+
+    def __init__(self, cuda):
+        self._cuda = cuda
+
+    def __getattr__(self, name):
+        return getattr(self._cuda, name)
+
+
+class _TorchWithTimingEvents(types.ModuleType):
+    def __init__(self, base):
+        super().__init__("torch")
+        self._base = base
+        self.cuda = _CudaWithTimingEvents(base.cuda)
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
 
 
 class IdTokenizer:
@@ -81,7 +161,8 @@ class RolloutTextGenerationController(TextGenerationController):
     def generate_all_output_tokens_static_batch(self, active_requests, active_streams=None):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        result = super().generate_all_output_tokens_static_batch(active_requests, active_streams)
+        with cpu_static_loop_fixes():
+            result = super().generate_all_output_tokens_static_batch(active_requests, active_streams)
         for idx, request in enumerate(result.values()):
             p = len(request.prompt_tokens)
             n = request.sampling_params.num_tokens_to_generate

@@ -35,7 +35,8 @@ last stage; every rank samples from identical logits with an identically seeded 
 expert parallelism (EP > 1) the MoE all-to-alls couple ranks that hold *different* prompts, so
 **every rank of the world must call** ``generate`` together; the static path then disables
 Megatron's early stop on EOS (so the number of forward steps is known up front), agrees on the
-largest step count and pads with Megatron's ``dummy_forward``. Seeds are used as given: fold the
+largest step count and pads with Megatron's ``dummy_forward`` (not available together with PP > 1
+on the static path). Seeds are used as given: fold the
 data-parallel rank into ``seed`` if different DP ranks should draw independent samples.
 """
 
@@ -146,11 +147,11 @@ class RolloutEngine:
             backend = "dynamic" if torch.cuda.is_available() else "static"
         if backend == "dynamic" and not torch.cuda.is_available():
             raise RuntimeError("the dynamic inference engine needs CUDA")
-        if groups.pp_size > 1 and not torch.cuda.is_available():
+        if backend == "static" and groups.pp_size > 1 and groups.ep_size > 1:
             raise NotImplementedError(
-                f"parallel.pipeline_model_parallel_size={groups.pp_size}: Megatron-Core 0.16's "
-                "inference pipeline broadcasts assert CUDA tensors (communication_utils._is_cuda), "
-                "so rollouts on CPU need pipeline_model_parallel_size=1")
+                f"parallel.pipeline_model_parallel_size={groups.pp_size} with "
+                f"expert_model_parallel_size={groups.ep_size}: the static engine keeps EP ranks in "
+                "lock-step with Megatron's dummy_forward, which has no pipeline send/recv")
         self.backend = backend
         self.max_sequence_length = int(max_sequence_length or self.model.max_sequence_length)
         self._tokenizer = tokenizer

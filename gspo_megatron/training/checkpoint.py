@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.training.faults import maybe_fail
+
 logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -138,6 +140,7 @@ def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int 
     dist_checkpointing.save(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+    maybe_fail("checkpoint_write", state.step)
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)

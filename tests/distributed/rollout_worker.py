@@ -1,0 +1,94 @@
+"""One layout of the rollout-engine test (run under torchrun by test_rollout_distributed.py).
+
+``--make-reference`` (single process) initialises the tiny MoE from the seed and saves it to --weights
+first. Otherwise the weights are loaded. Then every rank generates, with Megatron-Core's engine:
+  * ``shared``: the same prompts on every rank, greedy and sampled;
+  * ``own``: prompts that depend on the data-parallel rank (different count and lengths), sampled
+    (under EP these ranks hold different prompts but share the MoE all-to-alls);
+and writes ``{out}/rank{r}.json``. A single process also writes ``own_by_dp``: the ``own`` prompts
+of data-parallel ranks 0 and 1, to compare with a DP=2 layout's ranks.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from gspo_megatron.config import RolloutConfig
+from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+from gspo_megatron.rollout import RolloutEngine
+from gspo_megatron.training.megatron_setup import OptimConfig, build_policy
+from gspo_megatron.training.model_io import load_model_weights, save_model_weights
+
+VOCAB, EOS = 16, 2
+
+
+def model_config():
+    return model_config_from_preset("tiny", num_layers=2, moe_layer_freq=[1, 1], vocab_size=VOCAB,
+                                    seq_length=32)
+
+
+def prompts(seed, n, lo, hi):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def own_prompts(dp_rank):
+    return prompts(100 + dp_rank, 5 + 3 * dp_rank, 2 + dp_rank, 6 + 2 * dp_rank)
+
+
+def as_json(samples):
+    return [dict(r=s.response_ids, lp=s.response_logprobs, f=s.finish_reason) for s in samples]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--weights", required=True)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--make-reference", action="store_true")
+    args = ap.parse_args()
+
+    model_cfg = model_config()
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep,
+                              pipeline_model_parallel_size=args.pp, sequence_parallel=args.tp > 1)
+    groups = initialize_distributed(parallel, model_cfg, seed=1234)
+    policy = build_policy(model_cfg, parallel, PrecisionConfig(transformer_impl="local"),
+                          OptimConfig(), groups, total_steps=1, with_optimizer=False)
+    if args.make_reference:
+        with torch.no_grad():  # sharper than the init so that greedy/sampled runs see EOS
+            policy.unwrapped().output_layer.weight.mul_(20.0)
+        save_model_weights(policy.unwrapped(), args.weights)
+    else:
+        load_model_weights(policy.unwrapped(), args.weights)
+
+    result = {}
+    for name, cfg in {
+        "greedy": RolloutConfig(max_new_tokens=8, temperature=0.0, max_batch_size=4),
+        "sampled": RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6, max_batch_size=4),
+    }.items():
+        engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
+                               config=cfg)
+        result[name] = as_json(engine.generate(prompts(7, 6, 2, 7), seed=11))
+        if name == "sampled":
+            result["own"] = as_json(engine.generate(own_prompts(groups.dp_rank), seed=23))
+            if groups.world_size == 1:
+                result["own_by_dp"] = [as_json(engine.generate(own_prompts(dp), seed=23))
+                                       for dp in (0, 1)]
+    result["sequence_parallel_restored"] = bool(policy.unwrapped().config.sequence_parallel) == (
+        args.tp > 1)
+    result["training_restored"] = policy.unwrapped().training
+    result["dp_rank"] = groups.dp_rank
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{groups.rank}.json"), "w") as f:
+        json.dump(result, f)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

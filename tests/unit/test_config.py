@@ -1,0 +1,482 @@
+"""Config loading, overrides, cross-field validation, save/load round trip, and the recipes."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.algorithms import PolicyLossConfig
+from gspo_megatron.config import TrainConfig
+from gspo_megatron.config_loader import (
+    ConfigError,
+    ConfigWarning,
+    config_from_argv,
+    config_to_dict,
+    describe_config,
+    field_docs,
+    load_config,
+    parse_cli,
+    save_config,
+    section_types,
+    validate_config,
+)
+from gspo_megatron.model.config import MODEL_PRESETS, ModelConfig
+
+RECIPES = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+# recipe -> the world size it is written for
+RECIPE_WORLD_SIZES = {
+    "tiny_gspo.yaml": 1,
+    "tiny_grpo.yaml": 1,
+    "qwen3_30b_a3b_gspo.yaml": 16,
+    "qwen3_30b_a3b_grpo.yaml": 16,
+    "qwen3_235b_a22b_gspo.yaml": 128,
+}
+
+
+def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return str(path)
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    assert isinstance(info.value, ValueError)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------------ defaults
+
+
+def test_defaults_load_and_validate() -> None:
+    cfg = load_config(None)
+    assert cfg == TrainConfig()
+    assert validate_config(cfg, world_size=1) == 1
+
+
+def test_empty_file_and_empty_section_are_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == TrainConfig()
+    assert load_config(write(tmp_path, "rollout:\nsft:\n", "b.yaml")) == TrainConfig()
+
+
+# ------------------------------------------------------------------------------------- recipes
+
+
+def test_every_recipe_is_listed() -> None:
+    assert sorted(p.name for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_WORLD_SIZES)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_WORLD_SIZES))
+def test_recipe_loads_and_validates_for_its_world_size(name: str) -> None:
+    cfg = load_config(RECIPES / name)
+    world = RECIPE_WORLD_SIZES[name]
+    cluster = cfg.data.source == "file"  # cluster recipes point at data/checkpoints elsewhere
+    dp = validate_config(cfg, world_size=world, check_paths=not cluster)
+    p = cfg.parallel
+    assert dp * p.tensor_model_parallel_size * p.pipeline_model_parallel_size * \
+        p.context_parallel_size == world
+    variant = "grpo" if "grpo" in name else "gspo"
+    assert cfg.loss.variant == variant
+    expected = (0.2, 0.27) if variant == "grpo" else (3e-4, 4e-4)
+    assert (cfg.loss.clip_low, cfg.loss.clip_high) == pytest.approx(expected)
+    if world > 1:
+        # A model-parallel recipe does not fit the wrong world size.
+        with pytest.raises(ConfigError):
+            validate_config(cfg, world_size=world // 2 + 1, check_paths=False)
+
+
+def test_qwen_recipes_use_their_preset_and_math_data() -> None:
+    for name, preset in (("qwen3_30b_a3b_gspo.yaml", "qwen3-30b-a3b"),
+                         ("qwen3_30b_a3b_grpo.yaml", "qwen3-30b-a3b"),
+                         ("qwen3_235b_a22b_gspo.yaml", "qwen3-235b-a22b")):
+        cfg = load_config(RECIPES / name)
+        shape = {k: v for k, v in MODEL_PRESETS[preset].items() if k != "seq_length"}
+        assert {k: getattr(cfg.model, k) for k in shape} == shape
+        assert cfg.tokenizer.kind == "hf" and cfg.tokenizer.path.startswith("Qwen/Qwen3-")
+        assert cfg.data.answer_key == "reward_model.ground_truth"
+        assert cfg.reward.fn == "math_verify"
+        assert cfg.precision.bf16 and cfg.optim.use_distributed_optimizer
+        assert cfg.rollout.group_size == 16 and cfg.trainer.num_minibatches == 4
+        assert cfg.optim.lr == pytest.approx(1e-6)
+
+
+def test_gspo_and_grpo_30b_recipes_differ_only_in_the_loss_and_names() -> None:
+    a = config_to_dict(load_config(RECIPES / "qwen3_30b_a3b_gspo.yaml"))
+    b = config_to_dict(load_config(RECIPES / "qwen3_30b_a3b_grpo.yaml"))
+    diff = {(s, k) for s in a for k in a[s] if a[s][k] != b[s][k]}
+    assert {s for s, _ in diff} <= {"loss", "checkpoint", "logging"}
+
+
+def test_cluster_recipe_path_check(tmp_path: Path) -> None:
+    cfg = load_config(RECIPES / "qwen3_30b_a3b_gspo.yaml",
+                      [f"--checkpoint.init_weights={tmp_path}"])
+    msg = error_of(validate_config, cfg, 16)
+    assert "data.train_path: no such file" in msg
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    cfg = load_config(RECIPES / "qwen3_30b_a3b_gspo.yaml",
+                      [f"--data.train_path={data}", f"--checkpoint.init_weights={tmp_path}"])
+    assert validate_config(cfg, 16) == 8
+
+
+# ----------------------------------------------------------------------------------- overrides
+
+
+def test_overrides_of_every_scalar_kind() -> None:
+    cfg = load_config(None, [
+        "--rollout.group_size=4",            # int
+        "rollout.temperature=0.7",           # float, no dashes
+        "--optim.lr=3e-4",                   # float in e-notation (a string to YAML 1.1)
+        "--sft.lr=1_000",                    # int literal for a float field
+        "--trainer.reference_model=true",    # bool
+        "--logging.progress=False",          # bool, any case
+        "--logging.run_dir=runs/007",        # str stays verbatim
+        "--logging.wandb_project=2024",      # str | None given digits
+        "--checkpoint.save_dir=/tmp/ck",     # str | None
+        "--model.kv_channels=null",          # int | None -> None
+        "--model.moe_router_dtype=none",     # Literal | None -> None
+        "--precision.fp8=e4m3",              # Literal | None
+        "--loss.variant=grpo",               # Literal
+        "--loss.clip_high=0.28",             # float | None
+        "--loss.kl_coef=0.01",
+        "--data.source=file",
+    ])
+    assert cfg.rollout.group_size == 4 and isinstance(cfg.rollout.group_size, int)
+    assert cfg.rollout.temperature == 0.7
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.sft.lr == 1000.0 and isinstance(cfg.sft.lr, float)
+    assert cfg.trainer.reference_model is True
+    assert cfg.logging.progress is False
+    assert cfg.logging.run_dir == "runs/007"
+    assert cfg.logging.wandb_project == "2024"
+    assert cfg.checkpoint.save_dir == "/tmp/ck"
+    assert cfg.model.kv_channels is None
+    assert cfg.model.moe_router_dtype is None
+    assert cfg.precision.fp8 == "e4m3"
+    assert cfg.loss == PolicyLossConfig(variant="grpo", clip_high=0.28, kl_coef=0.01)
+    assert cfg.data.source == "file"
+
+
+def test_override_wins_over_file(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        rollout:
+          group_size: 8
+          top_p: 0.9
+    """)
+    cfg = load_config(path, ["--rollout.group_size=2"])
+    assert cfg.rollout.group_size == 2 and cfg.rollout.top_p == 0.9
+
+
+def test_float_in_e_notation_from_yaml(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "optim:\n  lr: 3e-4\nloss:\n  clip_low: 3e-4\n"))
+    assert cfg.optim.lr == 3e-4 and cfg.loss.clip_low == 3e-4
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[1,0,1,1]", [1, 0, 1, 1]),
+    ("[1, 0, 1, 1]", [1, 0, 1, 1]),
+    ("1,0,1,1", [1, 0, 1, 1]),
+    ("2", 2),
+])
+def test_moe_layer_freq_list_or_int(text: str, expected) -> None:
+    cfg = load_config(None, ["--model.num_layers=4", f"--model.moe_layer_freq={text}"])
+    assert cfg.model.moe_layer_freq == expected
+    assert type(cfg.model.moe_layer_freq) is type(expected)
+    validate_config(cfg)
+
+
+def test_moe_layer_freq_list_from_yaml(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "model:\n  num_layers: 3\n  moe_layer_freq: [0, 1, 1]\n"))
+    assert cfg.model.moe_layer_freq == [0, 1, 1]
+    assert cfg.model.layer_is_moe() == [False, True, True]
+    msg = error_of(load_config, None, ["--model.moe_layer_freq=[1,x]"])
+    assert "model.moe_layer_freq" in msg and "list of int or int" in msg
+
+
+def test_bad_override_syntax() -> None:
+    assert "section.field" in error_of(load_config, None, ["--rollout=3"])
+    assert "expected --section.field=value" in error_of(load_config, None, ["--rollout.group_size"])
+    assert "section.field" in error_of(load_config, None, ["--a.b.c=1"])
+
+
+# ------------------------------------------------------------------------------------- presets
+
+
+def test_preset_fills_fields_and_explicit_keys_win(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        model:
+          seq_length: 8192
+          preset: qwen3-30b-a3b
+          num_layers: 4
+    """)
+    cfg = load_config(path)
+    expected = ModelConfig(**{**MODEL_PRESETS["qwen3-30b-a3b"], "preset": "qwen3-30b-a3b",
+                              "seq_length": 8192, "num_layers": 4})
+    assert cfg.model == expected
+    # An override beats both the preset and the file.
+    cfg = load_config(path, ["--model.hidden_size=1024"])
+    assert cfg.model.hidden_size == 1024 and cfg.model.num_layers == 4
+    assert cfg.model.num_moe_experts == 128
+
+
+def test_preset_from_override_only() -> None:
+    cfg = load_config(None, ["--model.preset=qwen3-235b-a22b", "--model.num_layers=2"])
+    assert cfg.model.hidden_size == MODEL_PRESETS["qwen3-235b-a22b"]["hidden_size"]
+    assert cfg.model.num_layers == 2
+
+
+def test_unknown_preset_suggests(tmp_path: Path) -> None:
+    msg = error_of(load_config, write(tmp_path, "model:\n  preset: qwen3-30b-a3\n"))
+    assert "recipe.yaml:2: model.preset: unknown preset 'qwen3-30b-a3'" in msg
+    assert "did you mean 'qwen3-30b-a3b'" in msg
+
+
+# -------------------------------------------------------------------------------- load errors
+
+
+def test_unknown_field_has_line_and_suggestion(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        # a comment
+        model:
+          preset: tiny
+
+        rollout:
+          temperature: 1.0
+          group_szie: 4
+    """, name="tiny.yaml")
+    msg = error_of(load_config, path)
+    assert f"{path}:7: rollout.group_szie: unknown field; did you mean 'group_size'?" in msg
+
+
+def test_unknown_section_has_line_and_suggestion(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  num_layers: 2\nrolout:\n  group_size: 4\n")
+    msg = error_of(load_config, path)
+    assert f"{path}:3: rolout: unknown section; did you mean 'rollout'?" in msg
+
+
+def test_unknown_override_field_and_section() -> None:
+    msg = error_of(load_config, None, ["--trainer.num_minibatch=2"])
+    assert "override '--trainer.num_minibatch=2': trainer.num_minibatch: unknown field" in msg
+    assert "did you mean 'num_minibatches'" in msg
+    assert "did you mean 'optim'" in error_of(load_config, None, ["--optimm.lr=1"])
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("rollout.group_size", "eight", "expected int"),
+    ("rollout.group_size", "2.5", "expected int"),
+    ("rollout.group_size", "true", "expected int"),
+    ("rollout.temperature", "hot", "expected float"),
+    ("rollout.temperature", ".nan", "expected a finite float"),
+    ("trainer.reference_model", "maybe", "expected bool"),
+    ("model.kv_channels", "wide", "expected int or null"),
+    ("logging.progress", "[1]", "expected bool"),
+])
+def test_wrong_type_names_field_value_and_source(field: str, value: str, expected: str) -> None:
+    msg = error_of(load_config, None, [f"--{field}={value}"])
+    assert f"override '--{field}={value}': {field}: {expected}" in msg
+
+
+def test_wrong_type_in_file_has_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "rollout:\n  group_size: 4\n  max_new_tokens: lots\n")
+    msg = error_of(load_config, path)
+    assert f"{path}:3: rollout.max_new_tokens: expected int, got 'lots'" in msg
+
+
+def test_bad_literal(tmp_path: Path) -> None:
+    msg = error_of(load_config, None, ["--loss.variant=gpso"])
+    assert "loss.variant: expected one of 'gspo', 'gspo_token', 'grpo'" in msg
+    assert "did you mean 'gspo'" in msg and "got 'gpso'" in msg
+    path = write(tmp_path, "trainer:\n  old_logprobs: rollouts\n")
+    msg = error_of(load_config, path)
+    assert f"{path}:2: trainer.old_logprobs: expected one of 'recompute', 'rollout'" in msg
+
+
+def test_loss_constructor_errors_name_the_field(tmp_path: Path) -> None:
+    path = write(tmp_path, "loss:\n  variant: gspo\n  aggregation: token_mean\n")
+    msg = error_of(load_config, path)
+    assert f"{path}:3: loss.aggregation:" in msg and "only applies to variant='grpo'" in msg
+    assert "loss.clip_low" in error_of(load_config, None, ["--loss.clip_low=1.5"])
+
+
+def test_all_errors_reported_together(tmp_path: Path) -> None:
+    path = write(tmp_path, "rollout:\n  group_szie: 4\n  top_p: high\ntrainer:\n  stepz: 3\n")
+    err = pytest.raises(ConfigError, load_config, path).value
+    assert len(err.errors) == 3
+    assert [e.split(": ")[1] for e in err.errors] == [
+        "rollout.group_szie", "rollout.top_p", "trainer.stepz"]
+
+
+def test_duplicate_keys_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, "rollout:\n  group_size: 4\n  group_size: 8\n")
+    assert f"{path}:3: rollout.group_size: duplicate field" in error_of(load_config, path)
+
+
+def test_structure_errors(tmp_path: Path) -> None:
+    assert "top level must be a mapping" in error_of(load_config, write(tmp_path, "- 1\n- 2\n"))
+    msg = error_of(load_config, write(tmp_path, "rollout: 4\n", "b.yaml"))
+    assert "b.yaml:1: rollout: a section must be a mapping" in msg
+    msg = error_of(load_config, write(tmp_path, "rollout:\n  group_size: [4\n", "c.yaml"))
+    assert "c.yaml:" in msg and "invalid YAML" in msg
+    assert "cannot read" in error_of(load_config, str(tmp_path / "missing.yaml"))
+
+
+def test_python_object_tag_is_rejected(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = write(tmp_path, f"""
+        rollout:
+          group_size: !!python/object/apply:os.system ["touch {marker}"]
+    """)
+    msg = error_of(load_config, path)
+    assert "recipe.yaml:2" in msg and "python/object" in msg
+    assert not marker.exists()
+    path = write(tmp_path, "logging: !!python/object:gspo_megatron.config.LoggingConfig {}\n", "b.yaml")
+    assert "python/object" in error_of(load_config, path)
+
+
+# --------------------------------------------------------------------------------- validation
+
+
+def test_divisibility_errors_name_fields_and_numbers() -> None:
+    cfg = load_config(None, ["--rollout.prompts_per_step=3", "--rollout.group_size=5",
+                             "--trainer.num_minibatches=4"])
+    msg = error_of(validate_config, cfg)
+    assert ("trainer.num_minibatches (4) must divide the rollout batch "
+            "rollout.prompts_per_step x rollout.group_size = 3 x 5 = 15") in msg
+    cfg = load_config(None, ["--trainer.micro_batch_size=5"])  # 16 x 8 / 4 = 32
+    msg = error_of(validate_config, cfg)
+    assert "trainer.micro_batch_size (5) must divide the minibatch" in msg and "= 32" in msg
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("--rollout.group_size=1", "rollout.group_size must be >= 2"),
+    ("--rollout.prompts_per_step=0", "rollout.prompts_per_step must be >= 1"),
+    ("--rollout.temperature=0", "rollout.temperature must be > 0"),
+    ("--rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+    ("--rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+    ("--checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
+    ("--loss.kl_coef=0.1", "loss.kl_coef = 0.1 > 0 needs trainer.reference_model"),
+    ("--data.source=file", "data.train_path is required"),
+    ("--reward.fn=no_such_reward", "reward.fn = 'no_such_reward'"),
+    ("--reward.fn=no_such_pkg.mod:fn", "reward.fn = 'no_such_pkg.mod:fn'"),
+    ("--rollout.max_new_tokens=60", "model.seq_length (64) must be >= data.max_prompt_length + "
+                                    "rollout.max_new_tokens = 16 + 60 = 76"),
+    ("--model.num_query_groups=3", "model.num_attention_heads (4) must be divisible by "
+                                   "model.num_query_groups (3)"),
+    ("--optim.lr=0", "optim.lr must be > 0"),
+    ("--optim.min_lr=1", "optim.min_lr (1.0) must be <= optim.lr"),
+    ("--tokenizer.kind=hf", "tokenizer.path is required"),
+    ("--parallel.expert_model_parallel_size=3", "parallel.expert_model_parallel_size (3) x "
+                                                "expert_tensor_parallel_size (1) must divide"),
+])
+def test_validate_names_the_field(override: str, needle: str) -> None:
+    cfg = load_config(None, [override])
+    assert needle in error_of(validate_config, cfg)
+
+
+def test_validate_world_size_layout() -> None:
+    cfg = load_config(None, ["--parallel.tensor_model_parallel_size=2"])
+    assert validate_config(cfg, world_size=4) == 2
+    assert "world size 3 is not divisible" in error_of(validate_config, cfg, 3)
+    assert "world size must be an int >= 1" in error_of(validate_config, cfg, 0)
+
+
+def test_validate_collects_every_error() -> None:
+    cfg = load_config(None, ["--rollout.top_p=2", "--checkpoint.keep_last=0",
+                             "--rollout.temperature=0"])
+    err = pytest.raises(ConfigError, validate_config, cfg).value
+    assert len(err.errors) == 3
+
+
+def test_data_file_exists_check(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.jsonl"
+    cfg = load_config(None, ["--data.source=file", f"--data.train_path={missing}"])
+    assert "data.train_path: no such file" in error_of(validate_config, cfg)
+    validate_config(cfg, check_paths=False)
+    missing.write_text("{}\n")
+    validate_config(cfg)
+
+
+def test_reference_model_without_kl_warns() -> None:
+    cfg = load_config(None, ["--trainer.reference_model=true"])
+    with pytest.warns(ConfigWarning, match="reference_model"):
+        validate_config(cfg)
+    validate_config(load_config(None, ["--trainer.reference_model=true", "--loss.kl_coef=0.05"]))
+
+
+# ------------------------------------------------------------------------------- save / load
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_WORLD_SIZES))
+def test_save_load_round_trip(tmp_path: Path, name: str) -> None:
+    cfg = load_config(RECIPES / name, ["--model.moe_layer_freq=[1,0]" if "tiny" in name
+                                       else "--optim.lr=3e-7"])
+    out = tmp_path / "sub" / "config.yaml"
+    save_config(cfg, out)
+    again = load_config(out)
+    assert again == cfg
+    assert config_to_dict(again) == config_to_dict(cfg)
+
+
+def test_round_trip_of_non_default_values(tmp_path: Path) -> None:
+    cfg = load_config(None, ["--loss.variant=grpo", "--loss.aggregation=token_mean",
+                             "--model.kv_channels=null", "--precision.fp8=hybrid",
+                             "--logging.run_dir=007", "--optim.adam_eps=1e-12"])
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def test_config_to_dict_covers_every_field() -> None:
+    d = config_to_dict(TrainConfig())
+    assert list(d) == list(section_types())
+    for section, cls in section_types().items():
+        assert set(d[section]) == {f.name for f in dataclasses.fields(cls)}
+
+
+# ---------------------------------------------------------------------------------- CLI, docs
+
+
+def test_parse_cli_forms() -> None:
+    path, overrides = parse_cli([
+        "--config", "r.yaml", "--rollout.group_size=4", "--optim.lr", "3e-4",
+        "trainer.steps=3", "--trainer.reference_model", "--optim.min_lr", "-1",
+    ])
+    assert path == "r.yaml"
+    assert overrides == ["--rollout.group_size=4", "--optim.lr=3e-4", "trainer.steps=3",
+                         "--trainer.reference_model=true", "--optim.min_lr=-1"]
+    assert parse_cli(["--config=a.yaml"]) == ("a.yaml", [])
+    assert parse_cli(["-c", "b.yaml"]) == ("b.yaml", [])
+    assert "unrecognised argument" in error_of(parse_cli, ["stray"])
+    assert "needs a path" in error_of(parse_cli, ["--config"])
+
+
+def test_config_from_argv(tmp_path: Path) -> None:
+    cfg = config_from_argv(["--config", str(RECIPES / "tiny_grpo.yaml"),
+                            "--rollout.group_size", "4", "--trainer.steps=2"], world_size=1)
+    assert cfg.loss.variant == "grpo" and cfg.rollout.group_size == 4 and cfg.trainer.steps == 2
+    with pytest.raises(ConfigError, match="rollout.group_size must be >= 2"):
+        config_from_argv(["--rollout.group_size=1"], world_size=1)
+
+
+def test_help_lists_every_field_with_docs(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_cli(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for section, cls in section_types().items():
+        for f in dataclasses.fields(cls):
+            assert f"--{section}.{f.name}  (" in text
+    assert "G: responses per prompt" in text
+    assert "--loss.variant  (one of 'gspo', 'gspo_token', 'grpo'; default gspo)" in text
+    assert describe_config(["rollout"]).startswith("rollout:")
+
+
+def test_field_docs_cover_every_field() -> None:
+    for section, cls in section_types().items():
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{section}: fields without a docstring: {missing}"

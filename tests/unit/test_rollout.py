@@ -1,0 +1,178 @@
+"""RolloutEngine (Megatron-Core's static inference engine on CPU), single process.
+
+The model is the tiny MoE with a *real* vocabulary of 12 ids inside the padded 128: if the engine
+let padded ids through, almost every sampled token would be >= 12. The output layer is sharpened so
+that greedy decoding is not a coin flip and EOS (id 2) is common enough to see both endings.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gspo_megatron.config import RolloutConfig
+from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.rollout import RolloutEngine, RolloutSample
+from gspo_megatron.training.batch import make_policy_batch
+from gspo_megatron.training.step import ScoringConfig, compute_logprobs
+
+VOCAB, EOS, PAD = 12, 2, 0
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from gspo_megatron.parallel import initialize_distributed
+    from gspo_megatron.training.megatron_setup import OptimConfig, build_policy
+
+    model_cfg = model_config_from_preset("tiny", vocab_size=VOCAB, seq_length=32)
+    parallel = ParallelConfig()
+    groups = initialize_distributed(parallel, model_cfg, seed=4321)
+    policy = build_policy(model_cfg, parallel, PrecisionConfig(transformer_impl="local"),
+                          OptimConfig(), groups, total_steps=1, with_optimizer=False)
+    with torch.no_grad():
+        policy.unwrapped().output_layer.weight.mul_(30.0)
+    return policy, groups
+
+
+def make_prompts(n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def engine(setup, **cfg):
+    policy, groups = setup
+    cfg = {"max_new_tokens": 8, "max_batch_size": 16, **cfg}
+    return RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                         config=RolloutConfig(**cfg))
+
+
+def trainer_logprobs(setup, samples, temperature):
+    policy, groups = setup
+    batch = make_policy_batch([s.prompt_ids + s.response_ids for s in samples],
+                              [len(s.prompt_ids) for s in samples], pad_id=PAD)
+    lp, _ = compute_logprobs(policy.model, batch, 64,
+                             ScoringConfig(temperature=temperature, vocab_size=VOCAB), groups)
+    return [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.response_ids)]
+            for i, s in enumerate(samples)]
+
+
+def test_lengths_finish_reasons_and_vocab(setup):
+    prompts = make_prompts()
+    samples = engine(setup, temperature=1.0).generate(prompts, seed=1)
+    assert len(samples) == len(prompts)
+    reasons = {s.finish_reason for s in samples}
+    assert reasons == {"eos", "length"}, reasons  # the setup must exercise both
+    for p, s in zip(prompts, samples):
+        assert isinstance(s, RolloutSample) and s.prompt_ids == p
+        assert 1 <= len(s.response_ids) <= 8
+        assert len(s.response_logprobs) == len(s.response_ids)
+        assert all(0 <= t < VOCAB for t in s.response_ids), s.response_ids
+        assert all(lp <= 0.0 for lp in s.response_logprobs)
+        if s.finish_reason == "eos":
+            assert s.response_ids[-1] == EOS and EOS not in s.response_ids[:-1]
+        else:
+            assert len(s.response_ids) == 8 and EOS not in s.response_ids
+
+
+def test_seed_determinism_and_model_state(setup):
+    policy, _ = setup
+    eng = engine(setup, temperature=1.0)
+    prompts = make_prompts()
+    gpt = policy.unwrapped()
+    gpt.train()
+    rng_before = torch.get_rng_state()
+    a = eng.generate(prompts, seed=7)
+    assert gpt.training, "train mode must be restored"
+    assert torch.equal(torch.get_rng_state(), rng_before), "global RNG must be left alone"
+    b = eng.generate(prompts, seed=7)
+    c = eng.generate(prompts, seed=8)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.response_logprobs for s in a] == [s.response_logprobs for s in b]
+    assert [s.response_ids for s in a] != [s.response_ids for s in c]
+    # Repeated prompts (a group) draw different samples within one call.
+    group = eng.generate_groups([prompts[0]], seed=7, group_size=6)[0]
+    assert len(group) == 6 and len({tuple(s.response_ids) for s in group}) > 1
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=0.7), dict(temperature=1.3, top_k=4),
+                                 dict(temperature=0.8, top_p=0.9)],
+                         ids=["t0.7", "t1.3_topk4", "t0.8_topp0.9"])
+def test_logprobs_match_trainer(setup, cfg):
+    samples = engine(setup, **cfg).generate(make_prompts(), seed=3)
+    for s, ref in zip(samples, trainer_logprobs(setup, samples, cfg["temperature"])):
+        torch.testing.assert_close(torch.tensor(s.response_logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_equals_manual_argmax(setup):
+    policy, _ = setup
+    prompts = make_prompts(12, seed=5)
+    samples = engine(setup, temperature=0.0).generate(prompts, seed=0)
+    topk1 = engine(setup, temperature=1.0, top_k=1).generate(prompts, seed=99)
+    assert [s.response_ids for s in samples] == [s.response_ids for s in topk1]
+    gpt = policy.unwrapped()
+    gpt.eval()
+    with torch.no_grad():
+        for p, s in zip(prompts, samples):
+            seq = list(p)
+            for _ in range(8):  # full-sequence forward, no KV cache
+                tokens = torch.tensor([seq])
+                logits = gpt(tokens, torch.arange(len(seq))[None], attention_mask=None)
+                seq.append(int(logits[0, -1, :VOCAB].argmax()))
+                if seq[-1] == EOS:
+                    break
+            assert s.response_ids == seq[len(p):], (p, s.response_ids, seq[len(p):])
+    gpt.train()
+    assert {s.finish_reason for s in samples} == {"eos", "length"}
+    # temperature 0 reports log-probs at T = 1
+    for s, ref in zip(samples, trainer_logprobs(setup, samples, 1.0)):
+        torch.testing.assert_close(torch.tensor(s.response_logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_uses_live_weights_and_masks_padded_vocab(setup):
+    """Zero the final norm: every logit is 0, so the engine's distribution is uniform over the
+    *real* vocabulary (log-prob -log 12, not -log 128) -- seen without rebuilding the engine."""
+    policy, _ = setup
+    eng = engine(setup, temperature=0.5)
+    norm = policy.unwrapped().decoder.final_layernorm.weight
+    saved = norm.detach().clone()
+    try:
+        with torch.no_grad():
+            norm.zero_()
+        samples = eng.generate(make_prompts(), seed=2)
+    finally:
+        with torch.no_grad():
+            norm.copy_(saved)
+    lps = torch.tensor([lp for s in samples for lp in s.response_logprobs])
+    torch.testing.assert_close(lps, torch.full_like(lps, -torch.log(torch.tensor(12.0)).item()))
+    seen = {t for s in samples for t in s.response_ids}
+    assert seen <= set(range(VOCAB)) and len(seen) > VOCAB // 2
+
+
+def test_config_validation(setup):
+    with pytest.raises(ValueError, match="top_k and rollout.top_p"):
+        engine(setup, top_k=5, top_p=0.9)
+    eng = engine(setup, max_new_tokens=30)
+    with pytest.raises(ValueError, match="max sequence length"):
+        eng.generate([[3, 4, 5]], seed=0)
+    with pytest.raises(ValueError, match="outside"):
+        engine(setup).generate([[3, VOCAB]], seed=0)
+
+
+def test_training_forward_backward_after_generation(setup):
+    """Nothing the inference path caches (KV cache, RoPE tables) leaks inference-mode tensors into
+    a later training step."""
+    policy, _ = setup
+    samples = engine(setup).generate(make_prompts(4), seed=0)
+    gpt = policy.unwrapped()
+    gpt.train()
+    tokens = torch.tensor([(s.prompt_ids + s.response_ids + [PAD] * 16)[:8] for s in samples])
+    out = gpt(tokens, torch.arange(8)[None].expand(len(samples), -1), attention_mask=None)
+    out.float().logsumexp(-1).mean().backward()
+    grads = [p.main_grad if hasattr(p, "main_grad") else p.grad for p in gpt.parameters()]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    for chunk in policy.model:
+        chunk.zero_grad_buffer()
