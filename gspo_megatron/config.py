@@ -34,6 +34,8 @@ class DataConfig:
     """Size of the built-in task's held-out set."""
     max_operand: int = 20
     """Built-in task: operands are drawn from [0, max_operand]."""
+    heldout_fraction: float = 0.2
+    """Built-in task: share of all problems reserved for evaluation (never trained on)."""
     max_prompt_length: int = 16
     """Prompts longer than this many tokens are rejected at load time."""
 
@@ -114,6 +116,25 @@ class TrainerConfig:
 
 
 @dataclass
+class RoutingConfig:
+    """MoE routing replay and in-loop routing diagnostics (docs/routing.md)."""
+
+    replay: Literal["none", "r2", "r3"] = "none"
+    """'none' = free routing in every update forward; 'r2' = Routing Replay: the top-k experts
+    recorded in the old-policy log-prob pass are forced in every forward and recompute of that
+    batch's updates; 'r3' = routes recorded by the rollout engine (not available with Megatron's
+    static/dynamic engines here: rejected at validation)."""
+    diagnostics: bool = False
+    """Log ``routing/*`` after every optimiser step: route change rate vs the old policy (overall,
+    per MoE layer), top-k Jaccard overlap, router entropy, expert load and imbalance, |log ratio|
+    and clip fraction of positions with and without a changed route. Costs one extra forward per
+    minibatch (two with ``replay_gap``)."""
+    replay_gap: bool = True
+    """With ``diagnostics``: also replay the old routes on the updated policy and log the gap to
+    free routing (``routing/replay_gap_abs_logprob``, ``routing/replay_gap_k3``)."""
+
+
+@dataclass
 class CheckpointConfig:
     """Megatron ``dist_checkpointing`` (torch_dist) checkpoints."""
 
@@ -156,5 +177,6 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

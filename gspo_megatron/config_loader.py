@@ -2,7 +2,7 @@
 
 A recipe is a YAML file whose top-level keys are the sections of ``TrainConfig`` (``model``,
 ``parallel``, ``precision``, ``optim``, ``loss``, ``data``, ``tokenizer``, ``rollout``,
-``reward``, ``sft``, ``trainer``, ``checkpoint``, ``logging``)::
+``reward``, ``sft``, ``trainer``, ``routing``, ``checkpoint``, ``logging``)::
 
     model:
       preset: qwen3-30b-a3b     # fills every other model field from MODEL_PRESETS ...
@@ -525,7 +525,28 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
                 f"(rollout.prompts_per_step x rollout.group_size / trainer.num_minibatches = "
                 f"{batch} / {tr.num_minibatches} = {batch // tr.num_minibatches})")
 
-    # Loss vs reference model.
+    # MoE routing replay and diagnostics.
+    rt = cfg.routing
+    if rt.replay == "r3":
+        errors.append(
+            "routing.replay='r3' needs the routes the rollout engine used while sampling; "
+            "gspo_megatron's RolloutEngine (Megatron-Core's static and dynamic inference engines) "
+            "does not return them (docs/routing.md, 'R3'). Use routing.replay='r2' (routes "
+            "recorded in the trainer's old-policy pass)")
+    if rt.replay != "none" or rt.diagnostics:
+        what = f"routing.replay={rt.replay!r}" if rt.replay != "none" else "routing.diagnostics"
+        if not m.num_moe_experts:
+            errors.append(f"{what} needs an MoE model (model.num_moe_experts > 0)")
+        if par.context_parallel_size > 1:
+            errors.append(f"{what} is not validated with context parallelism "
+                          f"(parallel.context_parallel_size={par.context_parallel_size}); use 1")
+        if getattr(m, "moe_router_load_balancing_type", None) == "sinkhorn":
+            errors.append(f"{what} does not apply to sinkhorn routing")
+        if rt.replay == "r2" and tr.old_logprobs == "rollout":
+            warnings.warn("routing.replay='r2' with trainer.old_logprobs='rollout': the replayed "
+                          "routes come from the trainer's recompute pass while pi_old comes from "
+                          "the rollout engine", ConfigWarning, stacklevel=2)
+
     if loss.kl_coef > 0 and not tr.reference_model:
         errors.append(f"loss.kl_coef = {loss.kl_coef} > 0 needs trainer.reference_model: true "
                       "(the k3 KL penalty needs the reference policy's log-probs)")
@@ -554,6 +575,8 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             errors.append(f"data.num_eval_examples must be >= 0, got {data.num_eval_examples}")
         if data.max_operand < 1:
             errors.append(f"data.max_operand must be >= 1, got {data.max_operand}")
+        if not 0.0 < data.heldout_fraction < 1.0:
+            errors.append(f"data.heldout_fraction must be in (0, 1), got {data.heldout_fraction}")
     if m.seq_length < data.max_prompt_length + ro.max_new_tokens:
         errors.append(
             f"model.seq_length ({m.seq_length}) must be >= data.max_prompt_length + "

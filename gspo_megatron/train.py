@@ -30,7 +30,7 @@ def setup_tokenizer_and_data(cfg: TrainConfig, rank: int):
     if cfg.data.source == "arithmetic":
         train, heldout = data_lib.make_arithmetic_splits(
             cfg.data.num_train_examples, cfg.data.num_eval_examples, seed=cfg.trainer.seed,
-            max_operand=cfg.data.max_operand)
+            max_operand=cfg.data.max_operand, heldout_fraction=cfg.data.heldout_fraction)
     else:
         train = data_lib.load_prompt_dataset(cfg.data.train_path, prompt_key=cfg.data.prompt_key,
                                              answer_key=cfg.data.answer_key)

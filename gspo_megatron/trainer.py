@@ -80,25 +80,48 @@ def rollout_mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: tor
 
 def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
                  scoring: ScoringConfig, groups: ParallelGroups, seed: int,
-                 step: int = 0) -> dict[str, float]:
+                 step: int = 0, routing=None, old_routes=None) -> dict[str, float]:
     """Split the rollout batch into ``num_minibatches`` (shuffled, same order on every rank), one
-    optimiser step each. Returns metrics averaged over the minibatches."""
+    optimiser step each. Returns metrics averaged over the minibatches.
+
+    MoE routing (``routing``: the policy's :class:`~gspo_megatron.routing.ModelRouting`,
+    ``old_routes``: the batch's routes from the old-policy pass): with ``routing.replay='r2'``
+    every update forward replays the old routes; with ``routing.diagnostics`` each optimiser step
+    is followed by the ``routing/*`` statistics on the minibatch it was computed on."""
     order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
     shuffled = batch.select(order)
     per_minibatch = batch.size // cfg.trainer.num_minibatches
+    mbs = cfg.trainer.micro_batch_size
+    replay = routing is not None and old_routes is not None and cfg.routing.replay == "r2"
+    diagnose = routing is not None and old_routes is not None and cfg.routing.diagnostics
     history: list[dict[str, float]] = []
+    diag_s = 0.0
     for i, minibatch in enumerate(shuffled.split(per_minibatch)):
         if i == 1:
             maybe_fail("mid_update", step)
+        mb_routes = (old_routes.select(order[i * per_minibatch:(i + 1) * per_minibatch])
+                     if replay or diagnose else None)
         zero_grad(policy)
-        metrics = train_minibatch(policy.model, minibatch, cfg.trainer.micro_batch_size,
-                                  cfg.loss, scoring, groups)
+        metrics = train_minibatch(policy.model, minibatch, mbs, cfg.loss, scoring, groups,
+                                  routing=routing.replayer(mb_routes, mbs) if replay else None)
         applied, grad_norm, _ = optimizer_step(policy)
         metrics.update({"optim/grad_norm": grad_norm, "optim/skipped": float(not applied)})
+        if diagnose:
+            from gspo_megatron.routing import routing_diagnostics
+
+            t = time.perf_counter()
+            diag = routing_diagnostics(policy.model, routing, minibatch, mb_routes, mbs, scoring,
+                                       groups, cfg.loss, replay_gap=cfg.routing.replay_gap)
+            if "routing/change_rate" in diag:
+                diag[f"routing/change_rate/after_update_{i}"] = diag["routing/change_rate"]
+            metrics.update(diag)
+            diag_s += time.perf_counter() - t
         history.append(metrics)
     keys = set().union(*history)
     out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
     out["optim/lr"] = current_lr(policy)
+    if diagnose:
+        out["perf/routing_diagnostics_s"] = diag_s
     return out
 
 
@@ -133,6 +156,11 @@ class Trainer:
         self._stop_signal: int | None = None
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
+        self.routing = None  # the policy's MoE routers, for R2 replay / routing diagnostics
+        if cfg.routing.replay != "none" or cfg.routing.diagnostics:
+            from gspo_megatron.routing import ModelRouting
+
+            self.routing = ModelRouting(policy.model, groups)
 
     # -- the loop body, top to bottom
     def rl_step(self) -> dict[str, float]:
@@ -155,8 +183,11 @@ class Trainer:
         batch = batch_stage(samples, advantages, self.tokenizer.pad_id, self.pad_multiple,
                             self._fixed_seq_length())
 
+        # With R2 or routing diagnostics, this pass also records the old policy's MoE routes.
+        recorder = self.routing.recorder() if self.routing is not None else None
         train_lp, _ = compute_logprobs(self.policy.model, batch, cfg.trainer.micro_batch_size,
-                                       self.scoring, g)
+                                       self.scoring, g, routing=recorder)
+        old_routes = recorder.store() if recorder is not None else None
         extra: dict[str, float] = {}
         if train_lp is not None:
             extra["kl/rollout_vs_train"] = rollout_mismatch(train_lp, batch.rollout_logprobs,
@@ -168,7 +199,8 @@ class Trainer:
                                                      cfg.trainer.micro_batch_size, self.scoring, g)
         timings["perf/old_logprobs_s"], t = time.perf_counter() - t, time.perf_counter()
 
-        update_metrics = update_stage(self.policy, batch, cfg, self.scoring, g, seed, self.step)
+        update_metrics = update_stage(self.policy, batch, cfg, self.scoring, g, seed, self.step,
+                                      routing=self.routing, old_routes=old_routes)
         timings["perf/update_s"] = time.perf_counter() - t
         self.step += 1
 

@@ -191,7 +191,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
-        rotary_base=int(model.rotary_base),
+        rotary_base=model.rotary_base,
     )
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())

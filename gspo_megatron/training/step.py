@@ -34,27 +34,45 @@ class ScoringConfig:
 
 
 def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_only: bool,
-                  loss_fn: Callable[[PolicyBatch, torch.Tensor], tuple]) -> list[dict]:
+                  loss_fn: Callable[[PolicyBatch, torch.Tensor], tuple],
+                  routing=None) -> list[dict]:
     """Run Megatron's forward(-backward) schedule over ``microbatches``; returns the per-microbatch
-    dicts that ``loss_fn`` reported (on the last pipeline stage; empty elsewhere)."""
+    dicts that ``loss_fn`` reported (on the last pipeline stage; empty elsewhere).
+
+    ``routing`` (optional): MoE routing hooks (:mod:`gspo_megatron.routing`), called as
+    ``before_forward(i, mb)`` / ``after_forward(i, mb)`` around microbatch ``i``'s model forward
+    (forward steps run in microbatch order on every stage, also under 1F1B) and ``finish()`` once
+    the schedule is done (also on error)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    counter = iter(range(len(microbatches)))
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb.tokens, mb.position_ids(), attention_mask=None)
+        if routing is None:
+            output = model(mb.tokens, mb.position_ids(), attention_mask=None)
+        else:
+            i = next(counter)
+            routing.before_forward(i, mb)
+            output = model(mb.tokens, mb.position_ids(), attention_mask=None)
+            routing.after_forward(i, mb)
         return output, partial(loss_fn, mb)
 
     seq_length = microbatches[0].seq_length
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=policy_model,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=microbatches[0].size,
-        decoder_seq_length=seq_length,
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=policy_model,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=microbatches[0].size,
+            decoder_seq_length=seq_length,
+            forward_only=forward_only,
+        )
+    finally:
+        if routing is not None:
+            routing.finish()
 
 
 def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
@@ -74,8 +92,12 @@ def compute_logprobs(
     scoring: ScoringConfig,
     groups: ParallelGroups,
     with_entropy: bool = False,
+    routing=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Log-probs of ``batch.labels`` under ``policy_model`` (one forward, no grad).
+
+    ``routing``: optional MoE routing hooks (record or replay routes; see :func:`_run_schedule`),
+    applied to the microbatches ``batch.split(micro_batch_size)`` in order.
 
     Returns ``(logprobs [B, T], entropy [B, T] or None)`` on the last pipeline stage, ``(None, None)``
     on the others (only the last stage computes the loss, so only it needs them).
@@ -92,9 +114,12 @@ def compute_logprobs(
 
     device = next(policy_model[0].parameters()).device
     micro = [_to_device(mb, device) for mb in batch.split(micro_batch_size)]
-    outputs = _run_schedule(policy_model, micro, forward_only=True, loss_fn=score)
-    for chunk in policy_model:
-        chunk.train()
+    try:
+        outputs = _run_schedule(policy_model, micro, forward_only=True, loss_fn=score,
+                                routing=routing)
+    finally:
+        for chunk in policy_model:
+            chunk.train()
     if not groups.is_last_stage:
         return None, None
     logprobs = torch.cat([o["logprobs"] for o in outputs]).float().cpu()
@@ -122,6 +147,7 @@ def train_minibatch(
     loss_cfg: PolicyLossConfig,
     scoring: ScoringConfig,
     groups: ParallelGroups,
+    routing=None,
 ) -> dict[str, float]:
     """Forward and backward of the policy loss over one minibatch (grads accumulate in DDP buffers,
     finalised by Megatron; the caller zeroes grads before and steps the optimizer after).
@@ -130,6 +156,9 @@ def train_minibatch(
     and DDP averages grads over the data(-context)-parallel ranks. We want the gradient of
     ``sum over all sequences / N_global`` instead, so each microbatch returns
     ``policy_loss(..., loss_normalizer=N_global) * M * DP``; the two scalings cancel exactly.
+
+    ``routing``: optional MoE routing hooks, e.g. R2 replay of the old policy's routes (see
+    :func:`_run_schedule`), applied to ``batch.split(micro_batch_size)`` in order.
 
     Returns metrics averaged over microbatches and data-parallel ranks (0 keys on non-last stages).
     """
@@ -151,7 +180,8 @@ def train_minibatch(
         metrics["loss/total"] = loss.detach()
         return loss * scale, metrics
 
-    outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn)
+    outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn,
+                            routing=routing)
     return reduce_metrics(outputs, groups)
 
 

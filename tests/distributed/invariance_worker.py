@@ -102,6 +102,12 @@ def main():
     metrics = train_minibatch(policy.model, local, args.micro_batch_size, loss_cfg, scoring, groups)
 
     os.makedirs(args.out, exist_ok=True)
+    # What this rank holds, for the layout planner's exact parameter counts.
+    params = dict(policy.unwrapped().named_parameters())
+    expert = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    with open(os.path.join(args.out, f"params_rank{groups.rank}.json"), "w") as f:
+        json.dump({"pp_rank": groups.pp_rank,
+                   "dense": sum(p.numel() for p in params.values()) - expert, "expert": expert}, f)
     if groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0:
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
             json.dump(metrics, f)

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(__file__))
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORKER = os.path.join(os.path.dirname(__file__), "invariance_worker.py")
@@ -55,14 +57,20 @@ def reference(tmp_path_factory):
     return base, weights, refs
 
 
-@pytest.mark.parametrize("variant", ["gspo"])
-def test_gspo_loss_and_grads_match_across_layouts(reference, variant):
+@pytest.fixture(scope="module")
+def layout_runs(reference):
     base, weights, refs = reference
     outs = {mbs: {} for mbs in refs}
     for name, (nproc, mbs, args) in LAYOUTS.items():
         out = outs[mbs][name] = str(base / name)
-        run(nproc, "--weights", weights, "--out", out, "--variant", variant,
+        run(nproc, "--weights", weights, "--out", out, "--variant", "gspo",
             "--micro-batch-size", str(mbs), *args)
+    return outs
+
+
+def test_gspo_loss_and_grads_match_across_layouts(reference, layout_runs):
+    base, weights, refs = reference
+    outs = layout_runs
 
     for mbs, ref_out in refs.items():
         ref_metrics = load_metrics(ref_out)
@@ -78,6 +86,25 @@ def test_gspo_loss_and_grads_match_across_layouts(reference, variant):
             assert r["num_params"] > 50, (name, r)
             # fp32, different reduction orders: 1e-5 of the largest gradient entry
             assert r["max_abs_diff"] <= 1e-5 * r["ref_scale"], (name, r)
+
+
+def test_planner_counts_match_the_built_models(reference, layout_runs):
+    """tools/plan.py's per-GPU parameter counts equal what each rank of each layout really holds."""
+    import glob
+
+    from gspo_megatron.planner import Layout, params_per_rank
+
+    base, _, _ = reference
+    model = __import__("invariance_worker").tiny_model()
+    layouts = {"ref_mbs4": Layout(), "tp2_sp": Layout(tp=2), "ep2": Layout(ep=2), "pp2": Layout(pp=2)}
+    for name, layout in layouts.items():
+        files = glob.glob(str(base / name / "params_rank*.json"))
+        assert files, f"{name} not run"
+        for path in files:
+            with open(path) as f:
+                held = json.load(f)
+            dense, expert = params_per_rank(model, layout, held["pp_rank"])
+            assert (dense, expert) == (held["dense"], held["expert"]), (name, path)
 
 
 def load_metrics(out):

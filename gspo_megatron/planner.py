@@ -1,0 +1,177 @@
+"""Per-GPU memory of a parallel layout, before anything is launched.
+
+Counts are exact for the parameters (they follow how Megatron-Core shards each tensor: TP splits the
+attention, dense MLP, embedding and LM head; EP x ETP split the experts; norms and routers are
+replicated; PP splits the layers, with the embedding on the first stage and the head on the last).
+Activations are an estimate (Korthikanti et al. 2022, "Reducing Activation Recomputation", with the
+MoE dispatch added); the estimate is labelled as such in the output.
+
+Bytes per parameter, Megatron's mixed precision with ``grad_reduce_in_fp32``:
+    weights  2 (bf16) or 4 (fp32)
+    grads    4 (fp32 main_grad buffer)
+    optimizer 12 (fp32 master copy + Adam m and v), divided by the data-parallel size with the
+             distributed optimizer (ZeRO-1)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from gspo_megatron.model.config import ModelConfig, ParallelConfig
+from gspo_megatron.model.params import count_parameters
+
+GIB = 1024 ** 3
+
+
+@dataclass
+class Layout:
+    """A parallel layout on ``num_gpus`` GPUs (data parallel is what is left)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    """Expert tensor parallel; None = TP (Megatron's default)."""
+    cp: int = 1
+
+    def __post_init__(self):
+        if self.etp is None:
+            self.etp = self.tp
+
+    def describe(self) -> str:
+        return f"TP{self.tp} PP{self.pp} EP{self.ep} ETP{self.etp} CP{self.cp}"
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU memory of the busiest pipeline stage, in bytes, and the parameters behind it."""
+
+    layout: Layout
+    num_gpus: int
+    dp: int
+    params_per_gpu: int
+    """Parameters held by the busiest rank (dense part + its share of experts)."""
+    dense_params_per_gpu: int
+    expert_params_per_gpu: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Estimate for one microbatch in flight per pipeline stage (x PP for 1F1B warm-up)."""
+    routing_replay: int
+    """Recorded routes of one rollout batch (R2/R3), uint8 per expert index (uint16 > 256)."""
+    logits: int
+    """fp32 chunk of the log-prob kernel plus the bf16 logits of one microbatch."""
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.grads + self.optimizer + self.activations
+                + self.routing_replay + self.logits)
+
+
+def params_per_rank(model: ModelConfig, layout: Layout, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters on one rank of pipeline ``stage`` under ``layout`` (exact)."""
+    c = count_parameters(model)
+    h, d = model.hidden_size, model.head_dim()
+    q, kv = model.num_attention_heads, model.num_query_groups
+    layers_per_stage = model.num_layers // layout.pp
+    layer_ids = range(stage * layers_per_stage, (stage + 1) * layers_per_stage)
+    is_moe = model.layer_is_moe()
+    dense = 0
+    expert = 0
+    for i in layer_ids:
+        dense += (h * (q + 2 * kv) * d + q * d * h) // layout.tp + 2 * d + 2 * h  # attn + norms
+        if is_moe[i]:
+            dense += model.num_moe_experts * h  # router, replicated
+            expert += (model.num_moe_experts // layout.ep) * 3 * h * model.moe_ffn_hidden_size // layout.etp
+        else:
+            dense += 3 * h * model.ffn_hidden_size // layout.tp
+    if stage == 0:
+        dense += c.embedding // layout.tp
+    if stage == layout.pp - 1:
+        dense += c.output_layer // layout.tp + h  # LM head + final norm
+    return dense, expert
+
+
+def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batch_size: int = 1,
+                seq_length: int | None = None, bf16: bool = True, distributed_optimizer: bool = True,
+                recompute: str | None = "full", rollout_tokens: int = 0,
+                routing_replay: bool = False) -> MemoryPlan:
+    """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout is invalid."""
+    parallel = ParallelConfig(tensor_model_parallel_size=layout.tp,
+                              pipeline_model_parallel_size=layout.pp,
+                              expert_model_parallel_size=layout.ep,
+                              expert_tensor_parallel_size=layout.etp,
+                              context_parallel_size=layout.cp,
+                              sequence_parallel=layout.tp > 1)
+    model.validate()
+    dp = parallel.validate(num_gpus, model)
+    expert_dp = num_gpus // (layout.pp * layout.ep * layout.etp)
+    s = seq_length or model.seq_length
+    b = micro_batch_size
+    h = model.hidden_size
+    stages = [params_per_rank(model, layout, st) for st in range(layout.pp)]
+    dense, expert = max(stages, key=sum)
+    wbytes = 2 if bf16 else 4
+    opt_dense = 12 * dense / (dp * layout.cp if distributed_optimizer else 1)
+    opt_expert = 12 * expert / (expert_dp if distributed_optimizer else 1)
+
+    # Activations of one layer for one microbatch (bytes), sequence/context sharded.
+    tokens = s * b / (layout.tp * layout.cp)
+    attn = tokens * h * 34 + 5 * model.num_attention_heads * s * s * b / (layout.tp * layout.cp)
+    moe = s * b / layout.cp * model.moe_router_topk * (2 * h + 6 * model.moe_ffn_hidden_size) / layout.etp
+    per_layer = attn + moe
+    layers = model.num_layers // layout.pp
+    if recompute == "full":  # keep each layer's input; recompute one layer at a time
+        acts = layers * tokens * h * 2 + per_layer
+    elif recompute == "selective":  # attention core recomputed
+        acts = layers * (tokens * h * 34 + moe)
+    else:
+        acts = layers * per_layer
+    acts *= layout.pp  # 1F1B keeps up to PP microbatches in flight on the first stage
+
+    moe_layers_here = sum(model.layer_is_moe()) // layout.pp
+    route_bytes = 1 if model.num_moe_experts <= 256 else 2
+    replay = (rollout_tokens * moe_layers_here * model.moe_router_topk * route_bytes
+              if routing_replay else 0)
+    vocab_shard = model.padded_vocab_size() // layout.tp
+    logits = s * b / layout.cp * vocab_shard * 2 + min(1024, s * b) * vocab_shard * 4
+    return MemoryPlan(
+        layout=layout, num_gpus=num_gpus, dp=dp,
+        params_per_gpu=dense + expert, dense_params_per_gpu=dense, expert_params_per_gpu=expert,
+        weights=int((dense + expert) * wbytes), grads=int((dense + expert) * 4),
+        optimizer=int(opt_dense + opt_expert), activations=int(acts),
+        routing_replay=int(replay), logits=int(logits),
+    )
+
+
+def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int = 8) -> list[Layout]:
+    """Every layout whose sizes divide the model and the GPUs (TP within a node)."""
+    powers = [1, 2, 4, 8, 16, 32, 64, 128]
+    out = []
+    for tp, pp, ep in itertools.product(powers, powers, powers):
+        if tp > gpus_per_node:
+            continue
+        layout = Layout(tp=tp, pp=pp, ep=ep, etp=1)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                                  sequence_parallel=tp > 1)
+        try:
+            parallel.validate(num_gpus, model)
+        except ValueError:
+            continue
+        out.append(layout)
+    return out
+
+
+def suggest_layouts(model: ModelConfig, num_gpus: int, gpu_memory_gib: float, limit: int = 5,
+                    **plan_kwargs) -> list[MemoryPlan]:
+    """Layouts that fit in ``gpu_memory_gib`` (with 10% headroom), least model parallelism first."""
+    fits = []
+    for layout in candidate_layouts(model, num_gpus):
+        plan = plan_memory(model, layout, num_gpus, **plan_kwargs)
+        if plan.total <= 0.9 * gpu_memory_gib * GIB:
+            fits.append(plan)
+    fits.sort(key=lambda p: (p.layout.tp * p.layout.pp, p.layout.pp, p.total))
+    return fits[:limit]

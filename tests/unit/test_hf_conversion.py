@@ -1,0 +1,512 @@
+"""HF Qwen3-MoE <-> Megatron conversion: config mapping, weight layout, logit parity at TP=1,
+bitwise round trip, refusals of bad input with nothing left at the destination, peak memory.
+
+Tiny random ``Qwen3MoeForCausalLM`` models are built offline with transformers (float32).
+"""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+
+from gspo_megatron.model.hf_config import (hf_config_from_model_config,  # noqa: E402
+                                           model_config_from_hf, validate_hf_config)
+from gspo_megatron.model.hf_weights import (conversion_plan, hf_expected_shapes,  # noqa: E402
+                                            hf_state_dict_from_mcore, mcore_state_dict_from_hf)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ = 16
+
+# name -> (Qwen3MoeConfig kwargs, max_shard_size for save_pretrained or None for one file)
+HF_CONFIGS = {
+    # GQA ratio 2, head_dim 12 != 32/4, a dense layer via mlp_only_layers, renormalised top-k
+    "gqa2_hd12_mlponly": (dict(vocab_size=100, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=12, moe_intermediate_size=16, num_experts=4,
+                               num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e6}), None),
+    # GQA ratio 4, head_dim 8 != 48/8, dense layers via decoder_sparse_step=2, no top-k
+    # renormalisation (Megatron pre-softmax), padded vocabulary, several shards
+    "gqa4_hd8_sparsestep2": (dict(vocab_size=300, hidden_size=48, intermediate_size=64,
+                                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                  head_dim=8, moe_intermediate_size=24, num_experts=6,
+                                  num_experts_per_tok=3, decoder_sparse_step=2,
+                                  norm_topk_prob=False), "40KB"),
+    # MQA (ratio 4), tied embeddings, top-1 (HF norm_topk_prob=False), several shards
+    "mqa_tied_top1": (dict(vocab_size=128, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                           moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1,
+                           norm_topk_prob=False, tie_word_embeddings=True), "30KB"),
+}
+
+
+def make_hf_model(name, seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kwargs, _ = HF_CONFIGS[name]
+    kwargs = dict(dict(max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False),
+                  **kwargs)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs)).float().eval()
+    with torch.no_grad():  # larger than the default init so routing and norms matter
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif n.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def save_hf_model(name, directory, seed=0):
+    model = make_hf_model(name, seed)
+    _, shard = HF_CONFIGS[name]
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def input_ids(vocab, seed=1, batch=2):
+    return torch.randint(0, vocab, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids, attention_mask=None, output_router_logits=False).logits
+
+
+def read_safetensors(directory):
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(file, framework="pt") as st:
+            for k in st.keys():
+                assert k not in out, k
+                out[k] = st.get_tensor(k)
+    return out
+
+
+def megatron_logits(mcore_dir, ids):
+    """Single-process (TP=1) Megatron logits of a converted checkpoint, full padded vocabulary."""
+    from gspo_megatron.model.build import build_gpt_model
+    from gspo_megatron.model.config import ParallelConfig, PrecisionConfig
+    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.training.model_io import load_model_weights
+    from tools.convert_mcore_to_hf import read_mcore_configs
+
+    cfg, _, _ = read_mcore_configs(mcore_dir)
+    initialize_distributed(ParallelConfig(), cfg, seed=0)
+    try:
+        gpt = build_gpt_model(cfg, ParallelConfig(), PrecisionConfig(transformer_impl="local"),
+                              pre_process=True, post_process=True)
+        load_model_weights(gpt, mcore_dir)
+        gpt.eval()
+        with torch.no_grad():
+            return gpt(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+    finally:
+        destroy_distributed()
+
+
+def leftovers(parent):
+    return [p for p in os.listdir(parent) if ".tmp-" in p]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config mapping (no Megatron)
+
+
+def test_config_maps_every_field_and_round_trips():
+    model = make_hf_model("gqa4_hd8_sparsestep2")
+    hf = json.loads(model.config.to_json_string())
+    cfg = model_config_from_hf(hf)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups) == (4, 48, 8, 2)
+    assert cfg.kv_channels == 8 and cfg.ffn_hidden_size == 64 and cfg.moe_ffn_hidden_size == 24
+    assert (cfg.num_moe_experts, cfg.moe_router_topk) == (6, 3)
+    assert cfg.moe_layer_freq == [0, 1, 0, 1]  # (i + 1) % decoder_sparse_step == 0
+    assert cfg.moe_router_pre_softmax is True  # norm_topk_prob=False
+    assert cfg.vocab_size == 300 and cfg.padded_vocab_size() == 384
+    assert cfg.untie_embeddings_and_output_weights and cfg.seq_length == 64
+    assert cfg.rotary_base == hf["rope_parameters"]["rope_theta"]
+    # transformers 4.x spelling and Hub field names
+    v4 = dict(hf, rope_theta=5e5, num_experts=6, mlp_only_layers=[0], decoder_sparse_step=1)
+    v4.pop("rope_parameters")
+    v4.pop("num_local_experts", None)
+    cfg4 = model_config_from_hf(v4, seq_length=32)
+    assert cfg4.rotary_base == 5e5 and cfg4.moe_layer_freq == [0, 1, 1, 1] and cfg4.seq_length == 32
+    # back: every architecture field, an equivalent layer pattern, base fields kept
+    back = hf_config_from_model_config(cfg, base=hf, dtype="float32")
+    assert model_config_from_hf(back) == cfg
+    assert back["decoder_sparse_step"] == 2 and back["num_experts"] == 6
+    fresh = hf_config_from_model_config(cfg4)
+    assert fresh["mlp_only_layers"] == [0] and model_config_from_hf(fresh, seq_length=32) == cfg4
+    transformers.Qwen3MoeConfig(**{k: v for k, v in fresh.items() if k != "rope_theta"})
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(model_type="llama"), "model_type"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "rope_type"),
+    (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
+    (dict(num_local_experts=0), "num_experts"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(mlp_only_layers=[0, 1, 2, 3]), "no MoE layer"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(num_experts_per_tok=1, norm_topk_prob=True), "norm_topk_prob"),
+])
+def test_unsupported_config_is_refused_naming_the_field(change, field):
+    hf = json.loads(make_hf_model("gqa4_hd8_sparsestep2").config.to_json_string())
+    hf.update(change)
+    with pytest.raises(ValueError, match=field):
+        validate_hf_config(hf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight layout (no Megatron)
+
+
+def test_qkv_is_interleaved_per_query_group_and_fc1_is_gate_then_up():
+    model = make_hf_model("gqa4_hd8_sparsestep2")
+    cfg = model_config_from_hf(json.loads(model.config.to_json_string()))
+    hf_sd = read_state_dict_on_disk_format(model)
+    m = mcore_state_dict_from_hf(hf_sd, cfg)
+    qkv = m["decoder.layers.0.self_attention.linear_qkv.weight"]
+    d, r = 8, 4
+    q = hf_sd["model.layers.0.self_attn.q_proj.weight"]
+    k = hf_sd["model.layers.0.self_attn.k_proj.weight"]
+    v = hf_sd["model.layers.0.self_attn.v_proj.weight"]
+    rows = (r + 2) * d
+    for g in range(2):
+        block = qkv[g * rows:(g + 1) * rows]
+        assert torch.equal(block[:r * d], q[g * r * d:(g + 1) * r * d])
+        assert torch.equal(block[r * d:(r + 1) * d], k[g * d:(g + 1) * d])
+        assert torch.equal(block[(r + 1) * d:], v[g * d:(g + 1) * d])
+    fc1 = m["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"]
+    assert torch.equal(fc1[:24], hf_sd["model.layers.1.mlp.experts.5.gate_proj.weight"])
+    assert torch.equal(fc1[24:], hf_sd["model.layers.1.mlp.experts.5.up_proj.weight"])
+    emb = m["embedding.word_embeddings.weight"]
+    assert emb.shape == (384, 48) and not emb[300:].any()
+    back = hf_state_dict_from_mcore(m, cfg)
+    assert back.keys() == hf_sd.keys()
+    assert all(torch.equal(back[n], hf_sd[n]) for n in hf_sd)
+    assert set(back) == set(hf_expected_shapes(cfg))
+    # fused (in-memory transformers 5) expert tensors give the same Megatron tensors
+    fused = {k: v.detach() for k, v in model.state_dict().items()}
+    m2 = mcore_state_dict_from_hf(fused, cfg)
+    assert m2.keys() == m.keys() and all(torch.equal(m2[n], m[n]) for n in m)
+    assert len(conversion_plan(cfg)) == len(m)
+
+
+def read_state_dict_on_disk_format(model):
+    """The per-expert (Hub) names from the model's fused in-memory experts."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.detach()
+        if k.endswith("mlp.experts.gate_up_proj"):
+            p = k[:-len("gate_up_proj")]
+            half = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = v[e, :half].clone()
+                out[f"{p}{e}.up_proj.weight"] = v[e, half:].clone()
+        elif k.endswith("mlp.experts.down_proj"):
+            p = k[:-len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = v[e].clone()
+        elif k == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        else:
+            out[k] = v.clone()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end through Megatron, single process
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """name -> (hf model, hf dir, mcore dir) for every config, converted once."""
+    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+
+    base = tmp_path_factory.mktemp("hfconv")
+    out = {}
+    for name in HF_CONFIGS:
+        hf_dir, mcore_dir = str(base / f"{name}_hf"), str(base / f"{name}_mcore")
+        model = save_hf_model(name, hf_dir)
+        convert_hf_to_mcore(hf_dir, mcore_dir)
+        out[name] = (model, hf_dir, mcore_dir)
+    return out
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_megatron_logits_match_hf_and_round_trip_is_bitwise(converted, name, tmp_path):
+    from tools.convert_mcore_to_hf import convert_mcore_to_hf
+
+    model, hf_dir, mcore_dir = converted[name]
+    vocab = model.config.vocab_size
+    files = [f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]
+    assert (len(files) > 1) == (HF_CONFIGS[name][1] is not None)
+    ids = input_ids(vocab)
+    ref = hf_logits(model, ids)
+    out = megatron_logits(mcore_dir, ids)
+    diff = (out[..., :vocab] - ref).abs().max().item()
+    print(f"{name}: TP=1 max |logit diff| = {diff:.3g}")
+    assert diff < 1e-4
+    assert not out[..., vocab:].any()  # padded vocabulary rows are zero
+
+    back = str(tmp_path / "hf_back")
+    convert_mcore_to_hf(mcore_dir, back, max_shard_size="30KB")
+    a, b = read_safetensors(hf_dir), read_safetensors(back)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert len(glob.glob(os.path.join(back, "model-*-of-*.safetensors"))) > 1
+    with open(os.path.join(back, "model.safetensors.index.json")) as f:
+        assert set(json.load(f)["weight_map"]) == set(b)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
+    assert torch.equal(hf_logits(reloaded, ids), ref)
+
+    one = str(tmp_path / "hf_one")  # default shard size: a single model.safetensors
+    convert_mcore_to_hf(mcore_dir, one, copy_side_files_from=hf_dir)
+    assert sorted(os.listdir(one)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_fused_expert_safetensors_are_accepted(tmp_path):
+    """A checkpoint written from transformers 5's in-memory layout (3-D expert tensors)."""
+    from safetensors.torch import save_file
+
+    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+
+    model = make_hf_model("gqa2_hd12_mlponly")
+    hf_dir = tmp_path / "fused"
+    hf_dir.mkdir()
+    model.config.to_json_file(str(hf_dir / "config.json"))
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
+              str(hf_dir / "model.safetensors"))
+    convert_hf_to_mcore(str(hf_dir), str(tmp_path / "mcore"))
+    ids = input_ids(model.config.vocab_size)
+    out = megatron_logits(str(tmp_path / "mcore"), ids)
+    assert (out[..., :model.config.vocab_size] - hf_logits(model, ids)).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: clear errors, nothing at the destination
+
+
+@pytest.fixture
+def sharded_copy(converted, tmp_path):
+    _, hf_dir, _ = converted["gqa4_hd8_sparsestep2"]
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    return src
+
+
+def _convert_fails(src, dst, exc, match):
+    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+
+    with pytest.raises(exc, match=match):
+        convert_hf_to_mcore(str(src), str(dst))
+    assert not os.path.exists(dst)
+    assert leftovers(os.path.dirname(dst)) == []
+
+
+def test_non_qwen3_moe_config_is_refused(sharded_copy, tmp_path):
+    cfg = json.loads((sharded_copy / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (sharded_copy / "config.json").write_text(json.dumps(cfg))
+    _convert_fails(sharded_copy, tmp_path / "out", ValueError, "model_type='llama'")
+
+
+def test_missing_shard_is_named(sharded_copy, tmp_path):
+    files = sorted(glob.glob(str(sharded_copy / "model-*.safetensors")))
+    victim = files[1]
+    os.remove(victim)
+    _convert_fails(sharded_copy, tmp_path / "out", FileNotFoundError,
+                   f"shard {os.path.basename(victim)} .*missing")
+
+
+def test_shape_mismatch_names_tensor_and_shapes(sharded_copy, tmp_path):
+    from safetensors.torch import save_file
+
+    index = json.loads((sharded_copy / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.self_attn.k_proj.weight"
+    file = sharded_copy / index["weight_map"][name]
+    tensors = {k: v for k, v in read_safetensors_file(file).items()}
+    tensors[name] = torch.zeros(24, 48)  # should be [2 * 8, 48]
+    save_file(tensors, str(file))
+    _convert_fails(sharded_copy, tmp_path / "out", ValueError,
+                   r"model\.layers\.2\.self_attn\.k_proj\.weight .*\[24, 48\].*\[16, 48\]")
+
+
+def test_missing_tensor_is_named(sharded_copy, tmp_path):
+    from safetensors.torch import save_file
+
+    index_path = sharded_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    file = sharded_copy / index["weight_map"].pop(name)
+    tensors = read_safetensors_file(file)
+    del tensors[name]
+    save_file(tensors, str(file))
+    index_path.write_text(json.dumps(index))
+    _convert_fails(sharded_copy, tmp_path / "out", ValueError, name.replace(".", r"\."))
+
+
+def test_failure_while_writing_leaves_nothing(converted, tmp_path, monkeypatch):
+    import tools.convert_hf_to_mcore as conv
+
+    def broken_save(model, directory):
+        with open(os.path.join(directory, "partial.distcp"), "w") as f:
+            f.write("half")
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(conv, "save_releasing_model", broken_save)
+    _, hf_dir, _ = converted["gqa2_hd12_mlponly"]
+    _convert_fails(hf_dir, tmp_path / "out", OSError, "disk full")
+
+
+def test_export_failure_leaves_nothing(converted, tmp_path, monkeypatch):
+    import tools.convert_mcore_to_hf as export
+
+    real = export.write_hf_from_model
+
+    def broken_write(model, cfg, directory, dtype, max_bytes):
+        real(model, cfg, directory, dtype, max_bytes)
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(export, "write_hf_from_model", broken_write)
+    _, _, mcore_dir = converted["gqa2_hd12_mlponly"]
+    with pytest.raises(OSError, match="disk full"):
+        export.convert_mcore_to_hf(mcore_dir, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out") and leftovers(str(tmp_path)) == []
+
+
+def test_non_empty_destination_is_refused(converted, tmp_path):
+    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+
+    _, hf_dir, _ = converted["gqa2_hd12_mlponly"]
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert_hf_to_mcore(hf_dir, str(dst))
+    assert os.listdir(dst) == ["keep.txt"]
+
+
+def read_safetensors_file(file):
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as st:
+        return {k: st.get_tensor(k) for k in st.keys()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak memory
+
+
+def _synthetic_checkpoint(directory, max_shard_bytes, **overrides):
+    """A random Qwen3-MoE checkpoint written tensor group by tensor group (never whole in memory)."""
+    from safetensors.torch import save_file
+
+    from gspo_megatron.model.config import ModelConfig
+
+    hf = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=8000,
+              hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=4, head_dim=64, moe_intermediate_size=256,
+              num_experts=48, num_experts_per_tok=4, norm_topk_prob=True,
+              max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_theta=1e6, dtype="float32")
+    hf.update(overrides)
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f)
+    cfg: ModelConfig = model_config_from_hf(hf)
+    shapes = hf_expected_shapes(cfg)
+    shards, cur, size = [], [], 0
+    for name, shape in shapes.items():
+        nbytes = 4 * int(torch.Size(shape).numel())
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += nbytes
+    shards.append(cur)
+    gen = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: torch.randn(shapes[n], generator=gen) * 0.02 for n in names}
+        save_file(tensors, os.path.join(directory, file))
+        total += sum(t.numel() * 4 for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, file))
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total, len(shards)
+
+
+def _peak_memory(cmd):
+    """Run ``cmd``; return the peak over time of the summed PSS of its process tree (bytes)."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = [0]
+
+    def sample():
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_full_info().pss
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        pass
+            except psutil.NoSuchProcess:
+                break
+            peak[0] = max(peak[0], total)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    out, _ = proc.communicate(timeout=300)
+    t.join()
+    assert proc.returncode == 0, out[-4000:]
+    return peak[0]
+
+
+@pytest.mark.slow
+def test_peak_memory_is_about_one_model_plus_one_shard(tmp_path):
+    script = os.path.join(ROOT, "tools", "convert_hf_to_mcore.py")
+    shard = 40 * 10**6
+    # baseline: the same program on a ~1 MB model (interpreter, torch, megatron, writer process)
+    _synthetic_checkpoint(str(tmp_path / "small"), shard, vocab_size=256, hidden_size=64,
+                          intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, moe_intermediate_size=32, num_experts=4)
+    big, n_shards = _synthetic_checkpoint(str(tmp_path / "big"), shard)
+    base = _peak_memory([sys.executable, script, "--hf-dir", str(tmp_path / "small"),
+                         "--out", str(tmp_path / "small_mcore")])
+    peak = _peak_memory([sys.executable, script, "--hf-dir", str(tmp_path / "big"),
+                         "--out", str(tmp_path / "big_mcore")])
+    extra = peak - base
+    mb = 1e6
+    print(f"\npeak memory: checkpoint {big / mb:.0f} MB in {n_shards} shards of <= {shard / mb:.0f} MB; "
+          f"baseline (tiny model) {base / mb:.0f} MB; big peak {peak / mb:.0f} MB; "
+          f"peak - baseline {extra / mb:.0f} MB = {extra / big:.2f} x model")
+    assert n_shards >= 6 and big > 250 * mb
+    # ~1x model + one shard; holding the model and all shards (or Megatron's plain save, which
+    # clones every SwiGLU fc1) would be 2x / 1.6x
+    assert extra < big + 2 * shard, (extra, big)

@@ -1,0 +1,98 @@
+"""Pure routing statistics (gspo_megatron.routing.stats) against hand-computed cases."""
+
+import math
+
+import pytest
+import torch
+
+from gspo_megatron.routing import stats
+
+
+def test_route_dtype_is_compact():
+    assert stats.route_dtype(4) == torch.uint8 and stats.route_dtype(256) == torch.uint8
+    assert stats.route_dtype(257) == torch.uint16 and stats.route_dtype(65536) == torch.uint16
+    assert stats.route_dtype(70000) == torch.int32
+
+
+def test_change_and_jaccard_hand_computed():
+    # 2 layers, 4 positions, top-2 of 4 experts; order inside a top-k does not matter.
+    old = torch.tensor([[[0, 1], [2, 3], [0, 2], [1, 3]],
+                        [[0, 1], [0, 1], [0, 1], [0, 1]]], dtype=torch.uint8)
+    new = torch.tensor([[[1, 0], [2, 1], [3, 1], [1, 3]],
+                        [[0, 1], [0, 2], [0, 1], [0, 1]]], dtype=torch.uint8)
+    changed, jac = stats.route_change(old, new, 4)
+    assert changed.tolist() == [[False, True, True, False], [False, True, False, False]]
+    assert jac.flatten().tolist() == pytest.approx([1, 1 / 3, 0, 1, 1, 1 / 3, 1, 1])
+
+    mask = torch.tensor([True, True, True, False])  # the last position is padding
+    s = stats.layer_sums(old, new, mask, 4)
+    assert s.tokens.tolist() == [3, 3] and s.changed.tolist() == [2, 1]
+    m = s.metrics(with_entropy=False)
+    assert m["routing/change_rate"] == pytest.approx(3 / 6)
+    assert m["routing/change_rate/layer_0"] == pytest.approx(2 / 3)
+    assert m["routing/change_rate/layer_1"] == pytest.approx(1 / 3)
+    assert m["routing/jaccard/layer_0"] == pytest.approx((1 + 1 / 3 + 0) / 3)
+    # load of the new routes over the 3 counted positions: layer 0 -> e0:1 e1:3 e2:1 e3:1
+    assert s.load[0].tolist() == [1, 3, 1, 1]
+    assert m["routing/load_imbalance/layer_0"] == pytest.approx(3 / 1.5)
+    assert m["routing/load/layer_0/expert_1"] == pytest.approx(3 / 6)
+    # layer 1: e0:3 e1:2 e2:1 e3:0 -> max/mean = 3/1.5
+    assert m["routing/load_imbalance/layer_1"] == pytest.approx(2.0)
+
+
+def test_nothing_changed_gives_zero_change_rate():
+    r = torch.randint(0, 8, (3, 50, 2))
+    r[..., 1] = (r[..., 0] + 1) % 8  # distinct ids per position
+    m = stats.layer_sums(r, r.flip(-1), torch.ones(50, dtype=torch.bool), 8).metrics(with_entropy=False)
+    assert m["routing/change_rate"] == 0.0 and m["routing/jaccard"] == 1.0
+
+
+def test_sums_add_and_round_trip_through_flat():
+    a = stats.layer_sums(torch.tensor([[[0, 1]]]), torch.tensor([[[0, 2]]]), torch.tensor([True]), 3)
+    b = stats.layer_sums(torch.tensor([[[0, 1]]]), torch.tensor([[[1, 0]]]), torch.tensor([True]), 3)
+    c = a + b
+    assert c.with_flat(c.flat()).changed.tolist() == [1.0] and c.tokens.tolist() == [2.0]
+    assert c.metrics(with_entropy=False)["routing/change_rate"] == 0.5
+
+
+def test_entropy():
+    assert stats.entropy_from_logits(torch.zeros(4)).item() == pytest.approx(math.log(4))
+    assert stats.entropy_from_probs(torch.tensor([1.0, 0, 0, 0])).item() == pytest.approx(0.0)
+    assert stats.entropy_from_probs(torch.tensor([2.0, 2.0])).item() == pytest.approx(math.log(2))
+
+
+def test_imbalance():
+    assert stats.imbalance(torch.tensor([[2.0, 2, 2, 2], [8.0, 0, 0, 0]])).tolist() == [1.0, 4.0]
+    assert stats.imbalance(torch.zeros(3)).item() == 0.0
+
+
+def test_clipped_tokens_follow_the_loss_rule():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    lr = torch.tensor([[0.5, -0.5, 9.0], [0.01, 0.01, 0.01]])
+    adv = torch.tensor([1.0, -1.0])
+    # grpo: token ratios; A>0 clips above 1+eps only, A<0 below 1-eps only; padding never counts
+    g = stats.clipped_tokens(lr, adv, mask, "grpo", 0.2, 0.2)
+    assert g.tolist() == [[True, False, False], [False, False, False]]
+    # gspo: the sequence ratio exp(mean) decides for every response token of the sequence
+    s = stats.clipped_tokens(lr, adv, mask, "gspo", 3e-4, 4e-4)
+    assert s.tolist() == [[False, False, False], [False, False, False]]  # row 0: mean 0
+    s = stats.clipped_tokens(lr, torch.tensor([1.0, 1.0]), mask, "gspo", 3e-4, 4e-4)
+    assert s.tolist() == [[False, False, False], [True, True, True]]
+
+
+def test_alignment_hand_computed():
+    changed = torch.tensor([[True, False, True], [False, False, True]])
+    lr = torch.tensor([[0.4, -0.1, 7.0], [0.2, 0.0, -0.6]])
+    clipped = torch.tensor([[True, False, False], [False, False, True]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    m = stats.alignment_sums(changed, lr, clipped, mask).metrics()
+    # counted: changed = {0.4 (clipped), -0.6 (clipped)}, unchanged = {-0.1, 0.2, 0.0}
+    assert m["routing/token_change_rate"] == pytest.approx(2 / 5)
+    assert m["routing/abs_log_ratio_changed"] == pytest.approx(0.5)
+    assert m["routing/abs_log_ratio_unchanged"] == pytest.approx(0.1)
+    assert m["routing/clipfrac_changed"] == 1.0 and m["routing/clipfrac_unchanged"] == 0.0
+
+
+def test_k3():
+    assert stats.k3(torch.zeros(3)).tolist() == [0, 0, 0]
+    assert stats.k3(torch.tensor([0.1])).item() == pytest.approx(math.exp(0.1) - 1.1)
