@@ -91,6 +91,9 @@ class SFTConfig:
     """Sequences per SFT step."""
     lr: float = 3e-3
     """SFT learning rate (constant after a short warm-up)."""
+    num_examples: int = 0
+    """Warm up on only the first N training problems (0 = all); RL then also meets problems the
+    warm-up never showed, so its gains must generalise rather than recall."""
 
 
 @dataclass

@@ -601,6 +601,8 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             errors.append(f"sft.batch_size must be >= 1, got {sft.batch_size}")
         if not sft.lr > 0:
             errors.append(f"sft.lr must be > 0, got {sft.lr}")
+        if sft.num_examples < 0:
+            errors.append(f"sft.num_examples must be >= 0, got {sft.num_examples}")
     if ck.keep_last < 1:
         errors.append(f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
     if ck.save_interval < 0:

@@ -22,7 +22,7 @@ from gspo_megatron.config import TrainConfig
 logger = logging.getLogger("gspo_megatron")
 
 
-def setup_tokenizer_and_data(cfg: TrainConfig, rank: int):
+def setup_tokenizer_and_data(cfg: TrainConfig):
     """Tokenizer, training examples and held-out examples for ``cfg.data``."""
     from gspo_megatron import data as data_lib
     from gspo_megatron.tokenizer import build_tokenizer, train_sentencepiece
@@ -38,24 +38,24 @@ def setup_tokenizer_and_data(cfg: TrainConfig, rank: int):
                                                 answer_key=cfg.data.answer_key)
                    if cfg.data.eval_path else [])
 
-    tok_dir = os.path.join(cfg.logging.run_dir, "tokenizer")
     if cfg.tokenizer.path:
         tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path)
     elif cfg.tokenizer.kind == "sentencepiece":
-        # Trained in-process on the task's text (deterministic), saved with the run; every rank
-        # trains the same one, so no rank waits on a file.
+        # Trained in-process on the task's text (deterministic); every rank trains the same one,
+        # so no rank waits on a file. Saved with the run once everything has been validated.
         corpus = data_lib.arithmetic_tokenizer_corpus(train + heldout)
-        tokenizer = train_sentencepiece(corpus, output_dir=tok_dir if rank == 0 else None,
-                                        atomic_symbols=data_lib.ARITHMETIC_SYMBOLS)
+        tokenizer = train_sentencepiece(corpus, atomic_symbols=data_lib.ARITHMETIC_SYMBOLS)
     else:
         raise ValueError("tokenizer.path is required for tokenizer.kind='hf'")
     for split, examples in (("train", train), ("eval", heldout)):
         for ex in examples:
             n = len(tokenizer.encode(tokenizer.apply_chat_template(ex.model_input)))
             if n > cfg.data.max_prompt_length:
+                source = cfg.data.train_path if split == "train" else cfg.data.eval_path
                 raise ValueError(
-                    f"data ({split}) example {ex.index}: prompt has {n} tokens, more than "
-                    f"data.max_prompt_length={cfg.data.max_prompt_length}")
+                    f"{source or 'data.source=' + cfg.data.source}: {split} example {ex.index}: "
+                    f"prompt has {n} tokens, more than data.max_prompt_length="
+                    f"{cfg.data.max_prompt_length}")
     return tokenizer, train, heldout
 
 
@@ -70,7 +70,7 @@ def sft_warmup(cfg: TrainConfig, policy, tokenizer, train_examples, groups, log)
     optimizer, scheduler = build_optimizer(
         policy.model, OptimConfig(lr=cfg.sft.lr, lr_warmup_steps=min(10, cfg.sft.steps),
                                   weight_decay=0.0, clip_grad=1.0), cfg.sft.steps)
-    samples = sft_samples(tokenizer, train_examples)
+    samples = sft_samples(tokenizer, train_examples[: cfg.sft.num_examples or len(train_examples)])
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
     scoring = ScoringConfig(vocab_size=tokenizer.vocab_size)
     tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
@@ -93,29 +93,38 @@ def sft_warmup(cfg: TrainConfig, policy, tokenizer, train_examples, groups, log)
             log(f"sft step {step}: nll {metrics.get('loss/sft_nll', float('nan')):.4f}")
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train according to ``cfg``; returns the summary (accuracy before/after, steps)."""
-    from gspo_megatron.config_loader import save_config, validate_config
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+def prepare(cfg: TrainConfig):
+    """Everything that can reject user input, before any compute and without writing anything:
+    config validation, reward function, datasets, tokenizer. Returns (reward_fn, tokenizer,
+    train examples, held-out examples)."""
+    from gspo_megatron.config_loader import validate_config
     from gspo_megatron.rewards import get_reward_fn
-    from gspo_megatron.rollout import RolloutEngine
+
+    validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    reward_fn = get_reward_fn(cfg.reward.fn)
+    tokenizer, train_examples, eval_examples = setup_tokenizer_and_data(cfg)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        if cfg.model.preset != "tiny":
+            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
+                             f"tokenizer's ({tokenizer.vocab_size})")
+        cfg.model.vocab_size = tokenizer.vocab_size
+    return reward_fn, tokenizer, train_examples, eval_examples
+
+
+def run(cfg: TrainConfig, prepared=None) -> dict:
+    """Train according to ``cfg``; returns the summary (accuracy before/after, steps)."""
+    from gspo_megatron.config_loader import save_config
     from gspo_megatron.data import PromptSampler
+    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.rollout import RolloutEngine
     from gspo_megatron.trainer import REQUEUE_EXIT_CODE, Trainer
     from gspo_megatron.training import checkpoint as ckpt
     from gspo_megatron.training.megatron_setup import build_policy
     from gspo_megatron.training.metrics_log import MetricsLogger
     from gspo_megatron.training.model_io import load_model_weights, save_model_weights
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    validate_config(cfg, world_size=world_size)
-    reward_fn = get_reward_fn(cfg.reward.fn)  # fails before any compute if it cannot resolve
-    tokenizer, train_examples, eval_examples = setup_tokenizer_and_data(cfg, rank)
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        if cfg.model.preset != "tiny":
-            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
-                             f"tokenizer's ({tokenizer.vocab_size})")
-        cfg.model.vocab_size = tokenizer.vocab_size
+    reward_fn, tokenizer, train_examples, eval_examples = prepared or prepare(cfg)
 
     def log(msg: str) -> None:
         if rank == 0:
@@ -125,6 +134,7 @@ def run(cfg: TrainConfig) -> dict:
     if rank == 0:
         os.makedirs(cfg.logging.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
+        tokenizer.save(os.path.join(cfg.logging.run_dir, "tokenizer"))
     policy = build_policy(cfg.model, cfg.parallel, cfg.precision, cfg.optim, groups,
                           total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches)
 
@@ -214,7 +224,10 @@ def run(cfg: TrainConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gspo_megatron.config_loader import ConfigError, load_config, parse_cli
+    """CLI entry. User errors (config, data, reward, checkpoint) exit 2 with one line on stderr and
+    no traceback; nothing has been written when they are detected."""
+    from gspo_megatron.config_loader import load_config, parse_cli
+    from gspo_megatron.training.checkpoint import CheckpointError
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # Megatron's static engine draws a progress bar per call
     logging.basicConfig(level=os.environ.get("GSPO_LOG_LEVEL", "WARNING"),
@@ -222,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config_path, overrides = parse_cli(sys.argv[1:] if argv is None else argv)
         cfg = load_config(config_path, overrides)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        prepared = prepare(cfg)
+    except (ValueError, FileNotFoundError, ImportError) as exc:  # ConfigError, DatasetError too
         print(f"gspo-train: error: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = run(cfg)
-    except (ValueError, FileNotFoundError) as exc:
+        summary = run(cfg, prepared)
+    except CheckpointError as exc:
         print(f"gspo-train: error: {exc}", file=sys.stderr)
         return 2
     return int(summary.get("exit_code", 0))

@@ -94,6 +94,21 @@ def _numpy_state_to_safe(state) -> tuple:
     return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
 
 
+def _describe(exc: BaseException) -> str:
+    """One line for a load failure; torch's CheckpointException wraps the real error per rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = next(iter(failures.items()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _optimizer_has_state(optimizer) -> bool:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(state) > 0 for opt in inner for state in opt.optimizer.state.values())
+
+
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
 
@@ -130,13 +145,17 @@ def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int 
     _barrier()
     gpt = policy.unwrapped()
     model_sd = gpt.sharded_state_dict()
+    # A fresh optimizer (no step taken yet) has no Adam state to save; loading then skips it.
+    with_optimizer = _optimizer_has_state(policy.optimizer)
     sharded = {
         "model": model_sd,
-        "optimizer": policy.optimizer.sharded_state_dict(model_sd),
         "scheduler": policy.scheduler.state_dict(),
         "step": state.step,
         "extra": state.extra,
+        "has_optimizer_state": with_optimizer,
     }
+    if with_optimizer:
+        sharded["optimizer"] = policy.optimizer.sharded_state_dict(model_sd)
     dist_checkpointing.save(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
@@ -165,12 +184,14 @@ def load_checkpoint(policy, load_dir: str, step: int | None = None) -> TrainingS
     if latest is None:
         raise CheckpointError(f"{load_dir}: no {TRACKER_FILE}; nothing to resume from")
     candidates = [latest] + [s for s in reversed(list_checkpoints(load_dir)) if s < latest]
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     errors = []
     for candidate in candidates:
         try:
             return _load_one(policy, iteration_dir(load_dir, candidate))
-        except Exception as exc:  # noqa: BLE001 - report and try the previous checkpoint
-            errors.append(f"{iteration_dir(load_dir, candidate)}: {type(exc).__name__}: {exc}")
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - report, try the previous
+            errors.append(f"{iteration_dir(load_dir, candidate)}: {_describe(exc)}")
             logger.warning("checkpoint %s failed to load (%s); trying an older one",
                            iteration_dir(load_dir, candidate), exc)
     raise CheckpointError("no loadable checkpoint:\n  " + "\n  ".join(errors))
@@ -182,17 +203,16 @@ def _load_one(policy, directory: str) -> TrainingState:
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory} does not exist")
     gpt = policy.unwrapped()
+    common = dist_checkpointing.load_common_state_dict(directory)
     model_sd = gpt.sharded_state_dict()
-    sharded = {
-        "model": model_sd,
-        "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=True),
-        "scheduler": None,
-        "step": None,
-        "extra": None,
-    }
+    sharded = {"model": model_sd}
+    if common.get("has_optimizer_state", True):
+        sharded["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=True)
     loaded = dist_checkpointing.load(sharded, directory)
+    loaded = {**common, **loaded}
     gpt.load_state_dict(loaded["model"], strict=True)
-    policy.optimizer.load_state_dict(loaded["optimizer"])
+    if "optimizer" in loaded:
+        policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(loaded["scheduler"])
     rng_path = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
     if os.path.isfile(rng_path):

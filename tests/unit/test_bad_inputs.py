@@ -1,0 +1,105 @@
+"""Table of bad inputs a user can hand us: each is rejected before compute with a message that
+names the field, file or line."""
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from gspo_megatron.config_loader import ConfigError, load_config, validate_config
+from gspo_megatron.data import DatasetError, load_prompt_dataset
+from gspo_megatron.rewards import compute_rewards, get_reward_fn
+
+
+def _config(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+CONFIG_CASES = [
+    # (yaml text, overrides, world size, message regex)
+    ("rollout:\n  group_szie: 4\n", [], 1, r"recipe.yaml:2: rollout.group_szie: unknown field; did you mean 'group_size'"),
+    ("rolout:\n  group_size: 4\n", [], 1, r"rolout.*unknown section"),
+    ("rollout:\n  group_size: four\n", [], 1, r"rollout.group_size"),
+    ("loss:\n  variant: gpso\n", [], 1, r"loss.variant.*'gpso'"),
+    ("optim:\n  lr: -1\n", [], 1, r"optim.lr must be > 0"),
+    ("model:\n  preset: qwen9\n", [], 1, r"model.preset"),
+    ("", ["--rollout.temperature=0"], 1, r"rollout.temperature"),
+    ("", ["--rollout.top_p=1.5"], 1, r"rollout.top_p"),
+    ("", ["--rollout.group_size=1"], 1, r"rollout.group_size"),
+    ("", ["--trainer.num_minibatches=3"], 1, r"trainer.num_minibatches"),
+    ("", ["--trainer.micro_batch_size=7"], 1, r"trainer.micro_batch_size"),
+    ("", ["--loss.kl_coef=0.1"], 1, r"loss.kl_coef"),
+    ("", ["--data.source=file"], 1, r"data.train_path"),
+    ("", ["--data.source=file", "--data.train_path=/nonexistent/p.jsonl"], 1, r"/nonexistent/p.jsonl"),
+    ("", ["--model.seq_length=8"], 1, r"model.seq_length"),
+    ("", ["--parallel.expert_model_parallel_size=3"], 3, r"num_moe_experts .4. is not divisible by parallel.expert_model_parallel_size .3."),
+    ("", ["--parallel.tensor_model_parallel_size=3"], 3, r"num_attention_heads .4. is not divisible by parallel.tensor_model_parallel_size .3."),
+    ("", ["--parallel.tensor_model_parallel_size=2"], 3, r"world size 3 is not divisible"),
+    ("", ["--reward.fn=no_such_reward"], 1, r"no_such_reward"),
+    ("", ["--checkpoint.keep_last=0"], 1, r"checkpoint.keep_last"),
+    ("model: !!python/object/apply:os.system ['echo pwned']\n", [], 1, r"recipe.yaml:1"),
+]
+
+
+@pytest.mark.parametrize("text, overrides, world, message", CONFIG_CASES)
+def test_bad_configs(tmp_path, text, overrides, world, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        cfg = load_config(_config(tmp_path, text), overrides)
+        validate_config(cfg, world_size=world)
+
+
+DATA_CASES = [
+    # (file name, content, kwargs, message regex)
+    ("bad.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n', {}, r"bad.jsonl:2"),
+    ("missing.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n', {}, r"missing.jsonl:2.*prompt"),
+    ("noanswer.jsonl", '{"prompt": "1+1="}\n', {}, r"noanswer.jsonl:1.*answer"),
+    ("empty_prompt.jsonl", '{"prompt": "   ", "answer": "2"}\n', {}, r"empty_prompt.jsonl:1.*empty"),
+    ("empty.jsonl", "", {}, r"empty.jsonl.*no examples|empty.jsonl.*zero|empty.jsonl"),
+    ("verl.jsonl", '{"prompt": [{"role": "user", "content": "hi"}], "reward_model": {}}\n',
+     {"answer_key": "reward_model.ground_truth"}, r"verl.jsonl:1.*reward_model.ground_truth"),
+    ("notalist.jsonl", '[1, 2, 3]\n', {}, r"notalist.jsonl:1"),
+]
+
+
+@pytest.mark.parametrize("name, content, kwargs, message", DATA_CASES)
+def test_bad_datasets(tmp_path, name, content, kwargs, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=message):
+        load_prompt_dataset(str(path), **kwargs)
+
+
+def _raises(response, answer, example=None):
+    raise RuntimeError("boom")
+
+
+def _sleeps(response, answer, example=None):
+    time.sleep(2.0)
+    return 1.0
+
+
+def _returns_text(response, answer, example=None):
+    return "correct"
+
+
+def _returns_nan(response, answer, example=None):
+    return math.nan
+
+
+@pytest.mark.parametrize("fn, counter", [(_raises, "reward/errors"), (_sleeps, "reward/timeouts"),
+                                         (_returns_text, "reward/invalid"), (_returns_nan, "reward/invalid")])
+def test_bad_reward_functions_score_zero_and_are_counted(fn, counter):
+    rewards, stats = compute_rewards(fn, ["a", "b"], ["1", "2"], None, timeout_s=0.2)
+    assert torch.equal(rewards, torch.zeros(2))
+    assert stats[counter] == 2
+
+
+def test_unknown_reward_lists_the_registered_ones():
+    with pytest.raises(ValueError, match="arithmetic_exact"):
+        get_reward_fn("no_such_reward")
+    with pytest.raises((ValueError, ImportError), match="no_such_module"):
+        get_reward_fn("no_such_module.sub:fn")

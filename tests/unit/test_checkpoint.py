@@ -1,0 +1,90 @@
+"""Checkpoints: exact round trip, atomic layout, fallback past a damaged checkpoint, clear errors."""
+
+import os
+
+import pytest
+import torch
+
+from gspo_megatron.algorithms import PolicyLossConfig
+from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.training import checkpoint as ckpt
+from gspo_megatron.training.batch import make_policy_batch
+from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, optimizer_step, zero_grad
+from gspo_megatron.training.step import ScoringConfig, compute_logprobs, train_minibatch
+
+
+@pytest.fixture(scope="module")
+def groups():
+    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+
+    g = initialize_distributed(ParallelConfig(), model_config_from_preset("tiny"), seed=3)
+    yield g
+    destroy_distributed()
+
+
+def make_policy(groups, **model_overrides):
+    model = model_config_from_preset("tiny", **model_overrides)
+    return build_policy(model, ParallelConfig(), PrecisionConfig(), OptimConfig(lr=1e-3), groups,
+                        total_steps=10)
+
+
+def train_steps(policy, groups, n):
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 100, (12,), generator=gen).tolist() for _ in range(8)]
+    batch = make_policy_batch(seqs, [3] * 8, pad_id=0)
+    batch.advantages = torch.randn(8, generator=gen)
+    scoring = ScoringConfig(vocab_size=100)
+    batch.old_logprobs, _ = compute_logprobs(policy.model, batch, 4, scoring, groups)
+    losses = []
+    for _ in range(n):
+        zero_grad(policy)
+        losses.append(train_minibatch(policy.model, batch, 4, PolicyLossConfig(variant="grpo"),
+                                      scoring, groups)["loss/policy"])
+        optimizer_step(policy)
+    return losses
+
+
+def test_resume_is_exact_and_layout_is_megatrons(groups, tmp_path):
+    policy = make_policy(groups)
+    train_steps(policy, groups, 1)
+    ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(1, {"sampler": {"epoch": 0, "position": 5}}))
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert (tmp_path / "iter_0000001" / "metadata.json").is_file()
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    expected = train_steps(policy, groups, 2)
+
+    state = ckpt.load_checkpoint(policy, str(tmp_path))
+    assert state.step == 1 and state.extra == {"sampler": {"epoch": 0, "position": 5}}
+    assert train_steps(policy, groups, 2) == expected  # bitwise: weights, Adam, schedule, RNG
+
+
+def test_keep_last_rotates(groups, tmp_path):
+    policy = make_policy(groups)
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(step, {}), keep_last=2)
+    assert ckpt.list_checkpoints(str(tmp_path)) == [2, 3]
+
+
+def test_damaged_latest_falls_back_to_previous(groups, tmp_path):
+    policy = make_policy(groups)
+    ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(1, {}))
+    ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(2, {}))
+    shard = next(p for p in (tmp_path / "iter_0000002").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated file
+    assert ckpt.load_checkpoint(policy, str(tmp_path)).step == 1
+
+
+def test_wrong_model_shape_is_a_clear_error(groups, tmp_path):
+    ckpt.save_checkpoint(make_policy(groups), str(tmp_path), ckpt.TrainingState(1, {}))
+    wider = make_policy(groups, hidden_size=128, moe_ffn_hidden_size=128, ffn_hidden_size=256)
+    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000001: .*[Ss]hape mismatch"):
+        ckpt.load_checkpoint(wider, str(tmp_path))
+
+
+def test_missing_and_bad_pointer(tmp_path, groups):
+    policy = make_policy(groups)
+    with pytest.raises(ckpt.CheckpointError, match="nothing to resume"):
+        ckpt.load_checkpoint(policy, str(tmp_path))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    with pytest.raises(ckpt.CheckpointError, match="expected an iteration number"):
+        ckpt.load_checkpoint(policy, str(tmp_path))
