@@ -101,6 +101,7 @@ stamp="$RUN_DIR/.launch-${SLURM_JOB_ID:-0}-$$"
 touch "$stamp"
 
 srun_pid=""
+# shellcheck disable=SC2329  # invoked from a trap
 on_stop_signal() {
     log "SIGUSR1: forwarding the checkpoint-and-exit request to the job step"
     if [[ -n "$srun_pid" ]]; then

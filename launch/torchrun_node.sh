@@ -60,6 +60,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # The workers of torchrun $1: its direct children (parent pid from /proc, no pgrep needed).
+# shellcheck disable=SC2329  # invoked from a trap
 children_of() {
     local stat rest fields
     for stat in /proc/[0-9]*/stat; do
@@ -74,6 +75,7 @@ children_of() {
 }
 
 torchrun_pid=""
+# shellcheck disable=SC2329  # invoked from a trap
 forward_stop() {
     local pid
     log "node $NODE_RANK: SIGUSR1: asking the trainer processes to checkpoint and exit"

@@ -26,6 +26,7 @@ mkdir -p "$RUN_DIR"
 stamp="$RUN_DIR/.launch-local-$$"
 touch "$stamp"
 node_pid=""
+# shellcheck disable=SC2329  # invoked from a trap
 forward() {
     [[ -n "$node_pid" ]] && kill -s "$1" "$node_pid" 2>/dev/null
     return 0
