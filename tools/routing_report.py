@@ -131,11 +131,13 @@ def plot_all(runs: list[tuple[str, str, list[dict]]], out: str) -> list[str]:
     n = len(runs)
 
     # 1. change-rate heatmap per layer
-    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, n + 1, figsize=(4.5 * n + 0.6, 3.2), squeeze=False,
+                             gridspec_kw={"width_ratios": [1] * n + [0.05]})
+    cax = axes[0][n]
     vmax = max([max(series(rows, k)[1] or [0]) for _, _, rows in runs
                 for k in layer_keys(rows, "routing/change_rate")] or [1e-9]) or 1e-9
     im = None
-    for ax, (name, _, rows) in zip(axes[0], runs):
+    for ax, (name, _, rows) in zip(axes[0][:n], runs):
         keys = layer_keys(rows, "routing/change_rate")
         if not keys:
             ax.set_title(f"{name}: no routing metrics")
@@ -149,7 +151,7 @@ def plot_all(runs: list[tuple[str, str, list[dict]]], out: str) -> list[str]:
         ax.set_xlabel("RL step")
         ax.set_ylabel("MoE layer")
     if im is not None:
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, label="share of (token, layer) changed")
+        fig.colorbar(im, cax=cax, label="share changed")
     files.append(_save(fig, out, "change_rate_heatmap.png", plt))
 
     # 2. overall change rate, Jaccard, replay gap
@@ -225,7 +227,11 @@ def plot_all(runs: list[tuple[str, str, list[dict]]], out: str) -> list[str]:
 
 
 def _save(fig, out, name, plt) -> str:
-    fig.tight_layout()
+    import warnings
+
+    with warnings.catch_warnings():  # colorbars shared by several panels: layout is approximate
+        warnings.simplefilter("ignore")
+        fig.tight_layout()
     path = os.path.join(out, name)
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -39,17 +39,94 @@ def run(name, out, args, rep):
     cmd = [sys.executable, "-m", "gspo_megatron.train", "--config",
            os.path.join(ROOT, "examples", "configs", "tiny_grpo.yaml"),
            f"--logging.run_dir={run_dir}", "--logging.progress=false", "--sft.steps=0",
-           "--data.num_train_examples=500", "--data.num_eval_examples=0",
+           "--data.num_train_examples=500", "--data.num_eval_examples=60",  # as the study (tokenizer)
            f"--trainer.steps={args.steps}", f"--optim.lr={args.lr}",
            *([f"--checkpoint.init_weights={args.init_weights}"] if args.init_weights else []),
            *VARIANTS[name]]
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
     return rows[1:]
 
 
+def in_process(repeats: int = 5) -> dict:
+    """CPU time (``time.process_time``: robust to other jobs on a shared machine) of one RL step's
+    trainer work on the tiny model with the tiny recipe's batch (16 x 8 sequences of 24 tokens,
+    4 minibatches of 2 microbatches): old-logprob pass, 4 x (forward+backward + optimiser step),
+    with and without R2, and the diagnostics per step."""
+    import time
+
+    import torch
+
+    from gspo_megatron.config import TrainConfig
+    from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
+    from gspo_megatron.parallel import initialize_distributed
+    from gspo_megatron.routing import ModelRouting, routing_diagnostics
+    from gspo_megatron.training.batch import make_policy_batch
+    from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, optimizer_step, zero_grad
+    from gspo_megatron.training.step import ScoringConfig, compute_logprobs, train_minibatch
+
+    cfg = TrainConfig()
+    cfg.loss = type(cfg.loss)(variant="grpo", clip_low=0.2, clip_high=0.27)
+    model = model_config_from_preset("tiny")
+    groups = initialize_distributed(ParallelConfig(), model, seed=1)
+    policy = build_policy(model, ParallelConfig(), PrecisionConfig(transformer_impl="local"),
+                          OptimConfig(lr=1e-4), groups, total_steps=1000)
+    routing = ModelRouting(policy.model, groups)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 100, (int(n),), generator=gen).tolist()
+            for n in torch.randint(14, 24, (128,), generator=gen)]
+    batch = make_policy_batch(seqs, [10] * 128, pad_id=0)
+    batch.advantages = torch.randn(128, generator=gen)
+    scoring, mbs, per = ScoringConfig(vocab_size=100), 16, 32
+
+    def step(replay: bool, diagnose: bool) -> dict:
+        t = {}
+        c = time.process_time()
+        rec = routing.recorder() if (replay or diagnose) else None
+        batch.old_logprobs, _ = compute_logprobs(policy.model, batch, mbs, scoring, groups, routing=rec)
+        store = rec.store() if rec else None
+        t["old_logprobs"] = time.process_time() - c
+        c = time.process_time()
+        diag = 0.0
+        for i in range(4):
+            mb = batch.select(slice(i * per, (i + 1) * per))
+            zero_grad(policy)
+            train_minibatch(policy.model, mb, mbs, cfg.loss, scoring, groups,
+                            routing=routing.replayer(store.select(slice(i * per, (i + 1) * per)), mbs)
+                            if replay else None)
+            optimizer_step(policy)
+            if diagnose:
+                d = time.process_time()
+                routing_diagnostics(policy.model, routing, mb, store.select(slice(i * per, (i + 1) * per)),
+                                    mbs, scoring, groups, cfg.loss)
+                diag += time.process_time() - d
+        t["update_incl_diag"] = time.process_time() - c
+        t["diagnostics"] = diag
+        t["total"] = t["old_logprobs"] + t["update_incl_diag"]
+        return t
+
+    variants = {"baseline": (False, False), "r2": (True, False), "diagnostics": (False, True),
+                "r2+diagnostics": (True, True)}
+    step(False, False)  # warm-up
+    res = {n: [] for n in variants}
+    for _ in range(repeats):
+        for n, (r, d) in variants.items():
+            res[n].append(step(r, d))
+    out = {n: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for n, rs in res.items()}
+    print(f"{'variant':<16}{'old_logprobs':>14}{'update(+diag)':>15}{'diagnostics':>13}{'total':>9}{'vs base':>9}")
+    for n, t in out.items():
+        t["overhead_vs_baseline"] = t["total"] / out["baseline"]["total"] - 1
+        print(f"{n:<16}{t['old_logprobs']:>14.4f}{t['update_incl_diag']:>15.4f}{t['diagnostics']:>13.4f}"
+              f"{t['total']:>9.4f}{100 * t['overhead_vs_baseline']:>8.1f}%")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--in-process", action="store_true",
+                    help="CPU-time breakdown of the trainer work in this process (no rollouts)")
     ap.add_argument("--init-weights", default=None)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=2)
@@ -57,6 +134,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "routing_overhead"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.in_process:
+        out = in_process(args.repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"settings": vars(args), "median_cpu_s": out}, f, indent=2)
+        return 0
     rows: dict[str, list[dict]] = {n: [] for n in VARIANTS}
     for rep in range(args.repeats):
         for name in VARIANTS:

@@ -176,8 +176,12 @@ def build_gpt_model(
     vocab-parallel logits ``[B, T, V/TP]`` (``parallel_output=True``; never gathered).
     """
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     model.validate()
+    # Megatron's per-layer aux-loss tracker is process-global and sized by the first model that
+    # logs into it; a model with more layers built later in the same process would index past it.
+    get_moe_layer_wise_logging_tracker().clear()
     impl = resolve_transformer_impl(precision)
     config = build_transformer_config(model, parallel, precision, **(transformer_config_overrides or {}))
     spec = build_layer_spec(config, impl, pp_rank=pp_rank)

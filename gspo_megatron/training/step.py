@@ -182,7 +182,26 @@ def train_minibatch(
 
     outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn,
                             routing=routing)
-    return reduce_metrics(outputs, groups)
+    metrics = reduce_metrics(outputs, groups)
+    aux = pop_moe_aux_loss()
+    if aux is not None and groups.is_last_stage and groups.pp_size == 1:
+        metrics["moe/aux_loss"] = aux / len(micro)
+    return metrics
+
+
+def pop_moe_aux_loss() -> float | None:
+    """Sum over MoE layers of the load-balancing loss Megatron tracked since the last call (this
+    rank's layers, summed over microbatches), then reset the tracker. Megatron's own training loop
+    resets it when it logs; without that it would accumulate for the whole run."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if not tracker:
+        return None
+    total = sum(float(entry["values"].sum()) for entry in tracker.values())
+    for entry in tracker.values():
+        entry["values"].zero_()
+    return total
 
 
 def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, float]:

@@ -78,3 +78,21 @@ def test_replay_and_diagnostics_match_single_process(single, name):
         assert ranks[0]["moe_layers"] == [0] and ranks[1]["moe_layers"] == [1, 2]
     if name == "ep2":  # EP ranks are data-parallel for the router: 4 sequences each
         assert ranks[0]["store_shape"] == [3, 4, 32, 2]
+
+
+def test_gspo_train_with_r2_and_diagnostics_logs_routing_metrics(tmp_path):
+    """The trainer wiring: R2 replay and the routing/* metrics in a real (tiny) gspo-train run."""
+    from tests.e2e.test_train_e2e import gspo_train
+
+    from gspo_megatron.training.metrics_log import read_metrics
+
+    gspo_train(tmp_path, "--trainer.steps=2", "--routing.replay=r2", "--routing.diagnostics=true",
+               "--optim.lr=1e-3")
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0.0 <= r["routing/change_rate"] <= 1.0
+        assert 0.0 <= r["routing/change_rate/layer_0"] <= 1.0 and "routing/change_rate/layer_1" in r
+        assert 0.0 <= r["routing/jaccard"] <= 1.0 and r["routing/load_imbalance"] >= 1.0
+        assert r["routing/replay_gap_k3"] >= 0.0 and r["perf/routing_diagnostics_s"] > 0
+        assert "routing/change_rate/after_update_1" in r  # two minibatches per step

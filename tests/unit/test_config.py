@@ -31,6 +31,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 RECIPE_WORLD_SIZES = {
     "tiny_gspo.yaml": 1,
     "tiny_grpo.yaml": 1,
+    "tiny_grpo_r2.yaml": 1,
     "qwen3_30b_a3b_gspo.yaml": 16,
     "qwen3_30b_a3b_grpo.yaml": 16,
     "qwen3_235b_a22b_gspo.yaml": 128,
