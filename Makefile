@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 MCORE_VERSION ?= 0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo clean
+.PHONY: venv test test-fast demo clean bench
 DEMO_ARGS ?=
 
 $(VENV)/.installed: setup.py
@@ -30,6 +30,10 @@ test-fast: venv
 # The main job on its embedded default: GSPO on a tiny MoE on CPU (about 5 minutes on 2 cores).
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/gspo-train $(DEMO_ARGS)
+
+# The CPU benchmark set (docs/benchmarks.md): one table on stdout, JSON in runs/bench/bench.json.
+bench: venv
+	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) -m tools.bench --out runs/bench/bench.json
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,9 @@
+"""Benchmarks of the hot paths (``python -m tools.bench``; ``docs/benchmarks.md``).
+
+One module per benchmark, each with ``run(smoke: bool = False, **options) -> dict`` returning a
+:func:`tools.bench.common.make_result` record; :mod:`tools.bench.__main__` runs them (each in its own
+process by default), prints one table and writes one JSON file.
+"""
+
+BENCHMARKS = ("logprobs", "update_step", "rollout", "routing", "rl_step", "gpu_qwen3_slice")
+"""Run order; ``gpu_qwen3_slice`` reports "not run" without CUDA."""

@@ -1,0 +1,97 @@
+"""Benchmark 5: where an RL step's time goes on the tiny recipe (``examples/configs/tiny_gspo.yaml``).
+
+    python -m tools.bench.rl_step [--steps 4]
+
+Runs ``gspo-train`` (:func:`gspo_megatron.train.run`, in this process) on the tiny recipe for a few
+steps with a checkpoint after every step, and reads the trainer's own ``perf/*`` timers from
+``metrics.jsonl``: rollout, reward, old log-probs (advantages and batch packing included),
+updates (``num_minibatches`` optimiser steps), checkpoint save. The first step (warm-up: allocator,
+KV cache, first checkpoint's directory layout) is reported apart; the table shows the median over
+the other steps. Held-out evaluation is cut to 16 prompts (it is not part of a step), and the
+training set to 256 problems (the recipe's 2000 exceed the unique problems ``max_operand=20``
+allows, which ``gspo-train`` refuses; the step itself does not depend on it).
+"""
+
+from __future__ import annotations
+
+PARTS = ("perf/rollout_s", "perf/reward_s", "perf/old_logprobs_s", "perf/update_s",
+         "perf/checkpoint_s")
+
+
+def run(smoke: bool = False, steps: int = 4, threads: int = 1) -> dict:
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+
+    from gspo_megatron.config_loader import load_config
+    from gspo_megatron.train import run as train_run
+    from tools.bench.common import make_result, median, quiet_megatron, row
+
+    quiet_megatron()
+    torch.set_num_threads(threads)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    recipe = os.path.join(root, "examples", "configs", "tiny_gspo.yaml")
+    run_dir = tempfile.mkdtemp(prefix="gspo_bench_rl_")
+    overrides = [f"logging.run_dir={run_dir}", "logging.progress=false",
+                 "checkpoint.save_interval=1", "checkpoint.keep_last=1",
+                 "data.num_eval_examples=16", "trainer.eval_interval=0",
+                 # The recipe asks for 2000 unique problems but max_operand=20 yields fewer.
+                 "data.num_train_examples=256"]
+    if smoke:
+        steps = 2
+        overrides += ["rollout.group_size=2", "rollout.prompts_per_step=2",
+                      "rollout.max_new_tokens=2", "trainer.num_minibatches=1",
+                      "trainer.micro_batch_size=4", "data.num_train_examples=64",
+                      "data.num_eval_examples=2"]
+    overrides.append(f"trainer.steps={steps}")
+    try:
+        cfg = load_config(recipe, overrides)
+        summary = train_run(cfg)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    records = [r for r in records if "perf/step_s" in r]
+    if not records:
+        raise RuntimeError("gspo-train wrote no perf/* metrics")
+
+    def get(r, k):
+        return float(r.get(k, r.get("metrics", {}).get(k, 0.0)))
+
+    steady = records[1:] or records
+    rows = []
+    med = {k: median(get(r, k) for r in steady) for k in PARTS + ("perf/step_s",)}
+    total = med["perf/step_s"] + med["perf/checkpoint_s"]
+    for k in PARTS:
+        rows.append(row(f"{k[5:-2]}", med[k], "s"))
+        rows.append(row(f"{k[5:-2]} share", med[k] / total, "fraction"))
+    other = median(get(r, "perf/step_s") - sum(get(r, k) for k in PARTS[:4]) for r in steady)
+    rows.append(row("other (advantages, packing, logging)", other, "s"))
+    rows.append(row("step incl. checkpoint", total, "s"))
+    rows.append(row("rollout tokens/s", median(get(r, "perf/rollout_tokens_per_s")
+                                               for r in steady), "tok/s"))
+    first = {k[5:]: round(get(records[0], k), 4) for k in PARTS + ("perf/step_s",)}
+    return make_result(
+        "rl_step", "RL step breakdown, tiny recipe (examples/configs/tiny_gspo.yaml)",
+        "breakdown only (no target)", None, rows,
+        {"rollout_share": med["perf/rollout_s"] / total,
+         "update_share": med["perf/update_s"] / total},
+        config={"steps": steps, "threads": threads, "overrides": overrides,
+                "first_step": first, "summary": {k: v for k, v in summary.items()
+                                                 if isinstance(v, (int, float))}},
+        notes=[f"median over steps 2..{len(records)} (step 1 apart: {first}); "
+               f"torch threads {threads}"])
+
+
+def _args(ap) -> None:
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--threads", type=int)
+
+
+if __name__ == "__main__":
+    from tools.bench.common import module_main
+
+    module_main(run, extra_args=_args)
