@@ -30,13 +30,13 @@ class DataConfig:
     """Field holding the reference answer, e.g. ``reward_model.ground_truth`` for verl."""
     num_train_examples: int = 500
     """Size of the built-in task's training set."""
-    num_eval_examples: int = 60
+    num_eval_examples: int = 120
     """Size of the built-in task's held-out set."""
     max_operand: int = 20
     """Built-in task: operands are drawn from [0, max_operand]."""
     heldout_fraction: float = 0.2
     """Built-in task: share of all problems reserved for evaluation (never trained on)."""
-    max_prompt_length: int = 16
+    max_prompt_length: int = 8
     """Prompts longer than this many tokens are rejected at load time."""
 
 
@@ -59,7 +59,7 @@ class RolloutConfig:
     """G: responses per prompt (the group advantages normalise within)."""
     prompts_per_step: int = 16
     """Prompts per RL step (per data-parallel rank); the rollout batch is prompts x G."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = 4
     """Generation budget per response."""
     temperature: float = 1.0
     """Sampling temperature (also applied when the trainer scores tokens)."""
@@ -85,7 +85,7 @@ class RewardConfig:
 class SFTConfig:
     """Optional supervised warm-up before RL (the demo's tiny model starts from scratch)."""
 
-    steps: int = 0
+    steps: int = 300
     """Optimiser steps of supervised training on prompt + answer (0 = skip)."""
     batch_size: int = 64
     """Sequences per SFT step."""
@@ -100,7 +100,7 @@ class SFTConfig:
 class TrainerConfig:
     """The RL loop."""
 
-    steps: int = 20
+    steps: int = 600
     """RL steps (each: rollout, reward, advantages, old log-probs, ``num_minibatches`` updates)."""
     num_minibatches: int = 4
     """Optimiser steps per rollout batch (the paper: 4)."""
@@ -112,10 +112,13 @@ class TrainerConfig:
     """Divide by the group std (GRPO/GSPO Eq. 6); False = mean-centred only."""
     reference_model: bool = False
     """Keep a frozen copy of the initial policy for a k3 KL penalty (needs ``loss.kl_coef`` > 0)."""
-    eval_interval: int = 0
+    eval_interval: int = 100
     """Held-out accuracy every N steps (0 = only before and after)."""
     seed: int = 1234
     """Seeds data order, sampling and initialisation."""
+    max_consecutive_faults: int = 3
+    """Steps in a row with NaN/Inf (rewards, advantages, log-probs, loss or gradients; each such step
+    is skipped with the weights untouched) after which the run stops with an error."""
 
 
 @dataclass
@@ -157,7 +160,7 @@ class CheckpointConfig:
 class LoggingConfig:
     """Where metrics go."""
 
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/demo"
     """Run directory: metrics.jsonl, tokenizer, config, checkpoints."""
     wandb_project: str | None = None
     """Log to Weights & Biases (offline when no API key is set)."""
@@ -172,8 +175,14 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(
+        lr=3e-4, min_lr=3e-5, lr_warmup_steps=20, lr_decay_style="cosine"))
+    # The embedded default is the CPU demo. Its responses are 2-3 tokens long, so a sequence ratio
+    # is nearly a token ratio and the paper's eps (3e-4/4e-4, calibrated for responses of thousands
+    # of tokens) clips most updates; the demo uses 1e-2 on both sides. Recipes for real models keep
+    # the paper's values (PolicyLossConfig's defaults).
+    loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(
+        variant="gspo", clip_low=1e-2, clip_high=1e-2))
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

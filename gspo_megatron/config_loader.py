@@ -605,6 +605,8 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             errors.append(f"sft.num_examples must be >= 0, got {sft.num_examples}")
     if ck.keep_last < 1:
         errors.append(f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
+    if tr.max_consecutive_faults < 1:
+        errors.append(f"trainer.max_consecutive_faults must be >= 1, got {tr.max_consecutive_faults}")
     if ck.save_interval < 0:
         errors.append(f"checkpoint.save_interval must be >= 0 (0 = only at the end), "
                       f"got {ck.save_interval}")

@@ -169,7 +169,7 @@ def run(cfg: TrainConfig, prepared=None) -> dict:
     metrics_logger = MetricsLogger(cfg.logging.run_dir, enabled=rank == 0,
                                    progress=cfg.logging.progress,
                                    wandb_project=cfg.logging.wandb_project,
-                                   resume_step=start_step - 1 if start_step else None)
+                                   resume_step=start_step - 1)  # a fresh run (-1) starts an empty log
     trainer = Trainer(cfg, groups, policy, tokenizer, sampler, eval_examples, reward_fn, engine,
                       greedy_engine, metrics_logger, reference)
     trainer.step = start_step
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry. User errors (config, data, reward, checkpoint) exit 2 with one line on stderr and
     no traceback; nothing has been written when they are detected."""
     from gspo_megatron.config_loader import load_config, parse_cli
+    from gspo_megatron.trainer import NonFiniteError
     from gspo_megatron.training.checkpoint import CheckpointError
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # Megatron's static engine draws a progress bar per call
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = run(cfg, prepared)
-    except CheckpointError as exc:
+    except (CheckpointError, NonFiniteError) as exc:
         print(f"gspo-train: error: {exc}", file=sys.stderr)
         return 2
     return int(summary.get("exit_code", 0))

@@ -19,7 +19,7 @@ from gspo_megatron.algorithms import group_advantages
 from gspo_megatron.config import TrainConfig
 from gspo_megatron.parallel import ParallelGroups
 from gspo_megatron.training.batch import PolicyBatch, make_policy_batch
-from gspo_megatron.training.faults import maybe_fail
+from gspo_megatron.training.faults import maybe_corrupt, maybe_fail, set_step
 from gspo_megatron.training.megatron_setup import MegatronPolicy, current_lr, optimizer_step, zero_grad
 from gspo_megatron.training.step import ScoringConfig, compute_logprobs, train_minibatch
 
@@ -27,6 +27,26 @@ logger = logging.getLogger(__name__)
 
 REQUEUE_EXIT_CODE = 75
 """Exit code after a SIGTERM/SIGUSR1 checkpoint (EX_TEMPFAIL): launch scripts requeue on it."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had NaN/Inf; the run stops, the last checkpoint is untouched."""
+
+
+def any_rank(flag: bool, groups: ParallelGroups) -> bool:
+    """True if ``flag`` is true on any rank (one MAX all-reduce), so all ranks decide alike."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if groups.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_finite(tensor: torch.Tensor | None, groups: ParallelGroups,
+               mask: torch.Tensor | None = None) -> bool:
+    """True when ``tensor`` (masked) is finite on every rank; ranks without it vote yes."""
+    bad = tensor is not None and not bool(
+        torch.isfinite(tensor[mask] if mask is not None else tensor).all())
+    return not any_rank(bad, groups)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -104,8 +124,13 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
         zero_grad(policy)
         metrics = train_minibatch(policy.model, minibatch, mbs, cfg.loss, scoring, groups,
                                   routing=routing.replayer(mb_routes, mbs) if replay else None)
-        applied, grad_norm, _ = optimizer_step(policy)
-        metrics.update({"optim/grad_norm": grad_norm, "optim/skipped": float(not applied)})
+        _inject_nan_grad(policy)
+        if any_rank(bool(metrics.get("faults/nonfinite_loss")), groups):
+            applied, grad_norm = False, float("nan")
+        else:
+            applied, grad_norm, _ = optimizer_step(policy)  # skips non-finite gradients itself
+        metrics.update({"optim/grad_norm": grad_norm, "optim/skipped": float(not applied),
+                        "faults/skipped_updates": float(not applied)})
         if diagnose:
             from gspo_megatron.routing import routing_diagnostics
 
@@ -123,6 +148,12 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
     if diagnose:
         out["perf/routing_diagnostics_s"] = diag_s
     return out
+
+
+def _inject_nan_grad(policy: MegatronPolicy) -> None:
+    """Fault injection point ``nan_grads``: poison one reduced gradient."""
+    param = next(p for p in policy.model[0].module.parameters() if hasattr(p, "main_grad"))
+    param.main_grad.copy_(maybe_corrupt("nan_grads", param.main_grad))
 
 
 def gather_on_logging_rank(metrics: dict, groups: ParallelGroups) -> dict:
@@ -153,6 +184,7 @@ class Trainer:
         self.scoring = ScoringConfig(temperature=cfg.rollout.temperature,
                                      vocab_size=tokenizer.vocab_size)
         self.step = 0
+        self.consecutive_faults = 0
         self._stop_signal: int | None = None
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
@@ -166,6 +198,7 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         cfg, g = self.cfg, self.groups
         seed = cfg.trainer.seed + 1000 * self.step + g.dp_rank
+        set_step(self.step)
         maybe_fail("step_start", self.step)
         timings: dict[str, float] = {}
         t_step = t = time.perf_counter()
@@ -176,10 +209,16 @@ class Trainer:
 
         rewards, reward_metrics = reward_stage(self.reward_fn, self.tokenizer, prompts, samples,
                                                cfg.rollout.group_size, cfg.reward.timeout_s)
+        rewards = maybe_corrupt("nan_rewards", rewards)
         timings["perf/reward_s"], t = time.perf_counter() - t, time.perf_counter()
+        if not all_finite(rewards, g):
+            return self._skip_step("faults/nonfinite_rewards", reward_metrics, timings, t_step)
 
         advantages, adv_metrics = advantage_stage(rewards, cfg.rollout.group_size,
                                                   cfg.trainer.normalize_advantage_std)
+        advantages = maybe_corrupt("nan_advantages", advantages)
+        if not all_finite(advantages, g):
+            return self._skip_step("faults/nonfinite_advantages", reward_metrics, timings, t_step)
         batch = batch_stage(samples, advantages, self.tokenizer.pad_id, self.pad_multiple,
                             self._fixed_seq_length())
 
@@ -187,6 +226,10 @@ class Trainer:
         recorder = self.routing.recorder() if self.routing is not None else None
         train_lp, _ = compute_logprobs(self.policy.model, batch, cfg.trainer.micro_batch_size,
                                        self.scoring, g, routing=recorder)
+        if train_lp is not None:
+            train_lp = maybe_corrupt("nan_logprobs", train_lp)
+        if not all_finite(train_lp, g, batch.response_mask):
+            return self._skip_step("faults/nonfinite_logprobs", reward_metrics, timings, t_step)
         old_routes = recorder.store() if recorder is not None else None
         extra: dict[str, float] = {}
         if train_lp is not None:
@@ -202,6 +245,7 @@ class Trainer:
         update_metrics = update_stage(self.policy, batch, cfg, self.scoring, g, seed, self.step,
                                       routing=self.routing, old_routes=old_routes)
         timings["perf/update_s"] = time.perf_counter() - t
+        self._count_faults(update_metrics.get("faults/skipped_updates", 0.0) > 0)
         self.step += 1
 
         num_tokens = sum(len(s.response_ids) for s in samples)
@@ -211,6 +255,26 @@ class Trainer:
                    "response/mean_length": num_tokens / len(samples),
                    "response/eos_fraction": sum(s.finish_reason == "eos" for s in samples) / len(samples)}
         return gather_on_logging_rank(metrics, g)
+
+    # -- non-finite guard
+    def _skip_step(self, fault: str, reward_metrics: dict, timings: dict, t_step: float) -> dict:
+        """Give up this step before any update: weights, optimizer and schedule stay untouched."""
+        logger.warning("step %d: %s; skipping the update", self.step, fault)
+        self._count_faults(True)
+        self.step += 1
+        timings["perf/step_s"] = time.perf_counter() - t_step
+        metrics = {k: v for k, v in reward_metrics.items() if k in ("reward/errors", "reward/timeouts")}
+        metrics.update(timings)
+        metrics.update({fault: 1.0, "optim/skipped": 1.0})
+        return gather_on_logging_rank(metrics, self.groups)
+
+    def _count_faults(self, faulty: bool) -> None:
+        self.consecutive_faults = self.consecutive_faults + 1 if faulty else 0
+        if self.consecutive_faults >= self.cfg.trainer.max_consecutive_faults:
+            raise NonFiniteError(
+                f"{self.consecutive_faults} consecutive steps had non-finite values (last: step "
+                f"{self.step}); stopping (trainer.max_consecutive_faults="
+                f"{self.cfg.trainer.max_consecutive_faults}). The last checkpoint is untouched.")
 
     # -- evaluation: greedy decoding on held-out prompts
     def evaluate(self, max_examples: int | None = None) -> float:

@@ -19,6 +19,7 @@ from gspo_megatron.algorithms import PolicyLossConfig, policy_loss
 from gspo_megatron.ops import vocab_parallel_logprobs
 from gspo_megatron.parallel import ParallelGroups
 from gspo_megatron.training.batch import PolicyBatch
+from gspo_megatron.training.faults import maybe_corrupt
 
 
 @dataclass
@@ -172,12 +173,22 @@ def train_minibatch(
             logits, mb.labels, temperature=scoring.temperature, tp_group=groups.tp_group,
             vocab_size=scoring.vocab_size, compute_entropy=True,
             chunk_size=scoring.logprob_chunk_size)
+        lp = maybe_corrupt("nan_loss", lp)
+        # Non-finite log-probs (diverged weights, a bad kernel): the loss would be NaN. Compute it on
+        # sanitised values (ratio 1) so metrics keep their keys, contribute zero gradient, and flag
+        # the minibatch; the caller then skips its optimiser step.
+        nonfinite = not bool(torch.isfinite(lp[mb.response_mask]).all())
+        if nonfinite:
+            lp = torch.where(torch.isfinite(lp), lp, mb.old_logprobs.to(lp.dtype))
         loss, metrics = policy_loss(
             lp, mb.old_logprobs, mb.advantages, mb.response_mask, loss_cfg,
             ref_logprobs=mb.ref_logprobs, entropy=ent.detach(), loss_normalizer=normalizer)
+        if nonfinite:
+            loss = loss * 0.0
         metrics = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v)))
                    for k, v in metrics.items()}
         metrics["loss/total"] = loss.detach()
+        metrics["faults/nonfinite_loss"] = torch.tensor(float(nonfinite))
         return loss * scale, metrics
 
     outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn,

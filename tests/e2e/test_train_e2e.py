@@ -3,8 +3,10 @@ SIGKILL, and a 2-process expert-parallel run."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -25,6 +27,10 @@ SMALL = [
 
 
 def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout=600):
+    """Run gspo-train in its own process group; returns a CompletedProcess with stdout/stderr.
+
+    Output goes to files, not pipes, and the whole group is killed afterwards: a run that SIGKILLs
+    itself can leave helper processes (the checkpoint writer) that would hold a pipe open."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     env.update(env_extra or {})
     args = ["--config", RECIPE, f"--logging.run_dir={run_dir}", *SMALL, *overrides]
@@ -35,10 +41,23 @@ def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={_free_port()}", "-m", "gspo_megatron.train", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    os.makedirs(run_dir, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix="gspo_train_log_")
+    out_path, err_path = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # leftovers of this run only (its own group)
+            except ProcessLookupError:
+                pass
+    result = subprocess.CompletedProcess(cmd, returncode, open(out_path).read(), open(err_path).read())
     if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+        assert returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
 
 
 def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):

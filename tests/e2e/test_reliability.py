@@ -1,0 +1,104 @@
+"""Reliability end to end: SIGKILL at several points then resume (bitwise equal to an uninterrupted
+run), NaN injection at every guarded point, too many faults in a row, SIGTERM/SIGUSR1."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gspo_megatron.training.metrics_log import read_metrics
+from tests.e2e.test_train_e2e import RECIPE, ROOT, SMALL, gspo_train
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["--trainer.steps=4", "--checkpoint.save_interval=2"]
+COMPARED = ("reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train", "optim/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("straight")
+    gspo_train(run, *STEPS)
+    return read_metrics(run / "metrics.jsonl"), json.loads((run / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("fault", ["mid_update:3", "checkpoint_write:4", "checkpoint_write:2"])
+def test_sigkill_then_resume_is_bitwise_equal(tmp_path, uninterrupted, fault):
+    from gspo_megatron.training import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    killed = gspo_train(run, *STEPS, env_extra={"GSPO_FAULT": fault}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    save_dir = str(run / "checkpoints")
+    expect_latest = {"mid_update:3": 2, "checkpoint_write:4": 2, "checkpoint_write:2": None}[fault]
+    assert ckpt.read_latest(save_dir) == expect_latest  # the killed write never became "latest"
+    assert ckpt.list_checkpoints(save_dir) == ([expect_latest] if expect_latest else [])
+
+    gspo_train(run, *STEPS)
+    metrics, summary = read_metrics(run / "metrics.jsonl"), json.loads((run / "summary.json").read_text())
+    straight_metrics, straight_summary = uninterrupted
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    for key in COMPARED:
+        assert [m[key] for m in metrics] == [m[key] for m in straight_metrics], key
+    assert summary["accuracy_after"] == straight_summary["accuracy_after"]
+
+
+def test_nan_at_every_guarded_point_skips_that_step(tmp_path):
+    faults = {1: "nan_rewards", 2: "nan_advantages", 3: "nan_logprobs", 4: "nan_loss", 5: "nan_grads"}
+    spec = ",".join(f"{point}:{step}" for step, point in faults.items())
+    run = tmp_path / "nan"
+    gspo_train(run, "--trainer.steps=7", "--trainer.max_consecutive_faults=10",
+               env_extra={"GSPO_FAULT": spec})
+    metrics = {m["step"]: m for m in read_metrics(run / "metrics.jsonl")}
+    assert sorted(metrics) == list(range(7))
+    expected_key = {1: "faults/nonfinite_rewards", 2: "faults/nonfinite_advantages",
+                    3: "faults/nonfinite_logprobs", 4: "faults/skipped_updates",
+                    5: "faults/skipped_updates"}
+    for step, key in expected_key.items():
+        assert metrics[step].get(key, 0) > 0, (step, metrics[step])
+        assert metrics[step]["optim/skipped"] > 0
+    for step in (0, 6):
+        assert metrics[step]["optim/skipped"] == 0 and metrics[step]["faults/skipped_updates"] == 0
+    # the step after a fault trains from finite weights
+    assert all(isinstance(metrics[6][k], float) for k in ("loss/policy", "optim/grad_norm"))
+
+
+def test_too_many_faults_in_a_row_stop_the_run_and_keep_the_checkpoint(tmp_path):
+    from gspo_megatron.training import checkpoint as ckpt
+
+    run = tmp_path / "diverged"
+    proc = gspo_train(run, "--trainer.steps=8", "--checkpoint.save_interval=2",
+                      "--trainer.max_consecutive_faults=3",
+                      env_extra={"GSPO_FAULT": "nan_loss:2,nan_loss:3,nan_loss:4"}, check=False)
+    assert proc.returncode == 2
+    assert "3 consecutive steps had non-finite values" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # Skipped steps leave the weights untouched, so the step-4 checkpoint (after two skipped steps)
+    # holds good weights; nothing was saved after the third fault.
+    save_dir = str(run / "checkpoints")
+    assert ckpt.read_latest(save_dir) == 4 and ckpt.list_checkpoints(save_dir) == [2, 4]
+    assert (run / "checkpoints" / "iter_0000004" / "metadata.json").is_file()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signal_checkpoints_and_exits_for_requeue(tmp_path, sig):
+    run = tmp_path / "signalled"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", RECIPE,
+           f"--logging.run_dir={run}", *SMALL, "--trainer.steps=200"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics_path = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics_path.exists() and metrics_path.read_text().strip()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    step = int((run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= step < 200
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 75
