@@ -104,6 +104,14 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
                 f"(rollout.prompts_per_step x rollout.group_size / trainer.num_minibatches = "
                 f"{batch} / {tr.num_minibatches} = {batch // tr.num_minibatches})")
 
+    # Context parallelism: the losses reduce sequence sums over a CP group (tested in pure torch),
+    # but the trainer does not yet split batches into Megatron's load-balanced CP chunks.
+    if par.context_parallel_size > 1:
+        errors.append(
+            f"parallel.context_parallel_size={par.context_parallel_size}: the trainer does not yet "
+            "shard sequences across context-parallel ranks; use 1 (long sequences: raise "
+            "tensor_model_parallel_size with sequence_parallel, or recompute)")
+
     # MoE routing replay and diagnostics.
     rt = cfg.routing
     if rt.replay == "r3":

@@ -41,6 +41,8 @@ CONFIG_CASES = [
     ("", ["--parallel.tensor_model_parallel_size=2"], 3, r"world size 3 is not divisible"),
     ("", ["--reward.fn=no_such_reward"], 1, r"no_such_reward"),
     ("", ["--checkpoint.keep_last=0"], 1, r"checkpoint.keep_last"),
+    ("", ["--parallel.context_parallel_size=2"], 2, r"parallel.context_parallel_size=2"),
+    ("", ["--trainer.max_consecutive_faults=0"], 1, r"trainer.max_consecutive_faults"),
     ("model: !!python/object/apply:os.system ['echo pwned']\n", [], 1, r"recipe.yaml:1"),
 ]
 
