@@ -6,9 +6,7 @@ Each stage is a plain function of explicit inputs (testable alone); :class:`Trai
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import signal
 import time
 
@@ -17,7 +15,7 @@ import torch.distributed as dist
 
 from gspo_megatron.algorithms import group_advantages
 from gspo_megatron.config import TrainConfig
-from gspo_megatron.parallel import ParallelGroups
+from gspo_megatron.parallel import ParallelGroups, device
 from gspo_megatron.training.batch import PolicyBatch, make_policy_batch
 from gspo_megatron.training.faults import maybe_corrupt, maybe_fail, set_step
 from gspo_megatron.training.megatron_setup import MegatronPolicy, current_lr, optimizer_step, zero_grad
@@ -35,7 +33,7 @@ class NonFiniteError(RuntimeError):
 
 def any_rank(flag: bool, groups: ParallelGroups) -> bool:
     """True if ``flag`` is true on any rank (one MAX all-reduce), so all ranks decide alike."""
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=device())  # NCCL reduces device tensors only
     if groups.world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
@@ -285,7 +283,7 @@ class Trainer:
         rewards, stats = reward_stage(self.reward_fn, self.tokenizer, local, samples, 1,
                                       self.cfg.reward.timeout_s)
         correct = torch.tensor([stats["reward/accuracy"] * len(local), len(local)],
-                               dtype=torch.float64)
+                               dtype=torch.float64, device=device())
         if self.groups.dp_size > 1:
             dist.all_reduce(correct, group=self.groups.dp_group)
         return float(correct[0] / correct[1].clamp(min=1))
@@ -311,7 +309,4 @@ class Trainer:
 
     def stop_requested(self) -> bool:
         """Whether any rank received a stop signal (agreed by all ranks, so they stop together)."""
-        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0])
-        if self.groups.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self._stop_signal is not None, self.groups)

@@ -25,8 +25,13 @@ MoE layers x experts is at most this; the per-layer imbalance is always logged."
 
 
 def _all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place SUM of a host tensor; reduced on the compute device (NCCL takes device tensors)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
+        from gspo_megatron.parallel import device
+
+        buf = t.to(device())
+        dist.all_reduce(buf, group=group)
+        t.copy_(buf)
     return t
 
 

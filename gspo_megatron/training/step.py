@@ -18,6 +18,7 @@ import torch.distributed as dist
 from gspo_megatron.algorithms import PolicyLossConfig, policy_loss
 from gspo_megatron.ops import vocab_parallel_logprobs
 from gspo_megatron.parallel import ParallelGroups
+from gspo_megatron.parallel import device as compute_device
 from gspo_megatron.training.batch import PolicyBatch
 from gspo_megatron.training.faults import maybe_corrupt
 
@@ -136,6 +137,7 @@ def global_normalizer(batch: PolicyBatch, loss_cfg: PolicyLossConfig, dp_group) 
         local = batch.response_mask.sum().double()
     else:
         local = torch.tensor(float(batch.size), dtype=torch.float64)
+    local = local.to(compute_device())  # NCCL reduces device tensors only
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(local, group=dp_group)
     return float(local)
@@ -238,7 +240,7 @@ def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, flo
         out[key] = v
     if groups.dp_size > 1:
         for key, v in out.items():
-            t = v.clone().double()
+            t = v.clone().double().to(compute_device())
             if key.endswith("min") or key.endswith("max"):
                 dist.all_reduce(t, op=dist.ReduceOp.MIN if key.endswith("min") else dist.ReduceOp.MAX,
                                 group=groups.dp_group)
@@ -260,7 +262,7 @@ def train_sft_minibatch(
     """Supervised warm-up: token-mean negative log-likelihood of the ``response_mask`` tokens
     (prompt tokens are not trained), through the same schedule and log-prob kernel as the RL update.
     Scoring uses temperature 1 whatever the rollout temperature."""
-    local_tokens = batch.response_mask.sum().double()
+    local_tokens = batch.response_mask.sum().double().to(compute_device())
     if groups.dp_size > 1:
         dist.all_reduce(local_tokens, group=groups.dp_group)
     normalizer = max(float(local_tokens), 1.0)
