@@ -84,13 +84,14 @@ def initialize_distributed(
     apply_cpu_compat()
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # torchrun provides MASTER_ADDR/PORT; a single process gets a fresh local port (never a
+        # MASTER_PORT left in the environment by an earlier run in the same process tree).
+        init_method = ("env://" if world_size > 1 else f"tcp://127.0.0.1:{_free_port()}")
         dist.init_process_group(
-            backend=backend, world_size=world_size, rank=rank,
+            backend=backend, world_size=world_size, rank=rank, init_method=init_method,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     if parallel_state.model_parallel_is_initialized():

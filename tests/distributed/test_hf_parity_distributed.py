@@ -8,10 +8,10 @@ loading layouts differ from the one that wrote the checkpoint (except EP=2 -> EP
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers.torchrun import torchrun
 import torch
 
 pytest.importorskip("transformers")
@@ -27,16 +27,7 @@ WORKER = os.path.join(HERE, "hf_parity_worker.py")
 CASES = {"gqa2_hd12_mlponly": "ep=2", "gqa4_hd8_sparsestep2": "pp=2"}
 
 
-def torchrun(nproc, script, *args, timeout=240):
-    from gspo_megatron.parallel import _free_port
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", script, *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ so each layout is compared with a single-process run that has the same microbatc
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.helpers.torchrun import torchrun
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -26,14 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def run(nproc, *args, timeout=240):
-    from gspo_megatron.parallel import _free_port
-
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", WORKER, *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+    return torchrun(nproc, WORKER, *args, timeout=timeout)
 
 
 LAYOUTS = {

@@ -9,10 +9,10 @@ report a change rate of 0 before the perturbation and the single process's value
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers.torchrun import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -21,13 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run(nproc, *args, timeout=240):
-    from gspo_megatron.parallel import _free_port
-
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", WORKER, *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torchrun(nproc, WORKER, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

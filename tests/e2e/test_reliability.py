@@ -2,7 +2,6 @@
 run), NaN injection at every guarded point, too many faults in a row, SIGTERM/SIGUSR1."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 import pytest
 
 from gspo_megatron.training.metrics_log import read_metrics
-from tests.e2e.test_train_e2e import RECIPE, ROOT, SMALL, gspo_train
+from tests.e2e.test_train_e2e import RECIPE, SMALL, clean_env, gspo_train
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +86,7 @@ def test_too_many_faults_in_a_row_stop_the_run_and_keep_the_checkpoint(tmp_path)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_stop_signal_checkpoints_and_exits_for_requeue(tmp_path, sig):
     run = tmp_path / "signalled"
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env = clean_env()
     cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", RECIPE,
            f"--logging.run_dir={run}", *SMALL, "--trainer.steps=200"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
