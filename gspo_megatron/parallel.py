@@ -87,9 +87,10 @@ def initialize_distributed(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # torchrun provides MASTER_ADDR/PORT; a single process gets a fresh local port (never a
-        # MASTER_PORT left in the environment by an earlier run in the same process tree).
-        init_method = ("env://" if world_size > 1 else f"tcp://127.0.0.1:{_free_port()}")
+        # Under torchrun (even with one process) rendezvous through its store (env://); a plain
+        # single process gets a fresh local port rather than trusting a stray MASTER_PORT.
+        launched = world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+        init_method = "env://" if launched else f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(
             backend=backend, world_size=world_size, rank=rank, init_method=init_method,
             timeout=datetime.timedelta(minutes=timeout_minutes),
