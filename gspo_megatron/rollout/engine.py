@@ -100,6 +100,20 @@ def _sequence_parallel_off(model):
             setattr(m, a, v)
 
 
+def _silence_static_engine_progress_bar() -> None:
+    """Megatron's static engine draws a tqdm bar per generate() call (one per RL step), bound in its
+    module at import; ``TQDM_DISABLE`` only works if set before tqdm is first imported. Point the
+    module's ``tqdm`` at a disabled bar. Set ``GSPO_ROLLOUT_PROGRESS=1`` to keep the bars."""
+    import functools
+    import os
+
+    from megatron.core.inference.engines import static_engine
+
+    base = getattr(static_engine.tqdm, "func", static_engine.tqdm)
+    if os.environ.get("GSPO_ROLLOUT_PROGRESS") != "1" and not isinstance(static_engine.tqdm, functools.partial):
+        static_engine.tqdm = functools.partial(base, disable=True)
+
+
 class RolloutEngine:
     """Generate responses with Megatron-Core's inference engine from the live policy model.
 
@@ -196,6 +210,7 @@ class RolloutEngine:
             # The legacy engine reseeds torch's *global* RNG on every generate(); we seed only the
             # controller's sampling generator, so training RNG streams are left untouched.
             self.engine.random_seed = None
+            _silence_static_engine_progress_bar()
         else:
             self._build_dynamic(id_tok, buffer_size_gb)
 
