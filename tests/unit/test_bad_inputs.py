@@ -105,3 +105,27 @@ def test_unknown_reward_lists_the_registered_ones():
         get_reward_fn("no_such_reward")
     with pytest.raises((ValueError, ImportError), match="no_such_module"):
         get_reward_fn("no_such_module.sub:fn")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rollout.group_szie=4"], "rollout.group_szie: unknown field; did you mean 'group_size'"),
+    (["--data.source=file", "--data.train_path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
+    (["--data.max_prompt_length=3"], "more than data.max_prompt_length=3"),
+])
+def test_cli_user_errors_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.train", f"--logging.run_dir={run_dir}",
+                           "--data.num_train_examples=50", "--data.num_eval_examples=10", *args],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gspo-train: error:"), proc.stderr
+    assert not run_dir.exists()  # nothing written before the input was accepted
