@@ -246,7 +246,6 @@ def apply_cpu_compat() -> bool:
         return False
     if _APPLIED:
         return True
-    import megatron.core
     from megatron.core.package_info import __version__ as mcore_version
 
     if not mcore_version.startswith(_CHECKED_VERSIONS):

@@ -220,7 +220,7 @@ def _qkv_view(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 def piece_view(dest: torch.Tensor, piece: Piece, cfg: ModelConfig) -> torch.Tensor:
     """The region of the Megatron tensor ``dest`` that ``piece`` occupies, in the HF tensor's layout
     except for Q/K/V (see :func:`place`)."""
-    g, d = cfg.num_query_groups, cfg.head_dim()
+    g = cfg.num_query_groups
     r = cfg.num_attention_heads // g
     kind = piece.kind
     if kind in (COPY, FUSED_DOWN, FUSED_GATE_UP):
