@@ -109,9 +109,9 @@ def _silence_static_engine_progress_bar() -> None:
 
     from megatron.core.inference.engines import static_engine
 
-    base = getattr(static_engine.tqdm, "func", static_engine.tqdm)
-    if os.environ.get("GSPO_ROLLOUT_PROGRESS") != "1" and not isinstance(static_engine.tqdm, functools.partial):
-        static_engine.tqdm = functools.partial(base, disable=True)
+    already = isinstance(static_engine.tqdm, functools.partial)  # one engine per process did it
+    if os.environ.get("GSPO_ROLLOUT_PROGRESS") != "1" and not already:
+        static_engine.tqdm = functools.partial(static_engine.tqdm, disable=True)
 
 
 class RolloutEngine:

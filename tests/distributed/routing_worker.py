@@ -9,7 +9,6 @@ perturbation. Writes one JSON per layout (rank 0) with every rank's findings.
 
 import argparse
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,8 @@ from gspo_megatron.routing.stats import multi_hot
 from gspo_megatron.training.batch import make_policy_batch
 from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, zero_grad
 from gspo_megatron.training.model_io import load_model_weights, save_model_weights
-from gspo_megatron.training.step import ScoringConfig, _run_schedule, compute_logprobs
+from gspo_megatron.training.step import ScoringConfig, compute_logprobs
+from tests.helpers.routing import forward_logits
 
 BATCH, VOCAB, SEQ = 8, 100, 32
 
@@ -34,21 +34,6 @@ def fixed_batch():
     batch = make_policy_batch(seqs, [3] * BATCH, pad_id=0, seq_length=SEQ)
     batch.advantages = torch.randn(BATCH, generator=gen)
     return batch
-
-
-def forward(policy, batch, mbs, routing, train):
-    """Logits per microbatch (last stage) through Megatron's schedule; a backward when train."""
-    for c in policy.model:
-        c.train(train)
-
-    def loss_fn(mb, logits):
-        return (logits.float() ** 2).mean(), {"logits": logits.detach().clone()}
-
-    out = _run_schedule(policy.model, batch.split(mbs), forward_only=not train, loss_fn=loss_fn,
-                        routing=routing)
-    for c in policy.model:
-        c.train(True)
-    return torch.cat([o["logits"] for o in out]) if out else None
 
 
 def main():
@@ -86,11 +71,11 @@ def main():
 
     # 1. record (eval, no grad) then replay in a training forward: identical logits.
     rec = routing.recorder()
-    logits_old = forward(policy, batch, mbs, rec, train=False)
+    logits_old = forward_logits(policy, batch, mbs, rec, train=False)
     store = rec.store()
     res["store_shape"] = list(store.indices.shape)
     res["store_dtype"] = str(store.indices.dtype)
-    logits_replay = forward(policy, batch, mbs, routing.replayer(store, mbs), train=True)
+    logits_replay = forward_logits(policy, batch, mbs, routing.replayer(store, mbs), train=True)
     if logits_old is not None:
         res["exact"] = bool(torch.equal(logits_old, logits_replay))
 
@@ -109,7 +94,7 @@ def main():
             noise = torch.randn(router.weight.shape, generator=gen.manual_seed(99 + layer))
             router.weight.add_(2.0 * router.weight.std() * noise)
     rec2 = routing.recorder()
-    forward(policy, batch, mbs, rec2, train=False)
+    forward_logits(policy, batch, mbs, rec2, train=False)
     free = rec2.store()
     changed = torch.tensor(float((free.indices != store.indices).any(-1).sum()))
     dist.all_reduce(changed)
@@ -119,7 +104,7 @@ def main():
     hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append(out[1].detach().clone()))
              for r in routing.routers]
     zero_grad(policy)
-    forward(policy, batch, mbs, routing.replayer(store, mbs), train=True)
+    forward_logits(policy, batch, mbs, routing.replayer(store, mbs), train=True)
     for h in hooks:
         h.remove()
     # forward hooks fire per layer per microbatch (and again on recompute): layer-major per mb

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
+from tests.helpers.routing import forward_logits
 
 MBS = 4
 
@@ -33,22 +34,6 @@ def setup():
     destroy_distributed()
 
 
-def forward(policy, batch, mbs, routing, train):
-    from gspo_megatron.training.step import _run_schedule
-
-    for c in policy.model:
-        c.train(train)
-
-    def loss_fn(mb, logits):
-        return (logits.float() ** 2).mean(), {"logits": logits.detach().clone()}
-
-    out = _run_schedule(policy.model, batch.split(mbs), forward_only=not train, loss_fn=loss_fn,
-                        routing=routing)
-    for c in policy.model:
-        c.train(True)
-    return torch.cat([o["logits"] for o in out])
-
-
 @pytest.fixture
 def saved_weights(setup):
     _, _, policy, _ = setup
@@ -64,7 +49,7 @@ def test_layers_and_compact_store(setup):
     routing = ModelRouting(policy.model, groups)
     assert routing.moe_layers == [0, 1]  # the dense layer 2 is skipped
     rec = routing.recorder(capture_entropy=True)
-    forward(policy, batch, MBS, rec, train=False)
+    forward_logits(policy, batch, MBS, rec, train=False)
     store = rec.store()
     assert store.indices.shape == (2, 8, batch.seq_length, 2)
     assert store.indices.dtype == torch.uint8 and store.bytes_per_token_per_layer() == 2
@@ -78,13 +63,13 @@ def test_replay_with_unchanged_weights_is_bit_identical(setup):
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
     rec = routing.recorder()
-    old = forward(policy, batch, MBS, rec, train=False)  # old-policy pass: eval, no grad
+    old = forward_logits(policy, batch, MBS, rec, train=False)  # old-policy pass: eval, no grad
     store = rec.store()
-    new = forward(policy, batch, MBS, routing.replayer(store, MBS), train=True)  # update forward
+    new = forward_logits(policy, batch, MBS, routing.replayer(store, MBS), train=True)  # update forward
     assert torch.equal(old, new)
     # routes are kept per sequence: a shuffled minibatch with another micro-batch size replays too
     perm = torch.tensor([5, 2, 7, 0, 1, 3, 6, 4])
-    again = forward(policy, batch.select(perm), 2, routing.replayer(store.select(perm), 2), train=True)
+    again = forward_logits(policy, batch.select(perm), 2, routing.replayer(store.select(perm), 2), train=True)
     assert torch.equal(old[perm], again)
     assert all(r.router_replay_action is None for r in routing.replays), "replay left switched on"
 
@@ -97,20 +82,20 @@ def test_perturbed_weights_replay_recorded_routes_and_router_gets_gradient(setup
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
     rec = routing.recorder()
-    forward(policy, batch, MBS, rec, train=False)
+    forward_logits(policy, batch, MBS, rec, train=False)
     store = rec.store()
     with torch.no_grad():
         for router in routing.routers:
             router.weight.add_(2 * router.weight.std() * torch.randn_like(router.weight))
     free = routing.recorder()
-    forward(policy, batch, MBS, free, train=False)
+    forward_logits(policy, batch, MBS, free, train=False)
     assert (free.store().indices != store.indices).any(), "perturbation should move free routes"
 
     seen = []
     hooks = [r.register_forward_hook(lambda m, i, out: seen.append(out[1].clone()))
              for r in routing.routers]
     zero_grad(policy)
-    forward(policy, batch, MBS, routing.replayer(store, MBS), train=True)
+    forward_logits(policy, batch, MBS, routing.replayer(store, MBS), train=True)
     for h in hooks:
         h.remove()
     expected = [multi_hot(x, 4) for s in range(0, 8, MBS)
@@ -137,7 +122,7 @@ def test_reference_model_does_not_mix_into_the_policy_routers(setup, saved_weigh
     assert not any(r in RouterReplay.global_router_replay_instances for r in routing.replays)
 
     rec = routing.recorder()
-    old = forward(policy, batch, MBS, rec, train=False)
+    old = forward_logits(policy, batch, MBS, rec, train=False)
     store = rec.store()
     # ... and anything done through it, between the policy's record and replay, stays there.
     RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
@@ -149,7 +134,7 @@ def test_reference_model_does_not_mix_into_the_policy_routers(setup, saved_weigh
     ref_routing = ModelRouting([reference], groups)
     assert len(RouterReplay.global_router_replay_instances) == before
     assert not set(map(id, ref_routing.replays)) & set(map(id, routing.replays))
-    new = forward(policy, batch, MBS, routing.replayer(store, MBS), train=True)
+    new = forward_logits(policy, batch, MBS, routing.replayer(store, MBS), train=True)
     assert torch.equal(old, new)
     RouterReplay.clear_global_router_replay_action()
 
@@ -160,12 +145,12 @@ def test_replay_rejects_a_mismatched_layout(setup):
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
     rec = routing.recorder()
-    forward(policy, batch, MBS, rec, train=False)
+    forward_logits(policy, batch, MBS, rec, train=False)
     store = rec.store()
     short = store.select(slice(0, 8))
     short.indices = short.indices[:, :, :-2]  # as if the batch had been padded differently
     with pytest.raises(RuntimeError, match="recorded tokens but the router sees"):
-        forward(policy, batch, MBS, routing.replayer(short, MBS), train=False)
+        forward_logits(policy, batch, MBS, routing.replayer(short, MBS), train=False)
     assert all(r.router_replay_action is None for r in routing.replays)
 
 
