@@ -147,8 +147,9 @@ def _swap_modules(spec: Any, old: type, new: type) -> Any:
     return spec
 
 
-def build_layer_spec(config, impl: str, pp_rank: int | None = None):
-    """Megatron's decoder block spec (dense and MoE layers per ``moe_layer_freq``) for ``impl``."""
+def build_layer_spec(config, impl: str, pp_rank: int | None = None, local_kernels: bool = True):
+    """Megatron's decoder block spec (dense and MoE layers per ``moe_layer_freq``) for ``impl``;
+    with the local spec and ``local_kernels``, our drop-in faster modules swapped in."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -157,6 +158,21 @@ def build_layer_spec(config, impl: str, pp_rank: int | None = None):
         config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
     if not use_te:
         spec = _swap_modules(spec, WrappedTorchNorm, RMSNorm)
+    if not use_te and local_kernels:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.attention import SelfAttention
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from gspo_megatron.model import local_kernels as lk
+
+        # Same parameters and checkpoints, less Python per call (see local_kernels' docstring).
+        for old, new in ((SelfAttention, lk.RopeOnceSelfAttention),
+                         (DotProductAttention, lk.SDPADotProductAttention),
+                         (ColumnParallelLinear, lk.DirectColumnParallelLinear),
+                         (RowParallelLinear, lk.DirectRowParallelLinear),
+                         (SequentialMLP, lk.LoopedSequentialMLP)):
+            spec = _swap_modules(spec, old, new)
     return spec
 
 
@@ -184,7 +200,7 @@ def build_gpt_model(
     get_moe_layer_wise_logging_tracker().clear()
     impl = resolve_transformer_impl(precision)
     config = build_transformer_config(model, parallel, precision, **(transformer_config_overrides or {}))
-    spec = build_layer_spec(config, impl, pp_rank=pp_rank)
+    spec = build_layer_spec(config, impl, pp_rank=pp_rank, local_kernels=precision.local_kernels)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,

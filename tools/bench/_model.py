@@ -37,8 +37,10 @@ def distributed(model_cfg, seed: int = 0):
         destroy_distributed()
 
 
-def policy(model_cfg, groups, with_optimizer: bool = True, seed: int = 0, lr: float = 1e-5):
-    """A Megatron-DDP-wrapped policy (local spec, fp32) with Adam; weights from ``seed``."""
+def policy(model_cfg, groups, with_optimizer: bool = True, seed: int = 0, lr: float = 1e-5,
+           local_kernels: bool = True):
+    """A Megatron-DDP-wrapped policy (local spec, fp32) with Adam; weights from ``seed``.
+    ``local_kernels=False``: Megatron's own modules instead of ours (``precision.local_kernels``)."""
     from gspo_megatron.model.config import ParallelConfig, PrecisionConfig
     from gspo_megatron.training.megatron_setup import OptimConfig, build_policy
 
@@ -46,7 +48,8 @@ def policy(model_cfg, groups, with_optimizer: bool = True, seed: int = 0, lr: fl
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed) if torch.cuda.is_available() else None
-    return build_policy(model_cfg, ParallelConfig(), PrecisionConfig(transformer_impl="local"),
+    return build_policy(model_cfg, ParallelConfig(),
+                        PrecisionConfig(transformer_impl="local", local_kernels=local_kernels),
                         OptimConfig(lr=lr), groups, total_steps=10_000,
                         with_optimizer=with_optimizer)
 

@@ -1,11 +1,12 @@
 """Benchmark 3: rollout tokens/s, our path (Megatron static engine) vs Hugging Face ``generate``.
 
-    python -m tools.bench.rollout [--rounds 3] [--batch 16] [--new-tokens 64]
+    python -m tools.bench.rollout [--rounds 3] [--batch 16,128] [--new-tokens 64]
 
 Weights: a random ``Qwen3MoeForCausalLM`` (transformers, fp32; the SMALL benchmark shape:
 4 layers, one dense, 8 experts top-2, hidden 256, vocabulary 4096) converted in memory with
 :func:`gspo_megatron.model.hf_weights.mcore_state_dict_from_hf` into the Megatron policy.
-Batch: the same ``batch`` prompts of ``prompt_len`` random tokens for both; greedy decoding,
+Batch: the same ``batch`` prompts of ``prompt_len`` random tokens for both, at each batch size
+(default 16, latency-bound, and 128, the tiny recipes' rollout batch); greedy decoding,
 ``new_tokens`` per prompt. HF: ``generate(use_cache=True, do_sample=False, min_new_tokens =
 max_new_tokens)`` (EOS cannot stop it). Ours: :class:`RolloutEngine` with ``top_k=1`` and an EOS
 id that greedy decoding never produces on this batch (checked: every response has full length).
@@ -95,28 +96,17 @@ def _profile_top(fn, top: int = 10) -> tuple[list[dict], float, dict]:
         _breakdown(st)
 
 
-def run(smoke: bool = False, rounds: int = 3, batch: int = 16, prompt_len: int = 16,
-        new_tokens: int = 64, threads: int = 1) -> dict:
-    import json
-
+def _measure(hf, cfg, groups, pols: dict, batch: int, prompt_len: int, new_tokens: int,
+             rounds: int) -> dict:
+    """Our engine on each policy of ``pols`` and HF on ``batch`` random prompts: times, greedy
+    agreement, profiles (of ``ours`` and HF)."""
     import torch
 
     from gspo_megatron.config import RolloutConfig
-    from gspo_megatron.model.hf_config import model_config_from_hf
-    from gspo_megatron.model.hf_weights import mcore_state_dict_from_hf
     from gspo_megatron.rollout import RolloutEngine
-    from tools.bench import _model
-    from tools.bench.common import (interleaved, make_result, median, median_ratio,
-                                    quiet_megatron, row)
+    from tools.bench.common import interleaved
 
-    quiet_megatron()
-    torch.set_num_threads(threads)
-    if smoke:
-        rounds, batch, prompt_len, new_tokens = 1, 2, 4, 4
-    hf = hf_model(smoke)
-    cfg = model_config_from_hf(json.loads(hf.config.to_json_string()),
-                               seq_length=prompt_len + new_tokens)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
 
     def hf_generate():
@@ -128,57 +118,104 @@ def run(smoke: bool = False, rounds: int = 3, batch: int = 16, prompt_len: int =
     hf_out = hf_generate()[:, prompt_len:]
     unused = sorted(set(range(cfg.vocab_size)) - set(hf_out.flatten().tolist()))
     eos = unused[-1]
+    engines = {name: RolloutEngine(
+        pol.model, groups, eos_id=eos, pad_id=0, vocab_size=cfg.vocab_size,
+        config=RolloutConfig(max_new_tokens=new_tokens, top_k=1, temperature=1.0,
+                             max_batch_size=batch),
+        max_sequence_length=prompt_len + new_tokens) for name, pol in pols.items()}
+    prompts = ids.tolist()
+    agree, lengths = {}, set()
+    for name, engine in engines.items():
+        out = engine.generate(prompts, seed=0)
+        lengths |= {len(s.response_ids) for s in out}
+        agree[name] = sum(a == b for s, h in zip(out, hf_out.tolist())
+                          for a, b in zip(s.response_ids, h)) / (batch * new_tokens)
+    fns = {name: (lambda e=engine: e.generate(prompts, seed=0)) for name, engine in engines.items()}
+    times = interleaved({**fns, "hf": hf_generate}, rounds=rounds, warmup=1)
+    top, prof_total, split = _profile_top(fns["ours"])
+    hf_top, hf_total, hf_split = _profile_top(hf_generate, top=6)
+    return {"times": times, "agree": agree, "eos": eos,
+            "lengths": sorted(lengths),
+            "profile_ours": {"total_s": round(prof_total, 4), "breakdown_s": split,
+                             "top_own_time": top},
+            "profile_hf": {"total_s": round(hf_total, 4), "breakdown_s": hf_split,
+                           "top_own_time": hf_top}}
 
+
+def run(smoke: bool = False, rounds: int = 3, batch: str = "16,128", prompt_len: int = 16,
+        new_tokens: int = 64, threads: int = 1) -> dict:
+    """``batch``: comma-separated batch sizes, each measured on its own. 128 is the tiny
+    recipes' rollout batch (16 prompts x group size 8); 16 is latency-bound decoding."""
+    import json
+
+    import torch
+
+    from gspo_megatron.model.hf_config import model_config_from_hf
+    from gspo_megatron.model.hf_weights import mcore_state_dict_from_hf
+    from tools.bench import _model
+    from tools.bench.common import make_result, median, median_ratio, quiet_megatron, row
+
+    quiet_megatron()
+    torch.set_num_threads(threads)
+    batches = [int(b) for b in str(batch).split(",")]
+    if smoke:
+        rounds, batches, prompt_len, new_tokens = 1, [2], 4, 4
+    hf = hf_model(smoke)
+    cfg = model_config_from_hf(json.loads(hf.config.to_json_string()),
+                               seq_length=prompt_len + new_tokens)
     with _model.distributed(cfg) as groups:
-        pol = _model.policy(cfg, groups, with_optimizer=False)
+        # ours: the default local spec (gspo_megatron.model.local_kernels); megatron_modules: the
+        # same weights in Megatron's own local-spec modules (precision.local_kernels=false).
+        pols = {"ours": _model.policy(cfg, groups, with_optimizer=False),
+                "megatron_modules": _model.policy(cfg, groups, with_optimizer=False,
+                                                  local_kernels=False)}
         sd = mcore_state_dict_from_hf(hf.state_dict(), cfg)
-        missing, unexpected = pol.unwrapped().load_state_dict(sd, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"conversion: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        engine = RolloutEngine(pol.model, groups, eos_id=eos, pad_id=0, vocab_size=cfg.vocab_size,
-                               config=RolloutConfig(max_new_tokens=new_tokens, top_k=1,
-                                                    temperature=1.0, max_batch_size=batch),
-                               max_sequence_length=prompt_len + new_tokens)
-        prompts = ids.tolist()
-        ours_out = engine.generate(prompts, seed=0)
-        lengths = {len(s.response_ids) for s in ours_out}
-        agree = sum(a == b for s, h in zip(ours_out, hf_out.tolist())
-                    for a, b in zip(s.response_ids, h)) / (batch * new_tokens)
-        times = interleaved({"ours": lambda: engine.generate(prompts, seed=0),
-                             "hf": hf_generate}, rounds=rounds, warmup=1)
-        top, prof_total, split = _profile_top(lambda: engine.generate(prompts, seed=0))
-        hf_top, hf_total, hf_split = _profile_top(hf_generate, top=6)
-    tokens = batch * new_tokens
-    ratio = 1.0 / median_ratio(times, "ours", "hf")  # tokens/s ratio = inverse time ratio
-    rows = [row("ours tokens/s", tokens / median(times["ours"]), "tok/s"),
-            row("HF generate tokens/s", tokens / median(times["hf"]), "tok/s"),
-            row("ours / HF tokens/s", ratio, "x"),
-            row("greedy tokens equal to HF's", agree, "fraction")]
-    notes = [f"batch {batch} x prompt {prompt_len} -> {new_tokens} new tokens, greedy, fp32, "
-             f"torch threads {threads}; {rounds} interleaved rounds after 1 warm-up",
-             f"response lengths (ours): {sorted(lengths)}"]
-    notes += [f"ours (cProfile, one call): {k} {v:.3f} s ({100 * v / split['total']:.0f}%)"
-              for k, v in split.items() if k != "total"]
-    notes += [f"HF (cProfile, one call): {k} {v:.3f} s ({100 * v / hf_split['total']:.0f}%)"
-              for k, v in hf_split.items() if k != "total"]
-    notes += [f"ours top own time: {e['own_pct']}% {e['function']} x{e['calls']}" for e in top[:5]]
+        for pol in pols.values():
+            missing, unexpected = pol.unwrapped().load_state_dict(sd, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"conversion: missing {missing[:5]}, "
+                                   f"unexpected {unexpected[:5]}")
+        per_batch = {b: _measure(hf, cfg, groups, pols, b, prompt_len, new_tokens, rounds)
+                     for b in batches}
+    rows, ratios, notes, config = [], {}, [], {}
+    for b, m in per_batch.items():
+        tokens, times = b * new_tokens, m["times"]
+        ratio = 1.0 / median_ratio(times, "ours", "hf")  # tokens/s ratio = inverse time ratio
+        ratios[f"ours_vs_hf_tokens_per_s_batch{b}"] = ratio
+        speedup = median_ratio(times, "megatron_modules", "ours")
+        rows += [row(f"batch {b}: ours tokens/s", tokens / median(times["ours"]), "tok/s"),
+                 row(f"batch {b}: ours with Megatron's modules tokens/s",
+                     tokens / median(times["megatron_modules"]), "tok/s"),
+                 row(f"batch {b}: HF generate tokens/s", tokens / median(times["hf"]), "tok/s"),
+                 row(f"batch {b}: local_kernels speed-up (ours / Megatron's modules)", speedup,
+                     "x"),
+                 row(f"batch {b}: ours / HF tokens/s", ratio, "x"),
+                 row(f"batch {b}: greedy tokens equal to HF's", min(m["agree"].values()),
+                     "fraction")]
+        split, hf_split = m["profile_ours"]["breakdown_s"], m["profile_hf"]["breakdown_s"]
+        notes += [f"batch {b}: response lengths (ours) {m['lengths']}"]
+        notes += [f"batch {b}, ours (cProfile, one call): {k} {v:.3f} s "
+                  f"({100 * v / split['total']:.0f}%)" for k, v in split.items() if k != "total"]
+        notes += [f"batch {b}, HF (cProfile, one call): {k} {v:.3f} s "
+                  f"({100 * v / hf_split['total']:.0f}%)"
+                  for k, v in hf_split.items() if k != "total"]
+        config[f"batch{b}"] = {k: v for k, v in m.items() if k != "times"}
+        config[f"batch{b}"]["times"] = {k: [round(x, 4) for x in v] for k, v in times.items()}
+    notes.insert(0, f"prompt {prompt_len} -> {new_tokens} new tokens, greedy, fp32, torch threads "
+                    f"{threads}; {rounds} interleaved rounds after 1 warm-up per batch size")
     return make_result(
         "rollout", "Rollout tokens/s: RolloutEngine (Megatron static engine) vs HF generate",
-        f"ours / HF tokens/s >= {TARGET}", ratio >= TARGET, rows, {"ours_vs_hf_tokens_per_s": ratio},
-        config={"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                "rounds": rounds, "threads": threads, "eos_id": eos,
-                "profile_ours": {"total_s": round(prof_total, 4), "breakdown_s": split,
-                                 "top_own_time": top},
-                "profile_hf": {"total_s": round(hf_total, 4), "breakdown_s": hf_split,
-                               "top_own_time": hf_top},
-                "times": {k: [round(x, 4) for x in v] for k, v in times.items()}},
+        f"ours / HF tokens/s >= {TARGET} at every batch size",
+        all(r >= TARGET for r in ratios.values()), rows, ratios,
+        config={"batches": batches, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                "rounds": rounds, "threads": threads, **config},
         notes=notes)
 
 
 def _args(ap) -> None:
     ap.add_argument("--rounds", type=int)
-    ap.add_argument("--batch", type=int)
+    ap.add_argument("--batch", help="comma-separated batch sizes (default 16,128)")
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--threads", type=int)
 
