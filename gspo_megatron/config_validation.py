@@ -120,6 +120,9 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             "gspo_megatron's RolloutEngine (Megatron-Core's static and dynamic inference engines) "
             "does not return them (docs/routing.md, 'R3'). Use routing.replay='r2' (routes "
             "recorded in the trainer's old-policy pass)")
+    if not isinstance(rt.diagnostics_interval, int) or rt.diagnostics_interval < 1:
+        errors.append(f"routing.diagnostics_interval={rt.diagnostics_interval!r}: must be an "
+                      "integer >= 1 (run the diagnostics every N RL steps)")
     if rt.replay != "none" or rt.diagnostics:
         what = f"routing.replay={rt.replay!r}" if rt.replay != "none" else "routing.diagnostics"
         if not m.num_moe_experts:

@@ -96,6 +96,11 @@ def rollout_mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: tor
     return float((torch.exp(d) - d - 1).mean()) if d.numel() else 0.0
 
 
+def diagnoses_routing(cfg: TrainConfig, step: int) -> bool:
+    """Whether RL step ``step`` runs the routing diagnostics (``routing.diagnostics_interval``)."""
+    return cfg.routing.diagnostics and step % cfg.routing.diagnostics_interval == 0
+
+
 def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
                  scoring: ScoringConfig, groups: ParallelGroups, seed: int,
                  step: int = 0, routing=None, old_routes=None) -> dict[str, float]:
@@ -111,7 +116,8 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
     per_minibatch = batch.size // cfg.trainer.num_minibatches
     mbs = cfg.trainer.micro_batch_size
     replay = routing is not None and old_routes is not None and cfg.routing.replay == "r2"
-    diagnose = routing is not None and old_routes is not None and cfg.routing.diagnostics
+    diagnose = (routing is not None and old_routes is not None
+                and diagnoses_routing(cfg, step))
     history: list[dict[str, float]] = []
     diag_s = 0.0
     for i, minibatch in enumerate(shuffled.split(per_minibatch)):
@@ -220,8 +226,10 @@ class Trainer:
         batch = batch_stage(samples, advantages, self.tokenizer.pad_id, self.pad_multiple,
                             self._fixed_seq_length())
 
-        # With R2 or routing diagnostics, this pass also records the old policy's MoE routes.
-        recorder = self.routing.recorder() if self.routing is not None else None
+        # With R2, or on a step that runs the routing diagnostics, this pass also records the old
+        # policy's MoE routes.
+        records = cfg.routing.replay != "none" or diagnoses_routing(cfg, self.step)
+        recorder = self.routing.recorder() if self.routing is not None and records else None
         train_lp, _ = compute_logprobs(self.policy.model, batch, cfg.trainer.micro_batch_size,
                                        self.scoring, g, routing=recorder)
         if train_lp is not None:

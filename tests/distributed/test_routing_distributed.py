@@ -75,16 +75,18 @@ def test_replay_and_diagnostics_match_single_process(single, name):
 
 
 def test_gspo_train_with_r2_and_diagnostics_logs_routing_metrics(tmp_path):
-    """The trainer wiring: R2 replay and the routing/* metrics in a real (tiny) gspo-train run."""
+    """The trainer wiring: R2 replay and the routing/* metrics in a real (tiny) gspo-train run,
+    with the diagnostics on every second step (``routing.diagnostics_interval``)."""
     from tests.e2e.test_train_e2e import gspo_train
 
     from gspo_megatron.training.metrics_log import read_metrics
 
-    gspo_train(tmp_path, "--trainer.steps=2", "--routing.replay=r2", "--routing.diagnostics=true",
-               "--optim.lr=1e-3")
+    gspo_train(tmp_path, "--trainer.steps=3", "--routing.replay=r2", "--routing.diagnostics=true",
+               "--routing.diagnostics_interval=2", "--optim.lr=1e-3")
     rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1]
-    for r in rows:
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert not any(k.startswith("routing/") or k == "perf/routing_diagnostics_s" for k in rows[1])
+    for r in (rows[0], rows[2]):
         assert 0.0 <= r["routing/change_rate"] <= 1.0
         assert 0.0 <= r["routing/change_rate/layer_0"] <= 1.0 and "routing/change_rate/layer_1" in r
         assert 0.0 <= r["routing/jaccard"] <= 1.0 and r["routing/load_imbalance"] >= 1.0

@@ -177,6 +177,7 @@ def test_diagnostics_zero_when_nothing_changed(setup):
 @pytest.mark.parametrize("override, message", [
     ("--routing.replay=r3", "routing.replay='r3' needs the routes the rollout engine used"),
     ("--parallel.context_parallel_size=2", "not validated with context parallelism"),
+    ("--routing.diagnostics_interval=0", "routing.diagnostics_interval=0: must be an integer >= 1"),
 ])
 def test_config_validation(override, message):
     from gspo_megatron.config_loader import ConfigError, load_config, validate_config
