@@ -132,11 +132,23 @@ def _as_int_list(split_sizes: Any) -> Any:
     return [int(x) for x in split_sizes]
 
 
+def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended along dim 0 up to ``rows``."""
+    if t.shape[0] == rows:
+        return t.contiguous()
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
 class _DistributedOnCpu(types.SimpleNamespace):
-    """``torch.distributed`` as the MoE dispatcher sees it on gloo.
+    """``torch.distributed`` as the MoE dispatcher and the TP mappings see it on gloo.
 
     Failure 8: with EP>1 the alltoall dispatcher passes its split sizes as CPU tensors (on GPU they
     are numpy arrays from a device-to-host copy); gloo's ``all_to_all_single`` accepts only lists.
+
+    Failure 9: with expert-TP>1 and EP>1 the dispatcher gathers / reduce-scatters a different
+    number of tokens per rank through the list forms of ``all_gather`` / ``reduce_scatter``, which
+    gloo refuses for unequal sizes. Those calls are padded along dim 0 to the largest size and
+    trimmed afterwards: same result, one extra copy (CPU test sizes only).
     """
 
     @staticmethod
@@ -145,6 +157,34 @@ class _DistributedOnCpu(types.SimpleNamespace):
         return torch.distributed.all_to_all_single(
             output, input, output_split_sizes=_as_int_list(output_split_sizes),
             input_split_sizes=_as_int_list(input_split_sizes), group=group, async_op=async_op)
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] for t in tensor_list]
+        if len(set(rows + [tensor.shape[0]])) == 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        if async_op:
+            raise NotImplementedError("uneven async all_gather on CPU")
+        padded = [_padded_rows(t, max(rows)) for t in tensor_list]
+        torch.distributed.all_gather(padded, _padded_rows(tensor, max(rows)), group=group)
+        for out, got, n in zip(tensor_list, padded, rows):
+            out.copy_(got[:n])
+        return None
+
+    @staticmethod
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None,
+                       async_op=False):
+        rows = [t.shape[0] for t in input_list]
+        if len(set(rows + [output.shape[0]])) == 1:
+            return torch.distributed.reduce_scatter(output, input_list, op=op, group=group,
+                                                    async_op=async_op)
+        if async_op:
+            raise NotImplementedError("uneven async reduce_scatter on CPU")
+        padded_out = _padded_rows(output, max(rows)).clone()
+        torch.distributed.reduce_scatter(padded_out, [_padded_rows(t, max(rows)) for t in input_list],
+                                         op=op, group=group)
+        output.copy_(padded_out[:output.shape[0]])
+        return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.distributed, name)
