@@ -27,9 +27,14 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     by_name = {r["name"]: r for r in report["benchmarks"]}
     assert {"train_time_ours_vs_naive", "train_mem_ours_x_logits"} <= set(by_name["logprobs"]["ratios"])
     assert "gspo_vs_ce" in by_name["update_step"]["ratios"]
-    assert "ours_vs_hf_tokens_per_s" in by_name["rollout"]["ratios"]
+    assert {"diag_vs_off", "diag_every_vs_off_full_step"} <= set(by_name["routing"]["ratios"])
+    assert "ours_vs_hf_tokens_per_s_batch2" in by_name["rollout"]["ratios"]
     assert by_name["rollout"]["rows"][-1]["value"] == 1.0  # greedy tokens identical to HF's
     assert by_name["rl_step"]["met"] is None and by_name["rl_step"]["rows"]
+    gpu = by_name["gpu_qwen3_slice"]
+    assert gpu["met"] is None
+    if "CPU code-path check" in gpu["rows"][-1]["metric"]:  # no CUDA: the slice code ran on CPU
+        assert gpu["rows"][-1]["value"] > 0
     table = format_table(report)
     for name in BENCHMARKS:
         assert name in table
@@ -43,3 +48,24 @@ def test_validate_result_rejects_malformed():
     validate_result(good)
     with pytest.raises(ValueError):
         validate_result(dict(good, rows=[{"metric": "m", "value": [1]}]))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-30b-a3b"])
+def test_gpu_slice_flop_count_matches_the_parameter_count(preset):
+    """The GPU benchmark's MFU numerator: at sequence length 0 (no attention scores) a token's
+    training FLOPs are 6 x the matmul parameters it uses (attention projections, routers, top-k
+    experts, dense MLPs, LM head), counted independently by model/params.py; each extra position
+    adds 3 x 2 x 2 x (heads x head_dim) / 2 per layer (causal QK^T and AV)."""
+    from gspo_megatron.model.config import model_config_from_preset
+    from gspo_megatron.model.params import count_parameters
+    from tools.bench.gpu_qwen3_slice import model_flops_per_token
+
+    cfg = model_config_from_preset(preset, num_layers=4, moe_layer_freq=[1, 0, 1, 1])
+    c = count_parameters(cfg)
+    qk_norms = cfg.num_layers * 2 * cfg.head_dim()
+    lm_head = cfg.padded_vocab_size() * cfg.hidden_size
+    matmul_params = c.attention - qk_norms + c.dense_mlp + c.routers + c.active_experts + lm_head
+    assert model_flops_per_token(cfg, 0) == 6 * matmul_params
+    q = cfg.num_attention_heads * cfg.head_dim()
+    per_position = 3 * cfg.num_layers * 2 * q
+    assert model_flops_per_token(cfg, 100) - model_flops_per_token(cfg, 0) == 100 * per_position

@@ -3,7 +3,9 @@
     PYTHONPATH=. python -m tools.bench.gpu_qwen3_slice [--layers 4] [--seq 4096] [--iters 5]
 
 Needs CUDA and megatron-core (Transformer Engine optional); without CUDA it returns a "not run"
-record. Measured in one run, one after the other on the same GPU:
+record, and with ``--smoke`` also runs the slice code once on CPU (tiny preset, fp32, local spec)
+so that the code a GPU session depends on is exercised by the test suite. Measured in one run, one
+after the other on the same GPU:
 
 1. bf16 matmul ceiling: ``torch.matmul`` of 8192^3 bf16 (CUDA events), the denominator of MFU.
 2. The slice: ``qwen3-30b-a3b`` preset at full width (hidden 2048, 32 heads / 4 KV groups, head
@@ -65,22 +67,32 @@ def model_flops_per_token(cfg, seq: int) -> float:
     return 3 * fwd
 
 
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
-               fp8: str | None = None) -> dict:
+               fp8: str | None = None, preset: str = "qwen3-30b-a3b",
+               device: str = "cuda") -> dict:
+    """Forward + backward of ``preset`` with ``layers`` layers on ``[1, seq]`` tokens: seconds per
+    step, tokens/s, model TFLOP/s and (CUDA) peak memory. bf16 on CUDA, fp32 on CPU."""
     import torch
 
     from gspo_megatron.model.build import build_gpt_model
     from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
     from gspo_megatron.ops import vocab_parallel_logprobs
 
-    cfg = model_config_from_preset("qwen3-30b-a3b", num_layers=layers, seq_length=seq)
-    prec = PrecisionConfig(transformer_impl=impl, bf16=True, fp8=fp8)
+    cfg = model_config_from_preset(preset, num_layers=layers, seq_length=seq)
+    prec = PrecisionConfig(transformer_impl=impl, bf16=device == "cuda", fp8=fp8)
     gpt = build_gpt_model(cfg, ParallelConfig(), prec, pre_process=True, post_process=True,
                           transformer_config_overrides={"moe_grouped_gemm": grouped})
     gpt.train()
     params = sum(p.numel() for p in gpt.parameters())
-    tokens = torch.randint(0, cfg.vocab_size, (1, seq), device="cuda")
-    pos = torch.arange(seq, device="cuda")[None]
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq), device=device)
+    pos = torch.arange(seq, device=device)[None]
     labels = torch.roll(tokens, -1, 1)
 
     def step():
@@ -97,17 +109,19 @@ def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
     with ctx:
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        _sync(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         for _ in range(iters):
             step()
-        torch.cuda.synchronize()
+        _sync(device)
     sec = (time.perf_counter() - t) / iters
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else float("nan")
     del gpt
     gc.collect()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     flops = model_flops_per_token(cfg, seq) * seq
     return {"impl": impl, "grouped_gemm": grouped, "fp8": fp8, "layers": layers, "seq": seq,
             "params": params, "step_s": sec, "tokens_per_s": seq / sec,
@@ -167,9 +181,14 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
     title = "Qwen3-30B-A3B slice on one GPU (bf16, megatron-core CUDA path)"
     target = "report tokens/s, TFLOP/s, MFU vs measured bf16 matmul; grouped vs sequential experts"
     if not torch.cuda.is_available():
-        return make_result("gpu_qwen3_slice", title, target, None,
-                           [row("not run: no GPU lent to this session", None, "")],
-                           notes=["needs CUDA; run on a GPU box: python -m tools.bench.gpu_qwen3_slice"])
+        rows, notes = [row("not run: no GPU lent to this session", None, "")], [
+            "needs CUDA; run on a GPU box: python -m tools.bench.gpu_qwen3_slice"]
+        if smoke:
+            rows.append(row("CPU code-path check (tiny preset, fp32): tokens/s",
+                            _cpu_code_path_check()["tokens_per_s"], "tok/s"))
+            notes.append("--smoke without CUDA: the slice code ran once on CPU at toy size; "
+                         "the figure is not a GPU measurement")
+        return make_result("gpu_qwen3_slice", title, target, None, rows, notes=notes)
     from gspo_megatron.model.build import transformer_engine_available
     from gspo_megatron.model.config import ParallelConfig, model_config_from_preset
     from gspo_megatron.parallel import destroy_distributed, initialize_distributed
@@ -217,6 +236,19 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
     return make_result("gpu_qwen3_slice", title, target, None, rows, ratios,
                        config={"layers": layers, "seq": seq, "iters": iters, "results": results,
                                "logprob_memory": lpm}, notes=notes)
+
+
+def _cpu_code_path_check() -> dict:
+    """``time_slice`` at toy size on CPU (tiny preset, local spec, fp32), in its own process group."""
+    from gspo_megatron.model.config import ParallelConfig, model_config_from_preset
+    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+
+    initialize_distributed(ParallelConfig(), model_config_from_preset("tiny"), seed=0)
+    try:
+        return time_slice(layers=2, seq=32, iters=1, impl="local", grouped=False,
+                          preset="tiny", device="cpu")
+    finally:
+        destroy_distributed()
 
 
 def _args(ap) -> None:
