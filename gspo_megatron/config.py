@@ -138,8 +138,8 @@ class RoutingConfig:
     diagnostics_interval: int = 1
     """Run the diagnostics on RL steps whose index is a multiple of this (step 0 included). Their
     cost is a fixed number of forward passes, so the average step-time overhead divides by it
-    (docs/benchmarks.md: 1.13x at 1 on the CPU benchmark). Steps in between log no ``routing/*``
-    and, without R2, do not record routes."""
+    (docs/benchmarks.md, CPU: 1.20x of the full RL step at 1, 1.02x at 8). Steps in between log
+    no ``routing/*`` and, without R2, do not record routes."""
     replay_gap: bool = True
     """With ``diagnostics``: also replay the old routes on the updated policy and log the gap to
     free routing (``routing/replay_gap_abs_logprob``, ``routing/replay_gap_k3``)."""
