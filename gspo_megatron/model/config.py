@@ -195,7 +195,7 @@ class PrecisionConfig:
     local_kernels: bool = True
     """With the local spec: use :mod:`gspo_megatron.model.local_kernels` (SDPA attention, keys
     rotated once in the static KV cache, ``F.linear`` at TP=1, a direct expert loop): same
-    parameters and checkpoints, 1.6-2x faster rollouts on CPU. False = Megatron's own modules,
+    parameters and checkpoints, 1.5-2x faster rollouts on CPU. False = Megatron's own modules,
     for comparison or debugging."""
 
 
