@@ -41,7 +41,7 @@ def run(smoke: bool = False, steps: int = 4, threads: int = 1) -> dict:
         overrides += ["rollout.group_size=2", "rollout.prompts_per_step=2",
                       "rollout.max_new_tokens=2", "trainer.num_minibatches=1",
                       "trainer.micro_batch_size=4", "data.num_train_examples=64",
-                      "data.num_eval_examples=2"]
+                      "data.num_eval_examples=2", "sft.steps=2"]
     overrides.append(f"trainer.steps={steps}")
     try:
         cfg = load_config(recipe, overrides)
