@@ -28,3 +28,30 @@ def test_patches_are_scoped_to_listed_megatron_modules():
     assert torch.cuda.current_device is not router.torch.cuda.current_device
     # the proxy delegates everything else to torch itself
     assert router.torch.float32 is torch.float32 and router.torch.nn is torch.nn
+
+
+def _uneven_collectives(rank, world_size):
+    """Megatron's uneven gather / reduce-scatter (expert-TP x EP dispatch) through the proxy."""
+    from gspo_megatron.compat.cpu import _DistributedOnCpu
+
+    proxy = _DistributedOnCpu()
+    rows = [3, 5]  # rank r holds rows[r] rows of width 2
+    mine = torch.full((rows[rank], 2), float(rank + 1))
+    gathered = [torch.empty(n, 2) for n in rows]
+    proxy.all_gather(gathered, mine)
+    # reduce-scatter: every rank sends rows[r] rows to rank r; rank r gets the sum over senders
+    send = [torch.full((n, 2), float(10 * (rank + 1) + r)) for r, n in enumerate(rows)]
+    out = torch.empty(rows[rank], 2)
+    proxy.reduce_scatter(out, send)
+    return [g.tolist() for g in gathered], out.tolist()
+
+
+def test_uneven_all_gather_and_reduce_scatter_on_gloo():
+    """Failure 9: gloo refuses list all_gather / reduce_scatter with unequal sizes; the proxy pads
+    to the largest size and trims, giving exactly the unpadded result."""
+    from tests.helpers.dist import run_gloo
+
+    for rank, (gathered, reduced) in enumerate(run_gloo(_uneven_collectives, 2)):
+        assert gathered == [[[1.0, 1.0]] * 3, [[2.0, 2.0]] * 5]
+        n = [3, 5][rank]
+        assert reduced == [[float(10 + rank + 20 + rank)] * 2] * n
