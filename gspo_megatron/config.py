@@ -134,12 +134,14 @@ class RoutingConfig:
     """Log ``routing/*`` after every optimiser step: route change rate vs the old policy (overall,
     per MoE layer), top-k Jaccard overlap, router entropy, expert load and imbalance, |log ratio|
     and clip fraction of positions with and without a changed route. Costs one extra forward per
-    minibatch (two with ``replay_gap``) on the steps it runs (``diagnostics_interval``)."""
+    minibatch (two with ``replay_gap``) on the steps it runs (``diagnostics_interval``). Every
+    step (and every step with R2) also logs ``routing/drift/*`` for free: the routes each update
+    forward takes vs the old policy's, after 0, 1, ... optimiser steps."""
     diagnostics_interval: int = 1
     """Run the diagnostics on RL steps whose index is a multiple of this (step 0 included). Their
     cost is a fixed number of forward passes, so the average step-time overhead divides by it
-    (docs/benchmarks.md, CPU: 1.20x of the full RL step at 1, 1.02x at 8). Steps in between log
-    no ``routing/*`` and, without R2, do not record routes."""
+    (docs/benchmarks.md, CPU: 1.20x of the full RL step at 1, 1.01-1.02x at 8). Steps in between
+    log only the free ``routing/drift/*``."""
     replay_gap: bool = True
     """With ``diagnostics``: also replay the old routes on the updated policy and log the gap to
     free routing (``routing/replay_gap_abs_logprob``, ``routing/replay_gap_k3``)."""

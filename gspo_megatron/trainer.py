@@ -109,8 +109,15 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
 
     MoE routing (``routing``: the policy's :class:`~gspo_megatron.routing.ModelRouting`,
     ``old_routes``: the batch's routes from the old-policy pass): with ``routing.replay='r2'``
-    every update forward replays the old routes; with ``routing.diagnostics`` each optimiser step
-    is followed by the ``routing/*`` statistics on the minibatch it was computed on."""
+    every update forward replays the old routes; on a diagnosed step (``routing.diagnostics`` every
+    ``diagnostics_interval`` steps) each optimiser step is followed by the ``routing/*`` statistics
+    on the minibatch it was computed on. Whenever ``old_routes`` are given, the update forwards also
+    record the routes free routing takes, at no extra forward, and ``routing/drift/*`` compares
+    them with the old policy's: minibatch ``i`` runs after ``i`` optimiser steps, so
+    ``routing/drift/after_{i}_updates`` is the route change after ``i`` updates (~0 for ``i = 0``:
+    the on-policy check) and ``routing/drift/change_rate`` averages ``i >= 1``. Under R2 the
+    recorded routes are each router's own top-k on the hidden states that replay produced (the
+    share of routes replay overrides; the first MoE layer's equal free routing's)."""
     order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
     shuffled = batch.select(order)
     per_minibatch = batch.size // cfg.trainer.num_minibatches
@@ -118,16 +125,24 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
     replay = routing is not None and old_routes is not None and cfg.routing.replay == "r2"
     diagnose = (routing is not None and old_routes is not None
                 and diagnoses_routing(cfg, step))
+    drift = routing is not None and old_routes is not None
     history: list[dict[str, float]] = []
     diag_s = 0.0
     for i, minibatch in enumerate(shuffled.split(per_minibatch)):
         if i == 1:
             maybe_fail("mid_update", step)
         mb_routes = (old_routes.select(order[i * per_minibatch:(i + 1) * per_minibatch])
-                     if replay or diagnose else None)
+                     if drift else None)
+        hooks = None
+        if replay:
+            hooks = routing.replayer(mb_routes, mbs, capture_natural=True)
+        elif drift:
+            hooks = routing.recorder()
         zero_grad(policy)
         metrics = train_minibatch(policy.model, minibatch, mbs, cfg.loss, scoring, groups,
-                                  routing=routing.replayer(mb_routes, mbs) if replay else None)
+                                  routing=hooks)
+        if drift:
+            metrics.update(_drift_metrics(routing, mb_routes, hooks, minibatch, i))
         _inject_nan_grad(policy)
         if any_rank(bool(metrics.get("faults/nonfinite_loss")), groups):
             applied, grad_norm = False, float("nan")
@@ -151,6 +166,20 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
     out["optim/lr"] = current_lr(policy)
     if diagnose:
         out["perf/routing_diagnostics_s"] = diag_s
+    return out
+
+
+def _drift_metrics(routing, old_routes, hooks, minibatch: PolicyBatch, i: int) -> dict[str, float]:
+    """``routing/drift/*`` of minibatch ``i`` from the routes its training forward recorded."""
+    from gspo_megatron.routing import route_drift
+
+    natural = hooks.natural_store() if hasattr(hooks, "natural_store") else hooks.store()
+    rate, per_layer = route_drift(routing, old_routes, natural, minibatch.response_mask)
+    out = {f"routing/drift/after_{i}_updates": rate}
+    if i >= 1:
+        out["routing/drift/change_rate"] = rate
+        out.update({f"routing/drift/change_rate/layer_{layer}": v
+                    for layer, v in enumerate(per_layer)})
     return out
 
 
@@ -226,10 +255,9 @@ class Trainer:
         batch = batch_stage(samples, advantages, self.tokenizer.pad_id, self.pad_multiple,
                             self._fixed_seq_length())
 
-        # With R2, or on a step that runs the routing diagnostics, this pass also records the old
-        # policy's MoE routes.
-        records = cfg.routing.replay != "none" or diagnoses_routing(cfg, self.step)
-        recorder = self.routing.recorder() if self.routing is not None and records else None
+        # With R2 or routing diagnostics, this pass also records the old policy's MoE routes (for
+        # the replay, the free routing/drift/* metrics and, on diagnosed steps, the diagnostics).
+        recorder = self.routing.recorder() if self.routing is not None else None
         train_lp, _ = compute_logprobs(self.policy.model, batch, cfg.trainer.micro_batch_size,
                                        self.scoring, g, routing=recorder)
         if train_lp is not None:

@@ -103,6 +103,8 @@ def summarize(name: str, run_dir: str, rows: list[dict]) -> dict:
         "run": name, "steps": n,
         "change_rate": col("routing/change_rate"),
         "change_rate_last": col("routing/change_rate", k),
+        "drift_1": col("routing/drift/after_1_updates"),
+        "drift": col("routing/drift/change_rate"),
         "jaccard": col("routing/jaccard"),
         "token_change_rate": col("routing/token_change_rate"),
         "abs_lr_changed": col("routing/abs_log_ratio_changed"),
@@ -242,6 +244,8 @@ def markdown(summaries: list[dict], files: list[str], title: str) -> str:
     cols = [
         ("run", "run", None), ("steps", "steps", None),
         ("change_rate", "route change rate", 4), ("change_rate_last", "change rate (last steps)", 4),
+        ("drift_1", "drift after 1 update (every step)", 4),
+        ("drift", "drift, mean over updates (every step)", 4),
         ("jaccard", "top-k Jaccard", 4), ("token_change_rate", "positions with a change", 4),
         ("abs_lr_changed", "mean abs log-ratio, changed", 4),
         ("abs_lr_unchanged", "mean abs log-ratio, unchanged", 4),
@@ -256,7 +260,8 @@ def markdown(summaries: list[dict], files: list[str], title: str) -> str:
     lines = [f"# {title}", "",
              "Means over all RL steps unless noted; 'first/last steps' average the first/last "
              f"{summaries[0]['window'] if summaries else '-'} steps. Route statistics are measured "
-             "after each optimiser step on the minibatch it used, against the old policy's routes "
+             "after each optimiser step on the minibatch it used, against the old policy's routes; "
+             "'drift' rows come from the update forwards themselves, on every step "
              "(docs/routing.md).", ""]
     lines.append("| metric | " + " | ".join(s["run"] for s in summaries) + " |")
     lines.append("|---|" + "---|" * len(summaries))

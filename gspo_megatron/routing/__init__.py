@@ -7,7 +7,7 @@
 
 from gspo_megatron.routing.stats import route_dtype
 
-__all__ = ["ModelRouting", "RouteStore", "route_dtype", "routing_diagnostics"]
+__all__ = ["ModelRouting", "RouteStore", "route_drift", "route_dtype", "routing_diagnostics"]
 
 
 def __getattr__(name):  # Megatron-dependent parts load lazily
@@ -15,8 +15,8 @@ def __getattr__(name):  # Megatron-dependent parts load lazily
         from gspo_megatron.routing import replay
 
         return getattr(replay, name)
-    if name == "routing_diagnostics":
-        from gspo_megatron.routing.diagnostics import routing_diagnostics
+    if name in ("routing_diagnostics", "route_drift"):
+        from gspo_megatron.routing import diagnostics
 
-        return routing_diagnostics
+        return getattr(diagnostics, name)
     raise AttributeError(name)

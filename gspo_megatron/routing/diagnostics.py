@@ -60,6 +60,18 @@ def layer_statistics(routing: ModelRouting, old: RouteStore, new: RouteStore,
     return total.with_flat(flat / routing.route_replicas), changed_count
 
 
+def route_drift(routing: ModelRouting, old: RouteStore, new: RouteStore,
+                response_mask: torch.Tensor) -> tuple[float, list[float]]:
+    """Share of (position, MoE layer) routes whose top-k set differs between ``old`` (the
+    old-policy pass) and ``new`` (the routes free routing takes now), over the world, and the same
+    per MoE layer. One all-reduce; costs no forward pass (``new`` comes from a training forward).
+    NaN when no position is counted."""
+    sums, _ = layer_statistics(routing, old, new, response_mask)
+    total = float(sums.tokens.sum())
+    per_layer = (sums.changed / sums.tokens.clamp(min=1)).tolist()
+    return (float(sums.changed.sum()) / total if total > 0 else float("nan")), per_layer
+
+
 def routing_diagnostics(policy_model: list, routing: ModelRouting, batch, old_routes: RouteStore,
                         micro_batch_size: int, scoring, groups, loss_cfg,
                         replay_gap: bool = True, prefix: str = "routing") -> dict[str, float]:

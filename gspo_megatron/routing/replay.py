@@ -74,9 +74,12 @@ def scoped_router_replay_class():
     class ScopedRouterReplay(RouterReplay):
         """A ``RouterReplay`` owned by one router of one model (not in the class-level list).
 
-        Adds two things around Megatron's ``get_replay_topk``: a check that replayed indices fit
-        the tokens being routed (a mismatch would otherwise gather silently from the wrong rows),
-        and, when ``capture_entropy`` is set, the router entropy of the scores it is given."""
+        Adds three things around Megatron's ``get_replay_topk``: a check that replayed indices
+        fit the tokens being routed (a mismatch would otherwise gather silently from the wrong
+        rows); when ``capture_entropy`` is set, the router entropy of the scores it is given; and,
+        when ``capture_natural`` is set during a replayed forward, the top-k the router would
+        have chosen itself (Megatron's own top-k on the same scores, no gradient), kept in
+        ``recorded_topk_idx`` as a recording would."""
 
         def __init__(self, score_kind: str = "logits"):
             super().__init__()
@@ -86,6 +89,7 @@ def scoped_router_replay_class():
                     del instances[i]
             self.score_kind = score_kind
             self.capture_entropy = False
+            self.capture_natural = False
             self.recorded_entropy: torch.Tensor | None = None
             self.num_experts: int | None = None
 
@@ -107,6 +111,12 @@ def scoped_router_replay_class():
                                              else entropy_from_probs(scores)).detach()
             if self.router_replay_action == A.REPLAY_FORWARD:
                 self._check(scores, self.target_topk_idx, "forward")
+                if self.capture_natural:
+                    with torch.no_grad():
+                        _, natural = default_compute_topk(scores.detach(), topk,
+                                                          num_groups=num_groups,
+                                                          group_topk=group_topk)
+                    self.record_indices(natural)
             elif self.router_replay_action == A.REPLAY_BACKWARD:
                 self._check(scores, self.replay_backward_list[0] if self.replay_backward_list
                             else None, "recompute")
@@ -232,13 +242,35 @@ class ModelRouting:
             r.clear_router_replay_action()
             r.clear_indices()
             r.capture_entropy = False
+            r.capture_natural = False
             r.recorded_entropy = None
 
     def recorder(self, capture_entropy: bool = False) -> "RouteRecorder":
         return RouteRecorder(self, capture_entropy)
 
-    def replayer(self, store: RouteStore, micro_batch_size: int) -> "RouteReplayer":
-        return RouteReplayer(self, store, micro_batch_size)
+    def replayer(self, store: RouteStore, micro_batch_size: int,
+                 capture_natural: bool = False) -> "RouteReplayer":
+        return RouteReplayer(self, store, micro_batch_size, capture_natural)
+
+    def collect(self, mb_index: int, b: int, capture_entropy: bool = False):
+        """The routes each router recorded for the microbatch just run (``b`` sequences):
+        ``([L, b, T_local, k] indices, [L, b, T_local] entropy or None)`` on the CPU, taken out
+        of the routers (their ``recorded_topk_idx`` is cleared)."""
+        per_layer, ent = [], []
+        for layer, r in zip(self.moe_layers, self.replays):
+            idx = r.recorded_topk_idx
+            if idx is None:
+                raise RuntimeError(f"MoE layer {layer} recorded no routes for microbatch {mb_index}")
+            # [s * b, k] sequence-major -> [b, s, k]
+            per_layer.append(idx.detach().reshape(-1, b, idx.shape[-1]).transpose(0, 1)
+                             .to(self.dtype).cpu())
+            if capture_entropy:
+                e = r.recorded_entropy
+                ent.append(e.reshape(-1, b).transpose(0, 1).float().cpu())
+            r.recorded_topk_idx = None
+        if not per_layer:  # a pipeline stage without MoE layers
+            return torch.zeros(0, b, 0, self.topk, dtype=self.dtype), None
+        return torch.stack(per_layer), (torch.stack(ent) if ent else None)
 
 
 class RouteRecorder:
@@ -260,25 +292,10 @@ class RouteRecorder:
         self._b = microbatch.size if microbatch is not None else None
 
     def after_forward(self, mb_index: int, microbatch=None) -> None:
-        b = microbatch.size
-        per_layer, ent = [], []
-        for layer, r in zip(self.routing.moe_layers, self.routing.replays):
-            idx = r.recorded_topk_idx
-            if idx is None:
-                raise RuntimeError(f"MoE layer {layer} recorded no routes for microbatch {mb_index}")
-            # [s * b, k] sequence-major -> [b, s, k]
-            per_layer.append(idx.detach().reshape(-1, b, idx.shape[-1]).transpose(0, 1)
-                             .to(self.routing.dtype).cpu())
-            if self.capture_entropy:
-                e = r.recorded_entropy
-                ent.append(e.reshape(-1, b).transpose(0, 1).float().cpu())
-            r.recorded_topk_idx = None
-        if per_layer:
-            self._indices.append(torch.stack(per_layer))
-            if ent:
-                self._entropy.append(torch.stack(ent))
-        else:  # a pipeline stage without MoE layers
-            self._indices.append(torch.zeros(0, b, 0, self.routing.topk, dtype=self.routing.dtype))
+        indices, entropy = self.routing.collect(mb_index, microbatch.size, self.capture_entropy)
+        self._indices.append(indices)
+        if entropy is not None:
+            self._entropy.append(entropy)
 
     def finish(self) -> None:
         self.routing.reset()
@@ -290,14 +307,19 @@ class RouteRecorder:
 
 class RouteReplayer:
     """Schedule hooks that force the routes of ``store`` (rows = the batch's rows, split into
-    consecutive microbatches of ``micro_batch_size``) in every forward and recompute."""
+    consecutive microbatches of ``micro_batch_size``) in every forward and recompute. With
+    ``capture_natural``, each forward also keeps the routes the routers would have chosen
+    (:meth:`natural_store`): free routing's top-k on the same scores, at the cost of one top-k."""
 
-    def __init__(self, routing: ModelRouting, store: RouteStore, micro_batch_size: int):
+    def __init__(self, routing: ModelRouting, store: RouteStore, micro_batch_size: int,
+                 capture_natural: bool = False):
         if routing.routers and list(store.moe_layers) != list(routing.moe_layers):
             raise ValueError(f"route store holds MoE layers {store.moe_layers}, the model "
                              f"{routing.moe_layers}")
         self.routing, self.store, self.mbs = routing, store, micro_batch_size
         self.device = (routing.routers[0].weight.device if routing.routers else torch.device("cpu"))
+        self.capture_natural = capture_natural
+        self._natural: list[torch.Tensor] = []
 
     def before_forward(self, mb_index: int, microbatch=None) -> None:
         A = _actions()
@@ -310,9 +332,22 @@ class RouteReplayer:
         for r, idx in zip(self.routing.replays, routes):
             r.set_target_indices(idx.to(self.device))
             r.set_router_replay_action(A.REPLAY_FORWARD)
+            r.capture_natural = self.capture_natural
+            r.recorded_topk_idx = None
 
     def after_forward(self, mb_index: int, microbatch=None) -> None:
+        if self.capture_natural:
+            b = microbatch.size if microbatch is not None else self.mbs
+            self._natural.append(self.routing.collect(mb_index, b)[0])
+            for r in self.routing.replays:
+                r.capture_natural = False  # not in the backward's recompute
         self.routing.set_action(_actions().REPLAY_BACKWARD)
+
+    def natural_store(self) -> RouteStore:
+        """The routes free routing would have taken in the replayed forwards (``capture_natural``)."""
+        if not self._natural:
+            raise RuntimeError("natural_store() needs capture_natural=True and a finished pass")
+        return RouteStore(torch.cat(self._natural, dim=1), list(self.routing.moe_layers))
 
     def finish(self) -> None:
         self.routing.reset()

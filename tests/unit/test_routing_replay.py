@@ -105,6 +105,41 @@ def test_perturbed_weights_replay_recorded_routes_and_router_gets_gradient(setup
         assert router.weight.main_grad.abs().sum() > 0
 
 
+def test_training_forwards_record_the_free_routes_also_under_replay(setup, saved_weights):
+    """routing/drift/* comes from the update forwards. A recorder in a training forward gives
+    exactly the routes of a free eval forward with the same weights. A replayer with
+    capture_natural gives, per layer, the router's own top-k on the hidden states that replay
+    produced: the first MoE layer's equal free routing's, deeper ones are conditioned on the
+    replayed layers below."""
+    from gspo_megatron.routing import ModelRouting, route_drift
+
+    _, groups, policy, batch = setup
+    routing = ModelRouting(policy.model, groups)
+    rec = routing.recorder()
+    forward_logits(policy, batch, MBS, rec, train=False)
+    old = rec.store()
+    train_rec = routing.recorder()
+    forward_logits(policy, batch, MBS, train_rec, train=True)
+    assert torch.equal(train_rec.store().indices, old.indices)
+    assert route_drift(routing, old, train_rec.store(), batch.response_mask)[0] == 0.0
+
+    with torch.no_grad():
+        for router in routing.routers:
+            router.weight.add_(2 * router.weight.std() * torch.randn_like(router.weight))
+    free = routing.recorder()
+    forward_logits(policy, batch, MBS, free, train=False)
+    replayer = routing.replayer(old, MBS, capture_natural=True)
+    replayed = forward_logits(policy, batch, MBS, replayer, train=True)
+    natural = replayer.natural_store()
+    assert torch.equal(natural.indices[0], free.store().indices[0])
+    assert (natural.indices[1] != old.indices[1]).any()
+    plain = forward_logits(policy, batch, MBS, routing.replayer(old, MBS), train=True)
+    assert torch.equal(replayed, plain), "capturing the free routes must not change the replay"
+    rate, per_layer = route_drift(routing, old, natural, batch.response_mask)
+    assert 0.0 < rate <= 1.0 and len(per_layer) == 2 and max(per_layer) > 0
+    assert all(r.capture_natural is False for r in routing.replays)
+
+
 def test_reference_model_does_not_mix_into_the_policy_routers(setup, saved_weights):
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 

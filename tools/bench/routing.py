@@ -12,6 +12,9 @@ optimiser step each), with
 * ``diag``: ``routing.diagnostics=True`` (replay gap on, the default): one extra recorded forward
   plus one replayed forward per minibatch, by design;
 * ``diag_nogap``: diagnostics with ``routing.replay_gap=False`` (the recorded forward only);
+* ``drift``: ``routing.diagnostics=True`` on a step the interval skips: the old-policy pass
+  records routes and the update forwards record free routes for ``routing/drift/*`` (no extra
+  forward);
 * ``diag_every``: ``routing.diagnostics_interval=N`` (``--diag-interval``, default 8): N
   consecutive RL steps timed together, the first with the diagnostics (replay gap on), compared
   with N ``off`` steps (N x the ``off`` time of the same round).
@@ -68,6 +71,8 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
                                                                      diagnostics=True)),
         "diag_nogap": dataclasses.replace(tcfg, routing=dataclasses.replace(
             tcfg.routing, replay="none", diagnostics=True, replay_gap=False)),
+        "drift": dataclasses.replace(tcfg, routing=dataclasses.replace(
+            tcfg.routing, replay="none", diagnostics=True, diagnostics_interval=2)),
         "diag_every": dataclasses.replace(tcfg, routing=dataclasses.replace(
             tcfg.routing, replay="none", diagnostics=True, diagnostics_interval=diag_interval)),
     }
@@ -106,7 +111,8 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
                                                     max_batch_size=batch, temperature=1.0),
                                max_sequence_length=seq)
         prompts = data.tokens[:, :prompt_len].tolist()
-        fns = {n: (lambda n=n: phase(n)) for n in variants if n != "diag_every"}
+        fns = {n: (lambda n=n: phase(n)) for n in variants if n not in ("diag_every", "drift")}
+        fns["drift"] = lambda: phase("drift", step=1)  # interval 2: step 1 is not diagnosed
         fns["diag_every"] = lambda: steps("diag_every", diag_interval)
         fns["rollout"] = lambda: engine.generate(prompts, seed=0)
         times = interleaved(fns, rounds=rounds, warmup=1)
@@ -125,11 +131,14 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
     r2_full = median_ratio(full, "r2", "off")
     dg_full = median_ratio(full, "diag", "off")
     dn = median_ratio(times, "diag_nogap", "off")
+    dr = median_ratio(times, "drift", "off")
+    dr_full = median_ratio(full, "drift", "off")
     dn_full = median_ratio(full, "diag_nogap", "off")
     rows = [row("training phase, off", median(times["off"]), "s"),
             row("training phase, R2", median(times["r2"]), "s"),
             row("training phase, diagnostics", median(times["diag"]), "s"),
             row("training phase, diagnostics without replay gap", median(times["diag_nogap"]), "s"),
+            row("training phase, drift metrics only", median(times["drift"]), "s"),
             row("rollout of the same batch", median(times["rollout"]), "s"),
             row("R2 / off (training phase)", r2, "x"),
             row("diagnostics / off (training phase)", dg, "x"),
@@ -137,6 +146,8 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
             row("diagnostics / off (full step incl. rollout)", dg_full, "x"),
             row("diagnostics, no replay gap / off (training phase)", dn, "x"),
             row("diagnostics, no replay gap / off (full step incl. rollout)", dn_full, "x"),
+            row("drift metrics only (a step the diagnostics skip) / off (training phase)", dr, "x"),
+            row("drift metrics only / off (full step incl. rollout)", dr_full, "x"),
             row(f"diagnostics every {diag_interval} steps / off (training phase)", de, "x"),
             row(f"diagnostics every {diag_interval} steps / off (full step incl. rollout)",
                 de_full, "x")]
@@ -147,7 +158,8 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
         rows, {"r2_vs_off": r2, "diag_vs_off": dg, "r2_vs_off_full_step": r2_full,
                "diag_vs_off_full_step": dg_full, "diag_nogap_vs_off": dn,
                "diag_nogap_vs_off_full_step": dn_full, "diag_every_vs_off": de,
-               "diag_every_vs_off_full_step": de_full},
+               "diag_every_vs_off_full_step": de_full, "drift_vs_off": dr,
+               "drift_vs_off_full_step": dr_full},
         config={"batch": batch, "seq": seq, "micro_batch_size": micro_batch_size,
                 "num_minibatches": num_minibatches, "rounds": rounds, "threads": threads,
                 "diag_interval": diag_interval,
