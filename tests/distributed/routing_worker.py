@@ -16,7 +16,7 @@ import torch.distributed as dist
 from gspo_megatron.algorithms import PolicyLossConfig
 from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
 from gspo_megatron.parallel import destroy_distributed, initialize_distributed
-from gspo_megatron.routing import ModelRouting, routing_diagnostics
+from gspo_megatron.routing import ModelRouting, route_drift, routing_diagnostics
 from gspo_megatron.routing.stats import multi_hot
 from gspo_megatron.training.batch import make_policy_batch
 from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, zero_grad
@@ -123,6 +123,16 @@ def main():
 
     res["diag_perturbed"] = routing_diagnostics(policy.model, routing, batch, store, mbs, scoring,
                                                 groups, loss_cfg)
+
+    # 4. routing/drift/* from training forwards: the free routes (recorder), and under replay the
+    # routes the routers would have taken (capture_natural), against the recorded old routes.
+    drift_rec = routing.recorder()
+    forward_logits(policy, batch, mbs, drift_rec, train=True)
+    res["drift_free"] = route_drift(routing, store, drift_rec.store(), batch.response_mask)[0]
+    replayer = routing.replayer(store, mbs, capture_natural=True)
+    forward_logits(policy, batch, mbs, replayer, train=True)
+    res["drift_replay"] = route_drift(routing, store, replayer.natural_store(),
+                                      batch.response_mask)[0]
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, res)
     if dist.get_rank() == 0:

@@ -4,7 +4,8 @@ also with full activation recompute) on gloo, against a single process with the 
 Each layout: replaying the routes recorded in an eval forward gives bit-identical logits in a
 training forward; after perturbing the routers, replay still forces exactly the recorded routes
 (in the forward and in the backward's recompute) and the routers get a gradient; the diagnostics
-report a change rate of 0 before the perturbation and the single process's value after it.
+report a change rate of 0 before the perturbation and the single process's value after it; the
+free drift metrics' routes from a training forward (recorded, or captured under replay) match too.
 """
 
 import json
@@ -63,6 +64,10 @@ def test_replay_and_diagnostics_match_single_process(single, name):
         # near-tie flipping under a different reduction order)
         for key in ("routing/change_rate", "routing/jaccard"):
             assert r["diag_perturbed"][key] == pytest.approx(ref["diag_perturbed"][key], abs=0.01), key
+        # drift from a training forward: the free routes are the diagnostics' (same weights)
+        assert r["drift_free"] == pytest.approx(r["diag_perturbed"]["routing/change_rate"], abs=1e-12)
+        assert r["drift_free"] == pytest.approx(ref["drift_free"], abs=0.01)
+        assert 0 < r["drift_replay"] == pytest.approx(ref["drift_replay"], abs=0.01)
         if "routing/replay_gap_k3" in r["diag_perturbed"]:
             assert r["diag_same"]["routing/replay_gap_k3"] == 0.0
             assert r["diag_perturbed"]["routing/replay_gap_k3"] > 0
