@@ -3,7 +3,7 @@
 Megatron's local spec is written for correctness, not speed, and on a small model its Python
 overhead outweighs the matmuls (``tools/bench/rollout.py`` profiled 1,600 expert-module calls and
 8,448 ``autograd.Function.apply`` calls per 64-token generate; GEMMs were 19 % of the time). The
-three classes below are drop-in subclasses: same parameters, same ``state_dict`` and
+classes below are drop-in subclasses: same parameters, same ``state_dict`` and
 ``sharded_state_dict`` (checkpoints and the HF converters do not see them), same maths. Each takes
 its short path only where it is exactly equivalent and otherwise calls Megatron's own forward.
 
@@ -11,14 +11,14 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
   re-rotates the whole cache at every decoding step, O(context) per token per layer (at batch 128
   that was 30 % of a generate call). This rotates each key once, when it enters the cache, as
   Megatron's dynamic engine and flash decoding already do; the attention output is unchanged.
-* :class:`SDPADotProductAttention`: one ``scaled_dot_product_attention`` call with native GQA,
-  instead of ``repeat_interleave`` + ``baddbmm`` + masked softmax + ``bmm``.
+* :class:`SDPADotProductAttention`: one ``scaled_dot_product_attention`` call (GQA without
+  expanding the keys) instead of ``repeat_interleave`` + ``baddbmm`` + masked softmax + ``bmm``.
 * :class:`DirectColumnParallelLinear` / :class:`DirectRowParallelLinear`: at tensor-parallel size 1
   there is nothing to communicate, so ``F.linear`` replaces the custom ``autograd.Function`` (whose
   backward is the same two matmuls) and the per-call process-group queries.
 * :class:`LoopedSequentialMLP`: Megatron's ``SequentialMLP`` calls one ``MLP`` module (two linear
   modules, an activation closure) per expert; this runs the same per-expert GEMM pair as plain
-  ``F.linear`` calls and skips experts that received no token.
+  ``F.linear`` calls and, without autograd, skips experts that received no token.
 """
 
 from __future__ import annotations
