@@ -45,7 +45,7 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
 
     try:
         from gspo_megatron.routing import ModelRouting
-        from gspo_megatron.trainer import diagnoses_routing, update_stage
+        from gspo_megatron.trainer import update_stage
         if not hasattr(TrainConfig(), "routing"):
             raise ImportError("TrainConfig has no routing section")
     except ImportError as exc:  # routing replay not in this checkout
@@ -87,9 +87,10 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
         def phase(name, step=0):
             vcfg = variants[name]
             pol = plain if name == "off" else routed
-            # As in Trainer.rl_step: routes are recorded with R2 or on a diagnosed step.
-            records = vcfg.routing.replay != "none" or diagnoses_routing(vcfg, step)
-            recorder = routing.recorder() if records else None
+            # As in Trainer.rl_step: the old pass records routes whenever the policy has a
+            # ModelRouting (R2 or diagnostics), for the replay, the drift metrics and, on a
+            # diagnosed step, the diagnostics.
+            recorder = routing.recorder() if name != "off" else None
             lp, _ = compute_logprobs(pol.model, data, micro_batch_size, scoring, groups,
                                      routing=recorder)
             old_routes = recorder.store() if recorder is not None else None
