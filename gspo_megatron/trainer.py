@@ -122,10 +122,9 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
     shuffled = batch.select(order)
     per_minibatch = batch.size // cfg.trainer.num_minibatches
     mbs = cfg.trainer.micro_batch_size
-    replay = routing is not None and old_routes is not None and cfg.routing.replay == "r2"
-    diagnose = (routing is not None and old_routes is not None
-                and diagnoses_routing(cfg, step))
     drift = routing is not None and old_routes is not None
+    replay = drift and cfg.routing.replay == "r2"
+    diagnose = drift and diagnoses_routing(cfg, step)
     history: list[dict[str, float]] = []
     diag_s = 0.0
     for i, minibatch in enumerate(shuffled.split(per_minibatch)):
@@ -142,7 +141,8 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
         metrics = train_minibatch(policy.model, minibatch, mbs, cfg.loss, scoring, groups,
                                   routing=hooks)
         if drift:
-            metrics.update(_drift_metrics(routing, mb_routes, hooks, minibatch, i))
+            taken = hooks.natural_store() if replay else hooks.store()
+            metrics.update(_drift_metrics(routing, mb_routes, taken, minibatch, i))
         _inject_nan_grad(policy)
         if any_rank(bool(metrics.get("faults/nonfinite_loss")), groups):
             applied, grad_norm = False, float("nan")
@@ -169,12 +169,12 @@ def update_stage(policy: MegatronPolicy, batch: PolicyBatch, cfg: TrainConfig,
     return out
 
 
-def _drift_metrics(routing, old_routes, hooks, minibatch: PolicyBatch, i: int) -> dict[str, float]:
-    """``routing/drift/*`` of minibatch ``i`` from the routes its training forward recorded."""
+def _drift_metrics(routing, old_routes, taken_routes, minibatch: PolicyBatch,
+                   i: int) -> dict[str, float]:
+    """``routing/drift/*`` of minibatch ``i`` from the routes its training forward took."""
     from gspo_megatron.routing import route_drift
 
-    natural = hooks.natural_store() if hasattr(hooks, "natural_store") else hooks.store()
-    rate, per_layer = route_drift(routing, old_routes, natural, minibatch.response_mask)
+    rate, per_layer = route_drift(routing, old_routes, taken_routes, minibatch.response_mask)
     out = {f"routing/drift/after_{i}_updates": rate}
     if i >= 1:
         out["routing/drift/change_rate"] = rate

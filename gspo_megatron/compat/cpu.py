@@ -165,8 +165,9 @@ class _DistributedOnCpu(types.SimpleNamespace):
             return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
         if async_op:
             raise NotImplementedError("uneven async all_gather on CPU")
-        padded = [_padded_rows(t, max(rows)) for t in tensor_list]
-        torch.distributed.all_gather(padded, _padded_rows(tensor, max(rows)), group=group)
+        most = max(rows)
+        padded = [_padded_rows(t, most) for t in tensor_list]
+        torch.distributed.all_gather(padded, _padded_rows(tensor, most), group=group)
         for out, got, n in zip(tensor_list, padded, rows):
             out.copy_(got[:n])
         return None
@@ -180,8 +181,9 @@ class _DistributedOnCpu(types.SimpleNamespace):
                                                     async_op=async_op)
         if async_op:
             raise NotImplementedError("uneven async reduce_scatter on CPU")
-        padded_out = _padded_rows(output, max(rows)).clone()
-        torch.distributed.reduce_scatter(padded_out, [_padded_rows(t, max(rows)) for t in input_list],
+        most = max(rows)
+        padded_out = _padded_rows(output, most).clone()
+        torch.distributed.reduce_scatter(padded_out, [_padded_rows(t, most) for t in input_list],
                                          op=op, group=group)
         output.copy_(padded_out[:output.shape[0]])
         return None

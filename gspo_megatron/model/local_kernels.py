@@ -23,6 +23,8 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -37,6 +39,13 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 def _single_rank(group) -> bool:
     return group is None or group.size() == 1
+
+
+def _linear(module, x: torch.Tensor):
+    """A Megatron linear layer's ``(output, output_bias)`` at TP=1: ``[s, b, in] -> [s, b, out]``."""
+    if module.skip_bias_add:
+        return F.linear(x, module.weight), module.bias
+    return F.linear(x, module.weight, module.bias), None
 
 
 class RopeOnceSelfAttention(SelfAttention):
@@ -112,32 +121,30 @@ class SDPADotProductAttention(DotProductAttention):
 class DirectColumnParallelLinear(ColumnParallelLinear):
     """``ColumnParallelLinear`` that is one ``F.linear`` at tensor-parallel size 1."""
 
+    @functools.cached_property  # layout and config are fixed once built: decided on first call
     def _direct(self) -> bool:
         return (_single_rank(self.tp_group) and not self.config.defer_embedding_wgrad_compute
                 and not self.gradient_accumulation_fusion
                 and self.config._cpu_offloading_context is None)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        if weight is not None or not self._direct():
+        if weight is not None or not self._direct:
             return super().forward(input_, weight, runtime_gather_output)
-        bias = self.bias if not self.skip_bias_add else None
-        out = F.linear(input_, self.weight, bias)  # [s, b, in] -> [s, b, out]
-        return out, (self.bias if self.skip_bias_add else None)
+        return _linear(self, input_)
 
 
 class DirectRowParallelLinear(RowParallelLinear):
     """``RowParallelLinear`` that is one ``F.linear`` at tensor-parallel size 1."""
 
+    @functools.cached_property  # layout and config are fixed once built: decided on first call
     def _direct(self) -> bool:
         return (_single_rank(self.tp_group) and not self.gradient_accumulation_fusion
                 and self.config._cpu_offloading_context is None)
 
     def forward(self, input_):
-        if not self._direct():
+        if not self._direct:
             return super().forward(input_)
-        bias = self.bias if not self.skip_bias_add else None
-        out = F.linear(input_, self.weight, bias)
-        return out, (self.bias if self.skip_bias_add else None)
+        return _linear(self, input_)
 
 
 class LoopedSequentialMLP(SequentialMLP):
@@ -149,6 +156,7 @@ class LoopedSequentialMLP(SequentialMLP):
     ``per_token_scale``. Output rows stay in the dispatcher's permuted order.
     """
 
+    @functools.cached_property  # layout and config are fixed once built: decided on first call
     def _direct(self) -> bool:
         c = self.config
         return (_single_rank(self.tp_group) and not (c.fp8 or c.fp4) and not c.add_bias_linear
@@ -157,7 +165,7 @@ class LoopedSequentialMLP(SequentialMLP):
                 and not c.gradient_accumulation_fusion)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        if not self._direct():
+        if not self._direct:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         c = self.config
         counts = tokens_per_expert.tolist()

@@ -36,15 +36,16 @@ def _all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def layer_statistics(routing: ModelRouting, old: RouteStore, new: RouteStore,
-                     response_mask: torch.Tensor) -> tuple[LayerSums, torch.Tensor]:
-    """Per-MoE-layer sums over the world (one all-reduce) and this rank's per-position count of
-    layers whose route changed ``[B, T]`` (full sequence, zeros outside this rank's shard; the
-    caller sums it over TP and PP)."""
+                     response_mask: torch.Tensor,
+                     count_positions: bool = True) -> tuple[LayerSums, torch.Tensor | None]:
+    """Per-MoE-layer sums over the world (one all-reduce) and, with ``count_positions``, this
+    rank's per-position count of layers whose route changed ``[B, T]`` (full sequence, zeros
+    outside this rank's shard; the caller sums it over TP and PP)."""
     B, T = response_mask.shape
     pos = routing.local_positions(T)
     mask = response_mask[:, pos].reshape(-1)
     total = LayerSums.zeros(routing.num_moe_layers, routing.num_experts)
-    changed_count = torch.zeros(B, T, dtype=torch.float64)
+    changed_count = torch.zeros(B, T, dtype=torch.float64) if count_positions else None
     if routing.moe_layers:
         L = len(routing.moe_layers)
         o = old.indices.reshape(L, -1, old.indices.shape[-1])
@@ -54,8 +55,9 @@ def layer_statistics(routing: ModelRouting, old: RouteStore, new: RouteStore,
         idx = torch.tensor(routing.moe_layers)
         for name in ("tokens", "changed", "jaccard", "entropy", "load"):
             getattr(total, name)[idx] = getattr(local, name)
-        changed, _ = route_change(old.indices, new.indices, routing.num_experts)  # [L, B, T_loc]
-        changed_count[:, pos] = changed.double().sum(0)
+        if count_positions:
+            changed, _ = route_change(old.indices, new.indices, routing.num_experts)  # [L, B, T_loc]
+            changed_count[:, pos] = changed.double().sum(0)
     flat = _all_reduce(total.flat())
     return total.with_flat(flat / routing.route_replicas), changed_count
 
@@ -66,7 +68,7 @@ def route_drift(routing: ModelRouting, old: RouteStore, new: RouteStore,
     old-policy pass) and ``new`` (the routes free routing takes now), over the world, and the same
     per MoE layer. One all-reduce; costs no forward pass (``new`` comes from a training forward).
     NaN when no position is counted."""
-    sums, _ = layer_statistics(routing, old, new, response_mask)
+    sums, _ = layer_statistics(routing, old, new, response_mask, count_positions=False)
     total = float(sums.tokens.sum())
     per_layer = (sums.changed / sums.tokens.clamp(min=1)).tolist()
     return (float(sums.changed.sum()) / total if total > 0 else float("nan")), per_layer

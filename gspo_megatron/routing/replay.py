@@ -289,7 +289,6 @@ class RouteRecorder:
             r.set_router_replay_action(A.RECORD)
             r.recorded_topk_idx = None
             r.capture_entropy = self.capture_entropy
-        self._b = microbatch.size if microbatch is not None else None
 
     def after_forward(self, mb_index: int, microbatch=None) -> None:
         indices, entropy = self.routing.collect(mb_index, microbatch.size, self.capture_entropy)

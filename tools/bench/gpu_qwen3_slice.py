@@ -240,15 +240,12 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
 
 def _cpu_code_path_check() -> dict:
     """``time_slice`` at toy size on CPU (tiny preset, local spec, fp32), in its own process group."""
-    from gspo_megatron.model.config import ParallelConfig, model_config_from_preset
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.model.config import model_config_from_preset
+    from tools.bench import _model
 
-    initialize_distributed(ParallelConfig(), model_config_from_preset("tiny"), seed=0)
-    try:
+    with _model.distributed(model_config_from_preset("tiny")):
         return time_slice(layers=2, seq=32, iters=1, impl="local", grouped=False,
                           preset="tiny", device="cpu")
-    finally:
-        destroy_distributed()
 
 
 def _args(ap) -> None:
