@@ -27,7 +27,7 @@ test: venv
 test-fast: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-# The main job on its embedded default: GSPO on a tiny MoE on CPU (about 3 minutes on 2 cores).
+# The main job with no --config: the demo recipe, GSPO on a tiny MoE on CPU (about 3 minutes on 2 cores).
 # It writes runs/demo; running it again resumes there (rm -rf runs/demo for a fresh run).
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/gspo-train $(DEMO_ARGS)

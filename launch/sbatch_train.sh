@@ -3,6 +3,8 @@
 # node's GPUs. Submit with launch/submit.sh (validates, then sets nodes/GPUs/time from the model
 # file), or directly:  MODEL=qwen3-30b-a3b sbatch --nodes=2 launch/sbatch_train.sh [overrides]
 #   launch/sbatch_train.sh --dry-run [overrides]   checks and prints the srun command, runs nothing
+# Overrides are gspo-train's --section.field=value; the layout is the recipe's parallel: section
+# (--parallel.expert_model_parallel_size=16 ...), checked by gspo-plan before srun.
 #
 # Preemption / time limit: SLURM sends SIGUSR1 to this batch shell 300 s before the limit
 # (--signal=B:USR1@300). The trap below forwards it to srun, srun to every node's task
@@ -51,10 +53,10 @@ export MODEL="${MODEL:-qwen3-30b-a3b}"
 load_model "$MODEL"
 # Inside an allocation the node count is the allocation's, whatever the model file says.
 export NNODES="${SLURM_NNODES:-$NNODES}"
-export GPUS_PER_NODE TP PP EP CP
+trainer_args "$@"
 validate_launch
-trainer_overrides
-TRAINER_ARGS+=("$@")
+# The checked layout, for torchrun_node.sh's environment (CUDA_DEVICE_MAX_CONNECTIONS).
+export GPUS_PER_NODE TP PP EP ETP CP
 
 # Rank 0's node: the first host of the allocation (mapfile, not `| head -n1`: head closing the pipe
 # early can fail scontrol with SIGPIPE under pipefail).
@@ -92,7 +94,7 @@ if (( DRY_RUN )); then
     exit 0
 fi
 
-log "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): $MODEL on $NNODES x $GPUS_PER_NODE, TP=$TP PP=$PP EP=$EP CP=$CP, master $MASTER_ADDR:$MASTER_PORT"
+log "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): $MODEL on $NNODES x $GPUS_PER_NODE, TP=$TP PP=$PP EP=$EP ETP=$ETP CP=$CP, master $MASTER_ADDR:$MASTER_PORT"
 if [[ -f "$SAVE_DIR/latest_checkpointed_iteration.txt" ]]; then
     log "resuming from $SAVE_DIR at step $(cat "$SAVE_DIR/latest_checkpointed_iteration.txt")"
 fi
@@ -114,15 +116,8 @@ trap 'log "SIGTERM: the job is being ended by SLURM"' TERM
 
 "${cmd[@]}" &
 srun_pid=$!
-# `wait` returns early (status > 128) when a trapped signal arrives: wait again while srun runs.
-while :; do
-    rc=0
-    wait "$srun_pid" || rc=$?
-    if (( rc > 128 )) && kill -0 "$srun_pid" 2>/dev/null; then
-        continue
-    fi
-    break
-done
+rc=0
+wait_for_child "$srun_pid" || rc=$?
 log "srun exited with $rc"
 
 if requeue_requested "$rc" "$RUN_DIR" "$stamp"; then

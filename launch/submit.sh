@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Validate, then submit launch/sbatch_train.sh. Nothing reaches sbatch unless every check passes:
-# the model has an argument file, the container image exists (local .sqsh), and the layout
-# divides the GPUs, heads and experts and fits in memory (tools/plan.py).
+# the model has an argument file, the container image exists (local .sqsh), and the recipe's
+# layout (with the overrides) divides the GPUs, heads and experts and fits in memory (gspo-plan).
 #
 #   MODEL=qwen3-30b-a3b launch/submit.sh [--dry-run] [--section.field=value ...]
+#   MODEL=qwen3-30b-a3b NNODES=4 launch/submit.sh --parallel.expert_model_parallel_size=16
 #   MODEL=qwen3-235b-a22b CONTAINER_IMAGE=/shared/images/pytorch.sqsh \
 #       CONTAINER_MOUNTS=/data:/data,/checkpoints:/checkpoints launch/submit.sh --data.train_path=/data/train.parquet
 #
@@ -24,6 +25,7 @@ fi
 
 export MODEL="${MODEL:-qwen3-30b-a3b}"
 load_model "$MODEL"
+trainer_args "$@"
 validate_launch
 
 log_dir="${LOG_DIR:-$RUN_DIR/slurm-logs}"   # with the run (runs/ is git-ignored)
@@ -40,5 +42,5 @@ if (( ${#dry_run[@]} )); then
     exec bash "$GSPO_ROOT/launch/sbatch_train.sh" --dry-run "$@"
 fi
 mkdir -p "$log_dir"
-log "submitting $MODEL: $NNODES node(s) x $GPUS_PER_NODE GPUs, TP=$TP PP=$PP EP=$EP CP=$CP, run dir $RUN_DIR"
+log "submitting $MODEL: $NNODES node(s) x $GPUS_PER_NODE GPUs, TP=$TP PP=$PP EP=$EP ETP=$ETP CP=$CP, run dir $RUN_DIR"
 exec sbatch "${sbatch_args[@]}" "$GSPO_ROOT/launch/sbatch_train.sh" "$@"

@@ -2,7 +2,8 @@
 # shellcheck disable=SC2317  # functions called from traps look unreachable to shellcheck
 # One node's share of a run: `torchrun` with this node's rank, then the trainer on GPUS_PER_NODE
 # local processes. sbatch_train.sh starts it once per node (srun, inside the container when one is
-# set); torchrun_single_node.sh starts it directly. Arguments go to `python -m gspo_megatron.train`.
+# set); torchrun_single_node.sh starts it directly. Arguments go to gspo-train
+# (`python -m gspo_megatron.cli`).
 #
 #   NNODES=1 NODE_RANK=0 GPUS_PER_NODE=8 MASTER_ADDR=host MASTER_PORT=29500 \
 #       launch/torchrun_node.sh --config recipe.yaml [--section.field=value ...]
@@ -25,6 +26,12 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 PYTHON="${PYTHON:-python}"
+# The layout: exported by the launcher that checked it (sbatch_train.sh, torchrun_single_node.sh);
+# when this script is run by hand, read from the trainer arguments the same way (no verdict here:
+# the trainer validates the layout itself).
+if [[ -z "${TP:-}" || -z "${CP:-}" ]]; then
+    plan_layout "$((NNODES * GPUS_PER_NODE))" "$@" 2>/dev/null || true
+fi
 
 # --- environment of a Megatron MoE job on Hopper (each overridable from the environment) -------
 # Megatron's tensor/context-parallel communication overlap relies on kernels reaching the GPU in
@@ -57,6 +64,7 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # torchrun's grace period between forwarding SIGTERM and SIGKILLing the workers: long enough to
 # finish a step and write a checkpoint (the default 30 s is not, for a 235B model).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}"
+# The package from this checkout, installed or not (a container mounts the repository).
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # The workers of torchrun $1: its direct children (parent pid from /proc, no pgrep needed).
@@ -93,17 +101,9 @@ log "node $NODE_RANK/$NNODES: torchrun with $GPUS_PER_NODE processes, master $MA
 (trap '' USR1; exec "$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$GPUS_PER_NODE" \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
-    -m gspo_megatron.train "$@") &
+    -m gspo_megatron.cli "$@") &
 torchrun_pid=$!
-
-# `wait` returns early (status > 128) when a trapped signal arrives: wait again while it runs.
-while :; do
-    rc=0
-    wait "$torchrun_pid" || rc=$?
-    if (( rc > 128 )) && kill -0 "$torchrun_pid" 2>/dev/null; then
-        continue
-    fi
-    break
-done
+rc=0
+wait_for_child "$torchrun_pid" || rc=$?
 log "node $NODE_RANK: torchrun exited with $rc"
 exit "$rc"

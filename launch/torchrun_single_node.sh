@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One machine, no SLURM: validate the layout for GPUS_PER_NODE GPUs, then torchrun.
+# One machine, no SLURM: validate the recipe's layout for GPUS_PER_NODE GPUs, then torchrun.
 #
-#   MODEL=qwen3-30b-a3b NNODES=1 TP=2 EP=8 launch/torchrun_single_node.sh [--section.field=value ...]
-#   MODEL=tiny GPUS_PER_NODE=2 EP=2 PYTHON=.venv/bin/python launch/torchrun_single_node.sh   # CPU
+#   MODEL=qwen3-30b-a3b launch/torchrun_single_node.sh [--section.field=value ...]
+#   MODEL=tiny GPUS_PER_NODE=2 PYTHON=.venv/bin/python launch/torchrun_single_node.sh \
+#       --parallel.expert_model_parallel_size=2   # CPU
 #
 # Exit code 75: the trainer got SIGUSR1 or SIGTERM (send either to this script), wrote a checkpoint and
 # stopped; run the same command again to resume.
@@ -17,10 +18,11 @@ export GSPO_ROOT
 export MODEL="${MODEL:-qwen3-30b-a3b}"
 load_model "$MODEL"
 export NNODES=1 NODE_RANK=0
-export GPUS_PER_NODE TP PP EP CP
 export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" MASTER_PORT="${MASTER_PORT:-29500}"
+trainer_args "$@"
 validate_launch
-trainer_overrides
+# The checked layout, for torchrun_node.sh's environment (CUDA_DEVICE_MAX_CONNECTIONS).
+export GPUS_PER_NODE TP PP EP ETP CP
 
 mkdir -p "$RUN_DIR"
 stamp="$RUN_DIR/.launch-local-$$"
@@ -34,16 +36,10 @@ forward() {
 # Both mean "checkpoint and exit" to the trainer; forwarded as SIGUSR1, which torchrun leaves to
 # the workers (a SIGTERM would make torchrun shut them down after TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
 trap 'forward USR1' USR1 TERM
-bash "$GSPO_ROOT/launch/torchrun_node.sh" "${TRAINER_ARGS[@]}" "$@" &
+bash "$GSPO_ROOT/launch/torchrun_node.sh" "${TRAINER_ARGS[@]}" &
 node_pid=$!
-while :; do
-    rc=0
-    wait "$node_pid" || rc=$?
-    if (( rc > 128 )) && kill -0 "$node_pid" 2>/dev/null; then
-        continue
-    fi
-    break
-done
+rc=0
+wait_for_child "$node_pid" || rc=$?
 if requeue_requested "$rc" "$RUN_DIR" "$stamp"; then
     rc=75
 fi

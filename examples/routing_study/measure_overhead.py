@@ -36,7 +36,7 @@ def run(name, out, args, rep):
     run_dir = os.path.join(out, f"{name}_{rep}")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled",
                TQDM_DISABLE="1")
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config",
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config",
            os.path.join(ROOT, "examples", "configs", "tiny_grpo.yaml"),
            f"--logging.run_dir={run_dir}", "--logging.progress=false", "--sft.steps=0",
            "--data.num_train_examples=500", "--data.num_eval_examples=60",  # as the study (tokenizer)
@@ -59,15 +59,17 @@ def in_process(repeats: int = 5) -> dict:
 
     import torch
 
-    from gspo_megatron.config import TrainConfig
-    from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
-    from gspo_megatron.parallel import initialize_distributed
-    from gspo_megatron.routing import ModelRouting, routing_diagnostics
-    from gspo_megatron.training.batch import make_policy_batch
-    from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, optimizer_step, zero_grad
-    from gspo_megatron.training.step import ScoringConfig, compute_logprobs, train_minibatch
+    from gspo_megatron.config import DEMO_RECIPE, load_config
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+    from gspo_megatron.backends.megatron.parallel import initialize_distributed
+    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
+    from gspo_megatron.policy import make_policy_batch
+    from gspo_megatron.config import OptimConfig
+    from gspo_megatron.backends.megatron.policy import build_policy
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_minibatch
 
-    cfg = TrainConfig()
+    cfg = load_config(DEMO_RECIPE)  # the demo's loss and optimiser
     cfg.loss = type(cfg.loss)(variant="grpo", clip_low=0.2, clip_high=0.27)
     model = model_config_from_preset("tiny")
     groups = initialize_distributed(ParallelConfig(), model, seed=1)
@@ -92,11 +94,11 @@ def in_process(repeats: int = 5) -> dict:
         diag = 0.0
         for i in range(4):
             mb = batch.select(slice(i * per, (i + 1) * per))
-            zero_grad(policy)
+            policy.zero_grad()
             train_minibatch(policy.model, mb, mbs, cfg.loss, scoring, groups,
                             routing=routing.replayer(store.select(slice(i * per, (i + 1) * per)), mbs)
                             if replay else None)
-            optimizer_step(policy)
+            policy.optimizer_step()
             if diagnose:
                 d = time.process_time()
                 routing_diagnostics(policy.model, routing, mb, store.select(slice(i * per, (i + 1) * per)),

@@ -7,7 +7,7 @@
 2. three RL runs from those weights with the routing diagnostics on: GSPO (no replay), GRPO (no
    replay), GRPO with R2 (``examples/configs/tiny_grpo_r2.yaml``); same seed, data, rollout
    settings and learning rate;
-3. ``tools/routing_report.py`` over the three runs -> ``--report`` (Markdown + PNGs).
+3. ``gspo-routing-report`` over the three runs -> ``--report`` (Markdown + PNGs).
 
 Runs go to ``--out`` (default runs/routing_study); the report defaults to
 examples/routing_study/results. On 2 CPU cores the defaults take about 5 minutes.
@@ -35,7 +35,7 @@ RUNS = {  # name: (recipe, extra overrides)
 def gspo_train(recipe: str, run_dir: str, overrides: list[str]) -> float:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                WANDB_MODE="disabled", TQDM_DISABLE="1")
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(CONFIGS, recipe),
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config", os.path.join(CONFIGS, recipe),
            f"--logging.run_dir={run_dir}", "--logging.progress=false", *overrides]
     print("$", " ".join(cmd[1:]), flush=True)
     t = time.perf_counter()

@@ -1,21 +1,32 @@
 """Pure-torch GSPO / GSPO-token / GRPO algorithms (no Megatron imports).
 
-Parallel reductions take explicit ``torch.distributed`` process groups.
+Each rule is stated once here and used by the loss, the trainer and the routing diagnostics alike:
+the sequence ratio (Eq. 7), the clip rule, the k3 estimator, group advantages (Eq. 6) and the
+objectives a policy update minimises. Parallel reductions take explicit process groups.
 """
 
 from .advantages import GroupAdvantageResult, group_advantages
-from .policy_loss import LOG_RATIO_CLAMP, PolicyLossConfig, policy_loss, sequence_log_ratio
+from .objectives import NLLObjective, Objective, PolicyGradientObjective, rollout_mismatch
+from .policy_loss import (LOG_RATIO_CLAMP, PolicyLossConfig, clip_flags, clipped_positions, k3,
+                          policy_loss, sequence_log_ratio)
 from .reductions import all_reduce_no_grad, all_reduce_sum, masked_mean, masked_sum
 
 __all__ = [
     "LOG_RATIO_CLAMP",
     "GroupAdvantageResult",
+    "NLLObjective",
+    "Objective",
+    "PolicyGradientObjective",
     "PolicyLossConfig",
     "all_reduce_no_grad",
     "all_reduce_sum",
+    "clip_flags",
+    "clipped_positions",
     "group_advantages",
+    "k3",
     "masked_mean",
     "masked_sum",
     "policy_loss",
+    "rollout_mismatch",
     "sequence_log_ratio",
 ]

@@ -29,14 +29,15 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .reductions import all_reduce_no_grad, all_reduce_sum
 
-__all__ = ["LOG_RATIO_CLAMP", "PolicyLossConfig", "policy_loss", "sequence_log_ratio"]
+__all__ = ["LOG_RATIO_CLAMP", "PolicyLossConfig", "clip_flags", "clipped_positions", "k3",
+           "policy_loss", "sequence_log_ratio"]
 
 Variant = Literal["gspo", "gspo_token", "grpo"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean"]
@@ -209,34 +210,141 @@ def sequence_log_ratio(
     """GSPO Eq. 7 in log space: ``log s_i = (1/|y_i|) sum_t (logp_it - old_logp_it)``.
 
     Inputs ``[B, T]``; returns ``[B]`` (0 for zero-length responses), differentiable
-    w.r.t. ``logprobs``, sums all-reduced over ``cp_group``. Not clamped.
+    w.r.t. ``logprobs``, sums all-reduced over ``cp_group``. Not clamped. The one
+    definition of the sequence ratio: :func:`policy_loss` and the routing
+    diagnostics (through :func:`clipped_positions`) both call it.
     """
     mask = response_mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     diff = torch.where(mask, logprobs - old_logprobs.detach(), zero)
     sums = all_reduce_sum(torch.stack([diff.sum(-1), mask.to(diff.dtype).sum(-1)]), cp_group)
-    return sums[0] / sums[1].clamp(min=1)
+    return sums[0] * (1.0 / sums[1].clamp(min=1.0))
+
+
+def clip_flags(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`` takes the clipped
+    branch (zero gradient): ``low = A < 0 and ratio < 1 - eps_low``, ``high = A > 0 and
+    ratio > 1 + eps_high``. Any matching shapes; detached bool tensors."""
+    high = (adv > 0) & (ratio > 1.0 + eps_high)
+    low = (adv < 0) & (ratio < 1.0 - eps_low)
+    return low.detach(), high.detach()
 
 
 def _clip_objective(
     ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`` (Eq. 2 / 5 / 13).
-
-    Also returns where the clipped branch is active (zero gradient):
-    ``high = A > 0 and ratio > 1 + eps_high``, ``low = A < 0 and ratio < 1 - eps_low``.
-    """
+    """``min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`` (Eq. 2 / 5 / 13), and
+    where the clipped branch is active (:func:`clip_flags`)."""
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     obj = torch.minimum(ratio * adv, clipped * adv)
-    high = (adv > 0) & (ratio > 1.0 + eps_high)
-    low = (adv < 0) & (ratio < 1.0 - eps_low)
-    return obj, low.detach(), high.detach()
+    return (obj, *clip_flags(ratio, adv, eps_low, eps_high))
 
 
-def _k3(log_diff: torch.Tensor) -> torch.Tensor:
-    """k3 estimator ``exp(d) - d - 1`` with ``d = log q - log p`` (clamped), >= 0."""
+def k3(log_diff: torch.Tensor) -> torch.Tensor:
+    """k3 KL estimator ``exp(d) - d - 1`` with ``d = log q - log p`` clamped to
+    ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]``: >= 0, 0 iff d = 0, in the input's dtype.
+    The one definition (KL penalty, ``kl/*`` metrics, rollout mismatch, replay gap)."""
     d = log_diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.exp(d) - d - 1.0
+
+
+class _Prepared(NamedTuple):
+    """Inputs of the surrogate in the compute dtype (>= fp32), padding zeroed, with the
+    per-sequence quantities every variant needs."""
+
+    logp: torch.Tensor           # [B, T] differentiable
+    old: torch.Tensor            # [B, T]
+    adv: torch.Tensor            # [B] or [B, T] as given
+    adv_tok: torch.Tensor        # [B, T] advantage of each response token
+    ref: torch.Tensor | None     # [B, T]
+    mask: torch.Tensor           # [B, T] bool
+    zero: torch.Tensor           # 0-dim
+    seq_len: torch.Tensor        # [B] |y_i| (over cp_group)
+    inv_len: torch.Tensor        # [B] 1 / max(|y_i|, 1)
+    seq_log_ratio: torch.Tensor  # [B] log s_i (Eq. 7), differentiable
+    adv_seq: torch.Tensor        # [B] A_i (the mean over response tokens for [B, T] input)
+
+
+def _prepare(logprobs, old_logprobs, advantages, mask, ref_logprobs, cp_group) -> _Prepared:
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    # Padding may hold -inf/NaN: replace it before any arithmetic (where, not *mask).
+    logp = torch.where(mask, logprobs.to(dtype), zero)
+    old = torch.where(mask, old_logprobs.detach().to(dtype), zero)
+    adv_in = advantages.detach().to(dtype)
+    adv_tok = torch.where(mask, adv_in if adv_in.dim() == 2 else adv_in[:, None].expand_as(logp), zero)
+    ref = None if ref_logprobs is None else torch.where(mask, ref_logprobs.detach().to(dtype), zero)
+    # Per-sequence sums over cp_group: |y_i| and sum_t A_it.
+    sums = all_reduce_no_grad(torch.stack([mask.to(dtype).sum(-1), adv_tok.sum(-1)], dim=-1), cp_group)
+    seq_len = sums[:, 0]
+    if not bool(seq_len.sum() > 0):
+        raise ValueError(f"response_mask has no response tokens (shape {_shape(mask)})")
+    inv_len = 1.0 / seq_len.clamp(min=1.0)
+    seq_log_ratio = sequence_log_ratio(logp, old, mask, cp_group=cp_group)  # Eq. 7
+    adv_seq = adv_in if adv_in.dim() == 1 else sums[:, 1] * inv_len  # A_i
+    return _Prepared(logp, old, adv_in, adv_tok, ref, mask, zero, seq_len, inv_len,
+                     seq_log_ratio, adv_seq)
+
+
+def _surrogate(x: _Prepared, adv_dim: int, config: PolicyLossConfig, cp_group
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence objective ``[B]`` (before the normaliser) and the clipped tokens
+    ``(low, high)`` ``[B, T]`` of ``config.variant``: the one place the clip rule is applied."""
+    mask, zero, eps_low, eps_high = x.mask, x.zero, config.eps_low, config.eps_high
+    nonempty = x.seq_len > 0
+    log_s = x.seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if config.variant == "gspo":
+        if adv_dim == 2:
+            off = mask & ~torch.isclose(x.adv_tok, x.adv_seq[:, None].expand_as(x.adv_tok),
+                                        rtol=1e-5, atol=1e-6)
+            # reduced so every CP rank raises together (a rank-local raise would deadlock)
+            if bool(all_reduce_no_grad(off.sum().to(zero.dtype), cp_group) > 0):
+                raise ValueError(
+                    "advantages [B, T] must be constant over each sequence's response tokens "
+                    "for variant='gspo' (use 'gspo_token' for per-token advantages)"
+                )
+        s = torch.exp(log_s)  # s_i, Eq. 7
+        # Eq. 5: J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); its gradient
+        # (Eq. 10) is A_i s_i / |y_i| * grad log pi(y_it) for every token: equal weights.
+        obj_seq, low_seq, high_seq = _clip_objective(s, x.adv_seq, eps_low, eps_high)
+        seq_obj = torch.where(nonempty, obj_seq, zero)
+        return (seq_obj, (low_seq & nonempty)[:, None] & mask,
+                (high_seq & nonempty)[:, None] & mask)
+    if config.variant == "gspo_token":
+        # Eq. 13: s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)] -> value s_i, grad s_i * grad log pi
+        ratio_tok = torch.exp(log_s.detach())[:, None] * torch.exp(x.logp - x.logp.detach())
+    else:
+        # GRPO, Eq. 2: r_it = pi_theta(y_it) / pi_old(y_it)
+        ratio_tok = torch.exp((x.logp - x.old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    # Eq. 14 / Eq. 2: per-token min(r A, clip(r) A)
+    obj_tok, tok_low, tok_high = _clip_objective(ratio_tok, x.adv_tok, eps_low, eps_high)
+    obj_sum = all_reduce_sum(torch.where(mask, obj_tok, zero).sum(-1), cp_group)  # [B]
+    if config.aggregation == "token_mean":
+        seq_obj = obj_sum  # DAPO: token sums, normalised by total tokens below
+    else:
+        seq_obj = obj_sum * x.inv_len  # (1/|y_i|) sum_t ...  (Eq. 14 / Eq. 2)
+    return seq_obj, tok_low & mask, tok_high & mask
+
+
+@torch.no_grad()
+def clipped_positions(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+    *,
+    cp_group: Any | None = None,
+) -> torch.Tensor:
+    """``[B, T]`` bool: the response tokens whose clipped branch is active in
+    :func:`policy_loss` with the same inputs (exactly the set behind its ``clip/*``
+    metrics): per sequence for ``gspo`` (every token of a clipped sequence), per
+    token for ``gspo_token`` (sequence ratio, token advantage) and ``grpo``."""
+    mask = response_mask.bool()
+    x = _prepare(logprobs, old_logprobs, advantages, mask, None, cp_group)
+    _, low, high = _surrogate(x, advantages.dim(), config, cp_group)
+    return low | high
 
 
 def policy_loss(
@@ -285,66 +393,15 @@ def policy_loss(
     """
     mask = _validate(logprobs, old_logprobs, advantages, response_mask, config,
                      ref_logprobs, entropy, loss_normalizer, cp_group)
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
-    maskf = mask.to(dtype)
-    # Padding may hold -inf/NaN: replace it before any arithmetic (where, not *mask).
-    logp = torch.where(mask, logprobs.to(dtype), zero)
-    old = torch.where(mask, old_logprobs.detach().to(dtype), zero)
-    adv_in = advantages.detach().to(dtype)
-    adv_tok = torch.where(mask, adv_in if adv_in.dim() == 2 else adv_in[:, None].expand_as(logp), zero)
-    ref = None if ref_logprobs is None else torch.where(mask, ref_logprobs.detach().to(dtype), zero)
+    x = _prepare(logprobs, old_logprobs, advantages, mask, ref_logprobs, cp_group)
+    logp, old, ref, zero = x.logp, x.old, x.ref, x.zero
+    dtype = logp.dtype
     use_kl = ref is not None and config.kl_coef > 0
-    eps_low, eps_high = config.eps_low, config.eps_high
-
-    # --- first CP reduction: per-sequence sums (differentiable where needed) ----
-    log_ratio_tok = logp - old  # log(pi_theta / pi_old) per token, 0 on padding
-    cols = [maskf.sum(-1), log_ratio_tok.sum(-1), adv_tok.sum(-1)]
-    if use_kl:
-        cols.append(_k3(ref - logp).mul(maskf).sum(-1))  # Eq. k3: exp(ref-logp)-(ref-logp)-1
-    sums = all_reduce_sum(torch.stack(cols, dim=-1), cp_group)  # [B, k]
-    seq_len = sums[:, 0].detach()  # |y_i|
-    total_tokens = seq_len.sum()
-    if not bool(total_tokens > 0):
-        raise ValueError(f"response_mask has no response tokens (shape {_shape(response_mask)})")
-    nonempty = seq_len > 0
-    inv_len = 1.0 / seq_len.clamp(min=1.0)
-    # Eq. 7: log s_i = (1/|y_i|) sum_t log(pi_theta(y_it) / pi_old(y_it))
-    seq_log_ratio = sums[:, 1] * inv_len
-    log_s = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    adv_seq = adv_in if adv_in.dim() == 1 else sums[:, 2].detach() * inv_len  # A_i
-
-    if config.variant == "gspo":
-        if advantages.dim() == 2:
-            off = mask & ~torch.isclose(adv_tok, adv_seq[:, None].expand_as(adv_tok), rtol=1e-5, atol=1e-6)
-            # reduced so every CP rank raises together (a rank-local raise would deadlock)
-            if bool(all_reduce_no_grad(off.sum().to(dtype), cp_group) > 0):
-                raise ValueError(
-                    "advantages [B, T] must be constant over each sequence's response tokens "
-                    "for variant='gspo' (use 'gspo_token' for per-token advantages)"
-                )
-        s = torch.exp(log_s)  # s_i, Eq. 7
-        # Eq. 5: J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); its gradient
-        # (Eq. 10) is A_i s_i / |y_i| * grad log pi(y_it) for every token: equal weights.
-        obj_seq, low_seq, high_seq = _clip_objective(s, adv_seq, eps_low, eps_high)
-        seq_obj = torch.where(nonempty, obj_seq, zero)
-        tok_low = (low_seq & nonempty)[:, None] & mask
-        tok_high = (high_seq & nonempty)[:, None] & mask
-    else:
-        if config.variant == "gspo_token":
-            # Eq. 13: s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)] -> value s_i, grad s_i * grad log pi
-            ratio_tok = torch.exp(log_s.detach())[:, None] * torch.exp(logp - logp.detach())
-        else:
-            # GRPO, Eq. 2: r_it = pi_theta(y_it) / pi_old(y_it)
-            ratio_tok = torch.exp(log_ratio_tok.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        # Eq. 14 / Eq. 2: per-token min(r A, clip(r) A)
-        obj_tok, tok_low, tok_high = _clip_objective(ratio_tok, adv_tok, eps_low, eps_high)
-        tok_low, tok_high = tok_low & mask, tok_high & mask
-        obj_sum = all_reduce_sum(torch.where(mask, obj_tok, zero).sum(-1), cp_group)  # [B]
-        if config.aggregation == "token_mean":
-            seq_obj = obj_sum  # DAPO: token sums, normalised by total tokens below
-        else:
-            seq_obj = obj_sum * inv_len  # (1/|y_i|) sum_t ...  (Eq. 14 / Eq. 2)
+    kl_sum = None
+    if use_kl:  # Eq. k3 per sequence: sum_t exp(ref-logp)-(ref-logp)-1
+        kl_sum = all_reduce_sum(k3(ref - logp).mul(mask.to(dtype)).sum(-1), cp_group)
+    seq_obj, tok_low, tok_high = _surrogate(x, advantages.dim(), config, cp_group)
+    seq_len, total_tokens, inv_len = x.seq_len, x.seq_len.sum(), x.inv_len
 
     token_mean = config.aggregation == "token_mean"
     if loss_normalizer is None:
@@ -356,11 +413,11 @@ def policy_loss(
     loss = loss_pol
     kl_term = None
     if use_kl:
-        kl_seq = sums[:, 3] if token_mean else sums[:, 3] * inv_len  # same aggregation as policy
+        kl_seq = kl_sum if token_mean else kl_sum * inv_len  # same aggregation as policy
         kl_term = kl_seq.sum() / normalizer
         loss = loss + config.kl_coef * kl_term
 
-    metrics = _metrics(config, mask, seq_len, seq_log_ratio.detach(), tok_low, tok_high,
+    metrics = _metrics(config, mask, seq_len, x.seq_log_ratio.detach(), tok_low, tok_high,
                        logp.detach(), old, ref, entropy, cp_group)
     metrics["loss/policy"] = loss_pol.detach()
     metrics["loss/total"] = loss.detach()
@@ -379,10 +436,10 @@ def _metrics(config: PolicyLossConfig, mask: torch.Tensor, seq_len: torch.Tensor
     nonempty, total_tokens = seq_len > 0, seq_len.sum()
     r_tok = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     cols = [tok_low.to(dtype).sum(-1), tok_high.to(dtype).sum(-1),
-            torch.where(mask, _k3(old - logp), zero).sum(-1),
+            torch.where(mask, k3(old - logp), zero).sum(-1),
             torch.where(mask, r_tok, zero).sum(-1)]
     if ref is not None:
-        cols.append(torch.where(mask, _k3(ref - logp), zero).sum(-1))
+        cols.append(torch.where(mask, k3(ref - logp), zero).sum(-1))
     if entropy is not None:
         cols.append(torch.where(mask, entropy.detach().to(dtype), zero).sum(-1))
     sums = all_reduce_no_grad(torch.stack(cols, dim=-1), cp_group)  # [B, k]

@@ -19,8 +19,9 @@ How (and how far each fix reaches):
   ``torch.compiler.set_stance("force_eager")``. That switch is process-wide: it costs ~17 s and a C++
   toolchain per process on first use, and buys nothing at the sizes a CPU runs.
 
-Every fix is applied once, by :func:`apply_cpu_compat`, which the distributed initialisation calls;
-it does nothing when CUDA is available. Each entry says which failure it fixes and for which
+Every fix is applied once, by :func:`apply_cpu_compat` (through
+:func:`gspo_megatron.compat.apply_compat`, which the distributed initialisation calls); it does
+nothing when CUDA is available. Each entry says which failure it fixes and for which
 megatron-core versions it was checked.
 """
 
@@ -36,8 +37,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_CHECKED_VERSIONS = ("0.16",)
-_APPLIED = False
 
 
 def _cpu_device(device: Any) -> Any:
@@ -283,19 +282,13 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
 
 def apply_cpu_compat() -> bool:
     """Make megatron-core run on CPU. Idempotent; a no-op (returns False) when CUDA is available."""
-    global _APPLIED
     if torch.cuda.is_available():
         return False
-    if _APPLIED:
-        return True
     from megatron.core.package_info import __version__ as mcore_version
+    from megatron.core.tensor_parallel import random as mcore_random
 
-    if not mcore_version.startswith(_CHECKED_VERSIONS):
-        logger.warning(
-            "gspo_megatron CPU compat was checked on megatron-core %s, found %s; "
-            "if a CUDA call fails on CPU, add its module to compat/cpu.py",
-            "/".join(_CHECKED_VERSIONS), mcore_version,
-        )
+    if mcore_random._get_cuda_rng_state is _cpu_rng_get:  # applied before in this process
+        return True
 
     # Failure 7: jit_fuser is torch.compile; make it eager (process-wide, see module docstring).
     torch.compiler.set_stance("force_eager")
@@ -317,8 +310,6 @@ def apply_cpu_compat() -> bool:
         moe_utils.te_general_gemm = None
 
     # Failure 3: activation checkpointing and the RNG tracker save/restore the CUDA RNG state.
-    from megatron.core.tensor_parallel import random as mcore_random
-
     mcore_random._get_cuda_rng_state = _cpu_rng_get
     mcore_random._set_cuda_rng_state = _cpu_rng_set
 
@@ -328,6 +319,5 @@ def apply_cpu_compat() -> bool:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
 
-    _APPLIED = True
     logger.info("megatron-core %s: CUDA absent, CPU compatibility applied", mcore_version)
     return True

@@ -8,6 +8,8 @@ Conventions
 * ``mask``: bool ``[..., N]`` (broadcast against the leading dims), True for the positions that
   count. The trainer passes the label-aligned ``response_mask``: the positions whose outputs are
   scored (padding and prompt positions are routed too, but excluded).
+* Which tokens the loss clips, and the k3 estimator, come from :mod:`gspo_megatron.algorithms`
+  (``clipped_positions``, ``k3``): the diagnostics use the loss's own rules.
 * Everything is returned as *sums and counts* (:class:`LayerSums`, :class:`AlignmentSums`) so that
   ranks can all-reduce them before dividing; :meth:`LayerSums.metrics` and
   :meth:`AlignmentSums.metrics` turn them into the logged ``routing/...`` numbers.
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "AlignmentSums", "LayerSums", "alignment_sums", "clipped_tokens", "entropy_from_logits",
-    "entropy_from_probs", "expert_load", "imbalance", "k3", "layer_sums", "multi_hot",
+    "AlignmentSums", "LayerSums", "alignment_sums", "entropy_from_logits",
+    "entropy_from_probs", "expert_load", "imbalance", "layer_sums", "multi_hot",
     "route_change", "route_dtype",
 ]
 
@@ -82,12 +84,6 @@ def imbalance(load: torch.Tensor) -> torch.Tensor:
     mean = load.float().mean(-1)
     return torch.where(mean > 0, load.float().amax(-1) / mean.clamp(min=1e-20),
                        torch.zeros_like(mean))
-
-
-def k3(log_diff: torch.Tensor) -> torch.Tensor:
-    """k3 KL estimator ``exp(d) - d - 1`` (>= 0, 0 iff d = 0), with d clamped to [-20, 20]."""
-    d = log_diff.double().clamp(-20, 20)
-    return torch.exp(d) - d - 1
 
 
 # ----------------------------------------------------------------------------- per-layer sums
@@ -174,26 +170,6 @@ def layer_sums(old: torch.Tensor, new: torch.Tensor, mask: torch.Tensor, num_exp
 
 
 # ------------------------------------------------------------ route changes vs ratios and clipping
-
-def clipped_tokens(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                   variant: str, eps_low: float, eps_high: float) -> torch.Tensor:
-    """Where the policy loss's clipped branch is active (zero gradient), per token ``[B, T]``,
-    by the loss's own rule: ``A > 0 and ratio > 1 + eps_high`` or ``A < 0 and ratio < 1 - eps_low``.
-    The ratio is the token ratio for ``grpo``; for ``gspo``/``gspo_token`` it is the sequence ratio
-    ``s_i = exp(mean_t log_ratio)`` and every response token of a clipped sequence counts."""
-    mask = mask.bool()
-    lr = torch.where(mask, log_ratio.double(), torch.zeros((), dtype=torch.float64))
-    adv = advantages.double()
-    if variant == "grpo":
-        ratio = torch.exp(lr.clamp(-20, 20))
-        a = adv[:, None] if adv.dim() == 1 else adv
-    else:
-        n = mask.sum(-1).clamp(min=1).double()
-        ratio = torch.exp((lr.sum(-1) / n).clamp(-20, 20))[:, None].expand_as(lr)
-        a = (adv if adv.dim() == 1 else (adv * mask).sum(-1) / n)[:, None]
-    clipped = ((a > 0) & (ratio > 1 + eps_high)) | ((a < 0) & (ratio < 1 - eps_low))
-    return clipped & mask
-
 
 @dataclass
 class AlignmentSums:

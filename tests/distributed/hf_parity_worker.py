@@ -9,20 +9,16 @@ TP, and rank 0 saves the full ``[B, T, padded_vocab]`` logits to OUT.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from gspo_megatron.model.build import build_gpt_model  # noqa: E402
-from gspo_megatron.model.config import ParallelConfig, PrecisionConfig  # noqa: E402
-from gspo_megatron.parallel import destroy_distributed, initialize_distributed  # noqa: E402
-from gspo_megatron.training.model_io import load_model_weights  # noqa: E402
-from tools.convert_hf_to_mcore import convert_hf_to_mcore  # noqa: E402
-from tools.convert_mcore_to_hf import read_mcore_configs  # noqa: E402
+from gspo_megatron.backends.megatron.checkpoint import load_model_weights
+from gspo_megatron.backends.megatron.model import build_gpt_model
+from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
+from gspo_megatron.tools.convert_hf import convert_hf_to_mcore
+from gspo_megatron.tools.export_hf import read_mcore_configs
 
 
 def main():

@@ -12,12 +12,13 @@ import os
 import torch
 
 from gspo_megatron.algorithms import PolicyLossConfig
-from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
-from gspo_megatron.parallel import destroy_distributed, initialize_distributed
-from gspo_megatron.training.batch import make_policy_batch
-from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, zero_grad
-from gspo_megatron.training.model_io import grads_to_params, load_model_weights, save_model_weights
-from gspo_megatron.training.step import ScoringConfig, compute_logprobs, train_minibatch
+from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+from gspo_megatron.policy import make_policy_batch
+from gspo_megatron.config import OptimConfig
+from gspo_megatron.backends.megatron.policy import build_policy
+from gspo_megatron.backends.megatron.checkpoint import grads_to_params, load_model_weights, save_model_weights
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_minibatch
 
 BATCH, VOCAB = 8, 100
 
@@ -98,7 +99,7 @@ def main():
         local.old_logprobs = torch.zeros(local.tokens.shape)
 
     loss_cfg = PolicyLossConfig(variant=args.variant, clip_low=0.05, clip_high=0.05)
-    zero_grad(policy)
+    policy.zero_grad()
     metrics = train_minibatch(policy.model, local, args.micro_batch_size, loss_cfg, scoring, groups)
 
     os.makedirs(args.out, exist_ok=True)

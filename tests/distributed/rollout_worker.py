@@ -16,11 +16,12 @@ import os
 import torch
 
 from gspo_megatron.config import RolloutConfig
-from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
-from gspo_megatron.parallel import destroy_distributed, initialize_distributed
-from gspo_megatron.rollout import RolloutEngine
-from gspo_megatron.training.megatron_setup import OptimConfig, build_policy
-from gspo_megatron.training.model_io import load_model_weights, save_model_weights
+from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+from gspo_megatron.backends.megatron.rollout import RolloutEngine
+from gspo_megatron.config import OptimConfig
+from gspo_megatron.backends.megatron.policy import build_policy
+from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
 
 VOCAB, EOS = 16, 2
 
@@ -69,7 +70,7 @@ def main():
 
     result = {}
     for name, cfg in {
-        "greedy": RolloutConfig(max_new_tokens=8, temperature=0.0, max_batch_size=4),
+        "greedy": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4),
         "sampled": RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6, max_batch_size=4),
     }.items():
         engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,

@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms import PolicyLossConfig
-from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
-from gspo_megatron.parallel import destroy_distributed, initialize_distributed
-from gspo_megatron.routing import ModelRouting, route_drift, routing_diagnostics
+from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+from gspo_megatron.backends.megatron.routing import ModelRouting
+from gspo_megatron.backends.megatron.routing_diagnostics import route_drift, routing_diagnostics
 from gspo_megatron.routing.stats import multi_hot
-from gspo_megatron.training.batch import make_policy_batch
-from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, zero_grad
-from gspo_megatron.training.model_io import load_model_weights, save_model_weights
-from gspo_megatron.training.step import ScoringConfig, compute_logprobs
+from gspo_megatron.policy import make_policy_batch
+from gspo_megatron.config import OptimConfig
+from gspo_megatron.backends.megatron.policy import build_policy
+from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
 from tests.helpers.routing import forward_logits
 
 BATCH, VOCAB, SEQ = 8, 100, 32
@@ -103,7 +105,7 @@ def main():
     seen = []
     hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append(out[1].detach().clone()))
              for r in routing.routers]
-    zero_grad(policy)
+    policy.zero_grad()
     forward_logits(policy, batch, mbs, routing.replayer(store, mbs), train=True)
     for h in hooks:
         h.remove()

@@ -10,9 +10,9 @@ loading layouts differ from the one that wrote the checkpoint (except EP=2 -> EP
 import os
 
 import pytest
+import torch
 
 from tests.helpers.torchrun import torchrun
-import torch
 
 pytest.importorskip("transformers")
 
@@ -27,12 +27,9 @@ WORKER = os.path.join(HERE, "hf_parity_worker.py")
 CASES = {"gqa2_hd12_mlponly": "ep=2", "gqa4_hd8_sparsestep2": "pp=2"}
 
 
-
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+    from gspo_megatron.tools.convert_hf import convert_hf_to_mcore
 
     base = tmp_path_factory.mktemp("hf_parity")
     out = {}

@@ -88,7 +88,7 @@ def test_gspo_loss_and_grads_match_across_layouts(reference, layout_runs):
 
 
 def test_planner_counts_match_the_built_models(reference, layout_runs):
-    """tools/plan.py's per-GPU parameter counts equal what each rank of each layout really holds."""
+    """gspo-plan's per-GPU parameter counts equal what each rank of each layout really holds."""
     import glob
 
     from gspo_megatron.planner import Layout, params_per_rank

@@ -84,7 +84,7 @@ def test_gspo_train_with_r2_and_diagnostics_logs_routing_metrics(tmp_path):
     with the diagnostics on every second step (``routing.diagnostics_interval``)."""
     from tests.e2e.test_train_e2e import gspo_train
 
-    from gspo_megatron.training.metrics_log import read_metrics
+    from gspo_megatron.metrics import read_metrics
 
     gspo_train(tmp_path, "--trainer.steps=3", "--routing.replay=r2", "--routing.diagnostics=true",
                "--routing.diagnostics_interval=2", "--optim.lr=1e-3")

@@ -1,7 +1,9 @@
 """The SLURM launch scripts (``launch/``) run for real against stand-in ``sbatch``/``srun``/
 ``scontrol`` commands that emulate a 2-node allocation on this machine (both "nodes" are
 localhost, one CPU process each, gloo): a multi-node run, preemption -> checkpoint -> requeue ->
-resume, and the checks that stop a bad submission before ``sbatch``."""
+resume, and the checks that stop a bad submission before ``sbatch``. The layout is the tiny
+recipe's with ``--parallel.expert_model_parallel_size=2`` (the 4 experts split over the 2 ranks):
+the scripts take it from the recipe and the overrides only, through gspo-plan."""
 
 import json
 import os
@@ -13,7 +15,7 @@ import time
 
 import pytest
 
-from gspo_megatron.training.metrics_log import read_metrics
+from gspo_megatron.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = os.path.join(ROOT, "launch")
@@ -26,6 +28,7 @@ SMALL = [
     "--rollout.prompts_per_step=4", "--trainer.num_minibatches=2", "--trainer.micro_batch_size=4",
     "--sft.steps=20", "--sft.batch_size=32", "--logging.progress=false",
 ]
+EP2 = "--parallel.expert_model_parallel_size=2"
 
 # --------------------------------------------------------------------------- fake SLURM
 # sbatch: records its arguments, then runs the batch script in the foreground (exec: the test's
@@ -90,7 +93,8 @@ esac
 
 @pytest.fixture
 def fake_slurm(tmp_path):
-    """PATH with the stand-ins, and an environment for `MODEL=tiny` on 2 nodes x 1 process."""
+    """PATH with the stand-ins, and an environment for `MODEL=tiny` on 2 nodes x 1 process (the
+    layout comes with the arguments: EP2)."""
     bin_dir, state = tmp_path / "bin", tmp_path / "slurm"
     bin_dir.mkdir()
     state.mkdir()
@@ -98,15 +102,15 @@ def fake_slurm(tmp_path):
                        ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    from gspo_megatron.parallel import _free_port
+    from gspo_megatron.backends.megatron.parallel import _free_port
 
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SLURM_DIR=str(state),
                PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
-               WANDB_MODE="disabled", MODEL="tiny", NNODES="2", GPUS_PER_NODE="1", EP="2",
+               WANDB_MODE="disabled", MODEL="tiny", NNODES="2", GPUS_PER_NODE="1",
                RUN_DIR=str(tmp_path / "run"), LOG_DIR=str(tmp_path / "logs"),
                MASTER_PORT=str(_free_port()))
-    for var in ("CONTAINER_IMAGE", "SAVE_DIR", "RECIPE", "TP", "PP", "CP", "ETP", "NODE_RANK",
-                "MASTER_ADDR", "GSPO_ROOT", "SBATCH_ARGS", "SRUN_ARGS"):
+    for var in ("CONTAINER_IMAGE", "SAVE_DIR", "RECIPE", "TP", "PP", "EP", "CP", "ETP", "NODE_RANK",
+                "MASTER_ADDR", "GSPO_ROOT", "SBATCH_ARGS", "SRUN_ARGS", "SKIP_PLAN", "PLAN_PYTHON"):
         env.pop(var, None)
     return env, state, tmp_path / "run"
 
@@ -143,29 +147,61 @@ def test_scripts_strict_and_never_kill_by_name():
                 assert "\nset -euo pipefail\n" in text, f
 
 
+def test_wait_for_child_survives_trapped_signals():
+    """common.sh's wait_for_child: a trapped SIGUSR1 interrupts `wait` (status 138) while the child
+    runs on; the function waits again and returns the child's own exit code (7), and a child killed
+    by a signal gives 128 + signal."""
+    script = f"""set -euo pipefail
+source {LAUNCH}/common.sh
+trap 'echo trapped >&2' USR1
+(sleep 2; exit 7) &
+child=$!
+(sleep 0.5; kill -s USR1 $$) &
+rc=0
+wait_for_child "$child" || rc=$?
+echo "rc=$rc"
+(kill -s KILL "$BASHPID") &
+rc=0
+wait_for_child $! || rc=$?
+echo "rc=$rc"
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, output(proc)
+    assert proc.stdout.split() == ["rc=7", "rc=137"] and "trapped" in proc.stderr, output(proc)
+
+
 # --------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("case", ["unknown_model", "missing_image", "layout_experts", "layout_gpus"])
+@pytest.mark.parametrize("case", ["unknown_model", "missing_image", "layout_experts", "layout_gpus",
+                                  "layout_in_env", "bad_override"])
 def test_bad_input_stops_before_sbatch(fake_slurm, case):
     env, state, _ = fake_slurm
+    args = [EP2]
     expect = {
         "unknown_model": ("unknown model 'qwen3-999b'", "known models:", "qwen3-30b-a3b",
                           "qwen3-235b-a22b"),
         "missing_image": ("container image /nonexistent/pytorch.sqsh does not exist",),
-        # 4 experts cannot be split over EP=3 ranks; 2 GPUs cannot hold TP=4.
-        "layout_experts": ("layout TP=1 PP=1 EP=3 CP=1 does not work on 2 node(s) x 1 GPUs",
-                           "must divide"),
-        "layout_gpus": ("layout TP=4 PP=1 EP=2 CP=1 does not work", "layouts that fit"),
+        # 4 experts cannot be split over EP=3 ranks; 2 GPUs cannot hold TP=4 (ETP follows TP).
+        "layout_experts": ("layout TP=1 PP=1 EP=3 ETP=1 CP=1 does not work on 2 node(s) x 1 GPUs",
+                           "tiny_gspo.yaml", "must divide"),
+        "layout_gpus": ("layout TP=4 PP=1 EP=2 ETP=4 CP=1 does not work", "layouts that fit"),
+        # The old layout variables would be ignored now: refused, with the override to use.
+        "layout_in_env": ("TP=4 is not used", "--parallel.tensor_model_parallel_size=4"),
+        "bad_override": ("could not read the layout", "parallel.tensor_size: unknown field"),
     }[case]
     if case == "unknown_model":
         env["MODEL"] = "qwen3-999b"
     elif case == "missing_image":
         env["CONTAINER_IMAGE"] = "/nonexistent/pytorch.sqsh"
     elif case == "layout_experts":
-        env["EP"] = "3"
-    else:
+        args = ["--parallel.expert_model_parallel_size=3"]
+    elif case == "layout_gpus":
+        args.append("--parallel.tensor_model_parallel_size=4")
+    elif case == "layout_in_env":
         env["TP"] = "4"
-    proc = submit(env, timeout=60)
+    else:
+        args.append("--parallel.tensor_size=2")
+    proc = submit(env, *args, timeout=60)
     assert proc.returncode != 0, output(proc)
     for text in expect:
         assert text in proc.stderr, output(proc)
@@ -177,8 +213,12 @@ def test_dry_run_with_container(fake_slurm, tmp_path):
     image = tmp_path / "pytorch.sqsh"
     image.write_bytes(b"")
     env.update(CONTAINER_IMAGE=str(image), CONTAINER_MOUNTS="/data:/data")
-    proc = submit(env, "--dry-run", "--trainer.steps=3", timeout=60)
+    proc = submit(env, "--dry-run", EP2, "--trainer.steps=3", timeout=60)
     assert proc.returncode == 0, output(proc)
+    # The planner saw the recipe with the override (its report), before submit.sh and again in
+    # the batch script.
+    assert proc.stderr.count("layout TP1 PP1 EP2 ETP1 CP1 DP2 on 2 GPUs") == 2, output(proc)
+    assert "tiny: 140K parameters" in proc.stderr
     assert f"--container-image={image}" in proc.stdout
     # printf %q writes the comma as "\\,"
     assert f"--container-mounts={ROOT}:{ROOT}\\,/data:/data" in proc.stdout
@@ -194,7 +234,7 @@ def test_dry_run_with_container(fake_slurm, tmp_path):
 @pytest.mark.distributed
 def test_two_node_run(fake_slurm):
     env, state, run = fake_slurm
-    proc = submit(env, *SMALL, "--trainer.steps=1")
+    proc = submit(env, EP2, *SMALL, "--trainer.steps=1")
     assert proc.returncode == 0, output(proc)
     calls = (state / "sbatch_calls").read_text().splitlines()
     assert len(calls) == 1 and "--nodes=2" in calls[0] and "--gpus-per-node=1" in calls[0]
@@ -217,7 +257,7 @@ def test_preemption_checkpoints_requeues_and_resumes(fake_slurm, tmp_path):
     env, state, run = fake_slurm
     log_path = tmp_path / "job1.log"
     with open(log_path, "w") as log:
-        job = subprocess.Popen(["bash", SUBMIT, *SMALL, "--trainer.steps=50"], env=env,
+        job = subprocess.Popen(["bash", SUBMIT, EP2, *SMALL, "--trainer.steps=50"], env=env,
                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         deadline = time.time() + 240
@@ -244,7 +284,7 @@ def test_preemption_checkpoints_requeues_and_resumes(fake_slurm, tmp_path):
 
     # The requeued job: same run dir, resumes from the checkpoint (one more step, to stay short).
     env.update(FAKE_RESTART_COUNT="1")
-    proc = submit(env, *SMALL, f"--trainer.steps={stopped + 1}")
+    proc = submit(env, EP2, *SMALL, f"--trainer.steps={stopped + 1}")
     assert proc.returncode == 0, output(proc)
     assert f"resumed from {run / 'checkpoints'} at step {stopped}" in proc.stdout, output(proc)
     assert f"resuming from {run / 'checkpoints'} at step {stopped}" in proc.stderr

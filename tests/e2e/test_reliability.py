@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gspo_megatron.training.metrics_log import read_metrics
+from gspo_megatron.metrics import read_metrics
 from tests.e2e.test_train_e2e import RECIPE, SMALL, clean_env, gspo_train
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("fault", ["mid_update:3", "checkpoint_write:4", "checkpoint_write:2"])
 def test_sigkill_then_resume_is_bitwise_equal(tmp_path, uninterrupted, fault):
-    from gspo_megatron.training import checkpoint as ckpt
+    from gspo_megatron.backends.megatron import checkpoint as ckpt
 
     run = tmp_path / "run"
     killed = gspo_train(run, *STEPS, env_extra={"GSPO_FAULT": fault}, check=False)
@@ -67,7 +67,7 @@ def test_nan_at_every_guarded_point_skips_that_step(tmp_path):
 
 
 def test_too_many_faults_in_a_row_stop_the_run_and_keep_the_checkpoint(tmp_path):
-    from gspo_megatron.training import checkpoint as ckpt
+    from gspo_megatron.backends.megatron import checkpoint as ckpt
 
     run = tmp_path / "diverged"
     proc = gspo_train(run, "--trainer.steps=8", "--checkpoint.save_interval=2",
@@ -87,7 +87,7 @@ def test_too_many_faults_in_a_row_stop_the_run_and_keep_the_checkpoint(tmp_path)
 def test_stop_signal_checkpoints_and_exits_for_requeue(tmp_path, sig):
     run = tmp_path / "signalled"
     env = clean_env()
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", RECIPE,
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config", RECIPE,
            f"--logging.run_dir={run}", *SMALL, "--trainer.steps=200"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics_path = run / "metrics.jsonl"

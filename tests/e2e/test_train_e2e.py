@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from gspo_megatron.training.metrics_log import read_metrics
+from gspo_megatron.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,12 @@ def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout
     env = clean_env(env_extra)
     args = ["--config", RECIPE, f"--logging.run_dir={run_dir}", *SMALL, *overrides]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
+        cmd = [sys.executable, "-m", "gspo_megatron.cli", *args]
     else:
-        from gspo_megatron.parallel import _free_port
+        from gspo_megatron.backends.megatron.parallel import _free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", "-m", "gspo_megatron.train", *args]
+               f"--master_port={_free_port()}", "-m", "gspo_megatron.cli", *args]
     os.makedirs(run_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="gspo_train_log_")
     out_path, err_path = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
@@ -113,3 +113,30 @@ def test_gspo_raises_reward(tmp_path):
     rewards = [m["reward/mean"] for m in read_metrics(run / "metrics.jsonl")]
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
     assert last > first + 0.03, (first, last)
+
+
+def test_recipe_without_loss_optim_sft_trains_with_the_papers_defaults(tmp_path):
+    """A recipe with only model, data, rollout and trainer sections: gspo-train runs it with the
+    paper's GSPO eps, the fine-tuning optimiser and no supervised warm-up."""
+    recipe = tmp_path / "minimal.yaml"
+    recipe.write_text(
+        "model: {preset: tiny, seq_length: 16}\n"
+        "data: {source: arithmetic, num_train_examples: 64, num_eval_examples: 4, "
+        "max_prompt_length: 8}\n"
+        "rollout: {group_size: 4, prompts_per_step: 4, max_new_tokens: 4}\n"
+        "trainer: {steps: 2, num_minibatches: 2, micro_batch_size: 4}\n")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "--config", str(recipe),
+                           f"--logging.run_dir={run}", "--logging.progress=false"],
+                          env=clean_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import yaml
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    from gspo_megatron.algorithms import PolicyLossConfig
+    loss = PolicyLossConfig(**saved["loss"])
+    assert (loss.variant, loss.eps_low, loss.eps_high) == ("gspo", 3e-4, 4e-4)  # paper Sec. 5.1
+    assert saved["sft"]["steps"] == 0 and saved["optim"]["lr"] == 1e-6
+    assert "sft step" not in proc.stdout and not (run / "sft_weights").exists()
+    records = read_metrics(str(run / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["optim/lr"] == pytest.approx(1e-6) for r in records)  # constant, no warm-up

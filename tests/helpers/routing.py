@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron.training.step import _run_schedule
+from gspo_megatron.backends.megatron.schedule import _run_schedule
 
 
 def forward_logits(policy, batch, mbs, routing, train):

@@ -13,7 +13,7 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 240) -> str:
     """Run ``script`` on ``nproc`` processes on a free port; return its stdout, fail with the tail
     of its output if it exits non-zero."""
-    from gspo_megatron.parallel import _free_port
+    from gspo_megatron.backends.megatron.parallel import _free_port
 
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TQDM_DISABLE="1")

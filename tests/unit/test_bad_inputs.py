@@ -8,12 +8,15 @@ import time
 import pytest
 import torch
 
-from gspo_megatron.config_loader import ConfigError, load_config, validate_config
+from gspo_megatron.config.loader import DEMO_RECIPE, ConfigError, load_config, validate_config
 from gspo_megatron.data import DatasetError, load_prompt_dataset
 from gspo_megatron.rewards import compute_rewards, get_reward_fn
 
 
 def _config(tmp_path, text):
+    """A recipe with ``text``; the demo recipe (a valid run) when ``text`` is empty."""
+    if not text:
+        return DEMO_RECIPE
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
     return str(path)
@@ -25,10 +28,16 @@ CONFIG_CASES = [
     ("rolout:\n  group_size: 4\n", [], 1, r"rolout.*unknown section"),
     ("rollout:\n  group_size: four\n", [], 1, r"rollout.group_size"),
     ("loss:\n  variant: gpso\n", [], 1, r"loss.variant.*'gpso'"),
-    ("optim:\n  lr: -1\n", [], 1, r"optim.lr must be > 0"),
+    ("optim:\n  lr: -1\n", [], 1, r"recipe.yaml:2: optim.lr: must be > 0, got -1.0$"),
     ("model:\n  preset: qwen9\n", [], 1, r"model.preset"),
     ("", ["--rollout.temperature=0"], 1, r"rollout.temperature"),
     ("", ["--rollout.top_p=1.5"], 1, r"rollout.top_p"),
+    ("rollout:\n  group_size: 8\n  top_p: 1.5\n", [], 1, r"recipe.yaml:3: rollout.top_p: must be in \(0, 1\], got 1.5$"),
+    ("", ["--loss.variant=GSPO"], 1, r"loss.variant: expected one of .*, got 'GSPO'; did you mean 'gspo'\?$"),
+    ("", ["--rollout.temperature=0.0", "--rollout.top_k=1"], 1, r"rollout.temperature: must be > 0 \(greedy decoding is rollout.top_k: 1\)"),
+    ("", ["--rollout.top_k=20", "--rollout.top_p=0.95"], 1, r"rollout.top_k and rollout.top_p cannot both be active"),
+    ("loss:\n  clip_low: 2\n", [], 1, r"recipe.yaml:2: loss.clip_low: must be < 1"),
+    ("model:\n  preset: tiny\n", [], 1, r"model.seq_length \(64\) must be >= data.max_prompt_length \+ rollout.max_new_tokens = 1024 \+ 1024"),
     ("", ["--rollout.group_size=1"], 1, r"rollout.group_size"),
     ("", ["--trainer.num_minibatches=3"], 1, r"trainer.num_minibatches"),
     ("", ["--trainer.micro_batch_size=7"], 1, r"trainer.micro_batch_size"),
@@ -52,6 +61,12 @@ def test_bad_configs(tmp_path, text, overrides, world, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         cfg = load_config(_config(tmp_path, text), overrides)
         validate_config(cfg, world_size=world)
+
+
+def test_library_defaults_need_only_a_model_long_enough():
+    """The defaults are production's (1024-token prompts and responses): valid once the model
+    fits them."""
+    validate_config(load_config(None, ["--model.seq_length=2048"]), world_size=1)
 
 
 DATA_CASES = [
@@ -121,7 +136,7 @@ def test_cli_user_errors_exit_2_with_one_line_and_write_nothing(tmp_path, args, 
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=root, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.train", f"--logging.run_dir={run_dir}",
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", f"--logging.run_dir={run_dir}",
                            "--data.num_train_examples=50", "--data.num_eval_examples=10", *args],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

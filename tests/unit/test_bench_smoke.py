@@ -12,6 +12,8 @@ from tools.bench import BENCHMARKS  # noqa: E402
 from tools.bench.__main__ import format_table, main  # noqa: E402
 from tools.bench.common import validate_result  # noqa: E402
 
+pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
+
 
 def test_every_benchmark_runs_at_toy_size(tmp_path):
     out = tmp_path / "bench.json"
@@ -56,8 +58,8 @@ def test_gpu_slice_flop_count_matches_the_parameter_count(preset):
     training FLOPs are 6 x the matmul parameters it uses (attention projections, routers, top-k
     experts, dense MLPs, LM head), counted independently by model/params.py; each extra position
     adds 3 x 2 x 2 x (heads x head_dim) / 2 per layer (causal QK^T and AV)."""
-    from gspo_megatron.model.config import model_config_from_preset
-    from gspo_megatron.model.params import count_parameters
+    from gspo_megatron.config.model import model_config_from_preset
+    from gspo_megatron.params import count_parameters
     from tools.bench.gpu_qwen3_slice import model_flops_per_token
 
     cfg = model_config_from_preset(preset, num_layers=4, moe_layer_freq=[1, 0, 1, 1])

@@ -6,16 +6,19 @@ import pytest
 import torch
 
 from gspo_megatron.algorithms import PolicyLossConfig
-from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
-from gspo_megatron.training import checkpoint as ckpt
-from gspo_megatron.training.batch import make_policy_batch
-from gspo_megatron.training.megatron_setup import OptimConfig, build_policy, optimizer_step, zero_grad
-from gspo_megatron.training.step import ScoringConfig, compute_logprobs, train_minibatch
+from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.backends.megatron import checkpoint as ckpt
+from gspo_megatron.policy import make_policy_batch
+from gspo_megatron.config import OptimConfig
+from gspo_megatron.backends.megatron.policy import build_policy
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_minibatch
+
+pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 
 
 @pytest.fixture(scope="module")
 def groups():
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 
     g = initialize_distributed(ParallelConfig(), model_config_from_preset("tiny"), seed=3)
     yield g
@@ -37,10 +40,10 @@ def train_steps(policy, groups, n):
     batch.old_logprobs, _ = compute_logprobs(policy.model, batch, 4, scoring, groups)
     losses = []
     for _ in range(n):
-        zero_grad(policy)
+        policy.zero_grad()
         losses.append(train_minibatch(policy.model, batch, 4, PolicyLossConfig(variant="grpo"),
                                       scoring, groups)["loss/policy"])
-        optimizer_step(policy)
+        policy.optimizer_step()
     return losses
 
 

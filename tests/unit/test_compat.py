@@ -46,6 +46,7 @@ def _uneven_collectives(rank, world_size):
     return [g.tolist() for g in gathered], out.tolist()
 
 
+@pytest.mark.slow
 def test_uneven_all_gather_and_reduce_scatter_on_gloo():
     """Failure 9: gloo refuses list all_gather / reduce_scatter with unequal sizes; the proxy pads
     to the largest size and trims, giving exactly the unpadded result."""

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.algorithms import PolicyLossConfig
-from gspo_megatron.config import TrainConfig
-from gspo_megatron.config_loader import (
+from gspo_megatron.config import (DEMO_RECIPE, DataConfig, LoggingConfig, OptimConfig,
+                                  RolloutConfig, SFTConfig, TrainConfig)
+from gspo_megatron.config.loader import (
     ConfigError,
     ConfigWarning,
     config_from_argv,
@@ -23,7 +24,7 @@ from gspo_megatron.config_loader import (
     section_types,
     validate_config,
 )
-from gspo_megatron.model.config import MODEL_PRESETS, ModelConfig
+from gspo_megatron.config.model import MODEL_PRESETS, ModelConfig, model_config_from_preset
 
 RECIPES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
@@ -51,18 +52,85 @@ def error_of(fn, *args, **kwargs) -> str:
     return str(info.value)
 
 
+def demo(*overrides: str):
+    """The CPU demo recipe (a valid run on one process) with overrides."""
+    return load_config(DEMO_RECIPE, list(overrides))
+
+
 # ------------------------------------------------------------------------------------ defaults
 
 
-def test_defaults_load_and_validate() -> None:
+def test_defaults_load_and_only_lack_a_model_long_enough() -> None:
+    """The library's defaults are production's; the model's are the tiny shape (there is no
+    default production model), too short for the production lengths: a recipe names a model."""
     cfg = load_config(None)
     assert cfg == TrainConfig()
-    assert validate_config(cfg, world_size=1) == 1
+    err = pytest.raises(ConfigError, validate_config, cfg).value
+    assert err.errors == ["model.seq_length (64) must be >= data.max_prompt_length + "
+                          "rollout.max_new_tokens = 1024 + 1024 = 2048"]
+    assert validate_config(load_config(None, ["--model.seq_length=2048"])) == 1
 
 
 def test_empty_file_and_empty_section_are_defaults(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "")) == TrainConfig()
     assert load_config(write(tmp_path, "rollout:\nsft:\n", "b.yaml")) == TrainConfig()
+
+
+def test_defaults_are_the_papers_and_productions() -> None:
+    cfg = TrainConfig()
+    assert cfg.loss == PolicyLossConfig()  # GSPO, the paper's eps (Sec. 5.1)
+    assert (cfg.loss.variant, cfg.loss.eps_low, cfg.loss.eps_high) == ("gspo", 3e-4, 4e-4)
+    assert cfg.sft.steps == 0  # a pretrained policy: no supervised warm-up
+    o = cfg.optim  # RL fine-tuning (verl / slime): AdamW, constant 1e-6, no warm-up
+    assert (o.lr, o.lr_decay_style, o.lr_warmup_steps, o.weight_decay, o.clip_grad) == (
+        1e-6, "constant", 0, 0.01, 1.0)
+    assert (cfg.rollout.max_new_tokens, cfg.data.max_prompt_length) == (1024, 1024)
+    assert cfg.logging.run_dir == "runs/gspo"
+
+
+def test_recipe_without_loss_optim_sft_gets_the_paper_eps_and_no_sft(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        model:
+          preset: tiny
+          seq_length: 2048
+        rollout:
+          group_size: 4
+    """)
+    cfg = load_config(path)
+    validate_config(cfg)
+    assert (cfg.loss.variant, cfg.loss.eps_low, cfg.loss.eps_high) == ("gspo", 3e-4, 4e-4)
+    assert cfg.sft.steps == 0 and cfg.optim == TrainConfig().optim
+
+
+# The library's defaults before they became production's: `gspo-train` without --config must run
+# exactly this (the demo's metrics are compared bitwise).
+OLD_DEFAULTS = TrainConfig(
+    model=model_config_from_preset("tiny", seq_length=64),  # not tiny_gspo.yaml's 16
+    optim=OptimConfig(lr=3e-4, min_lr=3e-5, lr_warmup_steps=20, lr_decay_style="cosine"),
+    loss=PolicyLossConfig(variant="gspo", clip_low=1e-2, clip_high=1e-2),
+    data=DataConfig(max_prompt_length=8),
+    rollout=RolloutConfig(max_new_tokens=4),
+    sft=SFTConfig(steps=300, batch_size=64, lr=3e-3),
+    logging=LoggingConfig(run_dir="runs/demo"),
+)  # every other field: the (unchanged) defaults
+
+
+def test_demo_recipe_is_the_old_defaults() -> None:
+    cfg = load_config(DEMO_RECIPE)
+    assert config_to_dict(cfg) == config_to_dict(OLD_DEFAULTS)
+    assert cfg == OLD_DEFAULTS
+    assert validate_config(cfg) == 1
+    assert Path(DEMO_RECIPE).is_absolute() and Path(DEMO_RECIPE).is_file()
+    # gspo-train with no arguments resolves the demo.
+    assert config_from_argv([]) == cfg
+    assert config_from_argv(["--trainer.steps=5"]).trainer.steps == 5
+
+
+def test_demo_recipe_is_package_data() -> None:
+    root = Path(__file__).resolve().parents[2]
+    setup_py = (root / "setup.py").read_text(encoding="utf-8")
+    assert '"gspo_megatron.config": ["recipes/*.yaml"]' in setup_py
+    assert Path(DEMO_RECIPE).parent == root / "gspo_megatron" / "config" / "recipes"
 
 
 # ------------------------------------------------------------------------------------- recipes
@@ -93,15 +161,17 @@ def test_recipe_loads_and_validates_for_its_world_size(name: str) -> None:
             validate_config(cfg, world_size=world // 2 + 1, check_paths=False)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in RECIPE_WORLD_SIZES if n.startswith("tiny")))
+@pytest.mark.parametrize("name", sorted(n for n in RECIPE_WORLD_SIZES if n.startswith("tiny"))
+                         + ["demo"])
 def test_tiny_recipe_builds_its_data(name: str) -> None:
     """The CPU recipes run as committed: their built-in datasets can be drawn (validate_config does
     not draw them; a recipe asking for more unique problems than the task has used to fail at
     startup)."""
-    from gspo_megatron.train import setup_tokenizer_and_data
+    from gspo_megatron import cli
 
-    cfg = load_config(RECIPES / name)
-    _, train, heldout = setup_tokenizer_and_data(cfg)
+    load_data = getattr(cli, "load_data", None) or cli.setup_tokenizer_and_data
+    cfg = load_config(DEMO_RECIPE if name == "demo" else RECIPES / name)
+    _, train, heldout = load_data(cfg)
     assert len(train) == cfg.data.num_train_examples and len(heldout) == cfg.data.num_eval_examples
 
 
@@ -160,6 +230,7 @@ def test_overrides_of_every_scalar_kind() -> None:
         "--loss.clip_high=0.28",             # float | None
         "--loss.kl_coef=0.01",
         "--data.source=file",
+        "--data.train_path=prompts.jsonl",   # required with source 'file'
     ])
     assert cfg.rollout.group_size == 4 and isinstance(cfg.rollout.group_size, int)
     assert cfg.rollout.temperature == 0.7
@@ -173,9 +244,9 @@ def test_overrides_of_every_scalar_kind() -> None:
     assert cfg.model.kv_channels is None
     assert cfg.model.moe_router_dtype is None
     assert cfg.precision.fp8 == "e4m3"
-    # clip_low keeps the embedded default's value (TrainConfig's demo loss), the rest is overridden
-    assert cfg.loss == PolicyLossConfig(variant="grpo", clip_low=1e-2, clip_high=0.28, kl_coef=0.01)
-    assert cfg.data.source == "file"
+    # clip_low keeps the default (None: the paper's eps for the variant), the rest is overridden
+    assert cfg.loss == PolicyLossConfig(variant="grpo", clip_high=0.28, kl_coef=0.01)
+    assert cfg.data.source == "file" and cfg.data.train_path == "prompts.jsonl"
 
 
 def test_override_wins_over_file(tmp_path: Path) -> None:
@@ -200,7 +271,7 @@ def test_float_in_e_notation_from_yaml(tmp_path: Path) -> None:
     ("2", 2),
 ])
 def test_moe_layer_freq_list_or_int(text: str, expected) -> None:
-    cfg = load_config(None, ["--model.num_layers=4", f"--model.moe_layer_freq={text}"])
+    cfg = demo("--model.num_layers=4", f"--model.moe_layer_freq={text}")
     assert cfg.model.moe_layer_freq == expected
     assert type(cfg.model.moe_layer_freq) is type(expected)
     validate_config(cfg)
@@ -312,11 +383,27 @@ def test_bad_literal(tmp_path: Path) -> None:
     assert f"{path}:2: trainer.old_logprobs: expected one of 'recompute', 'rollout'" in msg
 
 
+@pytest.mark.parametrize("override, suggestion", [
+    ("--loss.variant=GSPO", "gspo"),              # PolicyLossConfig's Literal, via a module alias
+    ("--loss.variant=Grpo", "grpo"),
+    ("--loss.aggregation=TOKEN_MEAN", "token_mean"),
+    ("--optim.lr_decay_style=Cosine", "cosine"),
+    ("--routing.replay=R2", "r2"),
+    ("--precision.fp8=E4M3", "e4m3"),             # Literal | None
+    ("--model.preset=Qwen3-30B-A3B", "qwen3-30b-a3b"),
+])
+def test_enum_values_suggest_across_case(override: str, suggestion: str) -> None:
+    msg = error_of(load_config, None, [override])
+    assert f"; did you mean {suggestion!r}?" in msg and msg.count(override) == 1
+
+
 def test_loss_constructor_errors_name_the_field(tmp_path: Path) -> None:
     path = write(tmp_path, "loss:\n  variant: gspo\n  aggregation: token_mean\n")
     msg = error_of(load_config, path)
     assert f"{path}:3: loss.aggregation:" in msg and "only applies to variant='grpo'" in msg
-    assert "loss.clip_low" in error_of(load_config, None, ["--loss.clip_low=1.5"])
+    msg = error_of(load_config, None, ["--loss.clip_low=1.5"])
+    assert msg.startswith("override '--loss.clip_low=1.5': loss.clip_low: must be < 1")
+    assert msg.count("got 1.5") == 1  # the value once
 
 
 def test_all_errors_reported_together(tmp_path: Path) -> None:
@@ -354,63 +441,169 @@ def test_python_object_tag_is_rejected(tmp_path: Path) -> None:
     assert "python/object" in error_of(load_config, path)
 
 
-# --------------------------------------------------------------------------------- validation
+# ------------------------------------------------------------------------ the sections' checks
+
+
+@pytest.mark.parametrize("override, text", [
+    ("--rollout.group_size=1", "rollout.group_size: must be >= 2 (GSPO/GRPO advantages"),
+    ("--rollout.prompts_per_step=0", "rollout.prompts_per_step: must be >= 1, got 0"),
+    ("--rollout.temperature=0", "rollout.temperature: must be > 0 (greedy decoding is "
+                                "rollout.top_k: 1), got 0.0"),
+    ("--rollout.top_p=0", "rollout.top_p: must be in (0, 1], got 0.0"),
+    ("--rollout.top_p=1.5", "rollout.top_p: must be in (0, 1], got 1.5"),
+    ("--rollout.top_k=-1", "rollout.top_k: must be >= 0 (0 = off), got -1"),
+    ("--checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1, got 0"),
+    ("--checkpoint.save_interval=-1", "checkpoint.save_interval: must be >= 0"),
+    ("--data.source=file", "data.train_path: is required when data.source is 'file'"),
+    ("--data.max_prompt_length=0", "data.max_prompt_length: must be >= 1, got 0"),
+    ("--data.heldout_fraction=1", "data.heldout_fraction: must be in (0, 1), got 1.0"),
+    ("--data.answer_key=", "data.answer_key: must be a non-empty field name"),
+    ("--tokenizer.kind=hf", "tokenizer.path: is required when tokenizer.kind is 'hf'"),
+    ("--model.num_query_groups=3", "model.num_query_groups: must divide "
+                                   "model.num_attention_heads (4), got 3"),
+    ("--model.moe_router_topk=5", "model.moe_router_topk: must be <= model.num_moe_experts (4)"),
+    ("--model.moe_layer_freq=[1,0,1]", "model.moe_layer_freq: must have one entry per layer"),
+    ("--model.seq_length=0", "model.seq_length: must be >= 1, got 0"),
+    ("--parallel.tensor_model_parallel_size=0", "parallel.tensor_model_parallel_size: must be >= 1"),
+    ("--precision.fp8=e4m3", None),  # valid alone (transformer_impl 'auto')
+    ("--optim.lr=0", "optim.lr: must be > 0, got 0.0"),
+    ("--optim.min_lr=1", "optim.min_lr: must be <= optim.lr (1e-06), got 1.0"),
+    ("--optim.adam_beta2=1", "optim.adam_beta2: must be in [0, 1), got 1.0"),
+    ("--optim.adam_eps=0", "optim.adam_eps: must be > 0"),
+    ("--optim.lr_decay_steps=0", "optim.lr_decay_steps: must be >= 1 or null, got 0"),
+    ("--sft.lr=0", "sft.lr: must be > 0"),
+    ("--sft.batch_size=0", "sft.batch_size: must be >= 1"),
+    ("--reward.timeout_s=0", "reward.timeout_s: must be > 0"),
+    ("--trainer.max_consecutive_faults=0", "trainer.max_consecutive_faults: must be >= 1"),
+    ("--trainer.micro_batch_size=0", "trainer.micro_batch_size: must be >= 1"),
+    ("--routing.diagnostics_interval=0", "routing.diagnostics_interval: must be >= 1"),
+    ("--logging.run_dir=", "logging.run_dir: must be a non-empty path"),
+])
+def test_section_checks_run_at_load_and_point_at_the_override(override: str, text) -> None:
+    if text is None:
+        load_config(None, [override])
+        return
+    msg = error_of(load_config, None, [override])
+    assert msg.startswith(f"override {override!r}: {text}"), msg
+
+
+def test_section_check_points_at_the_recipe_line(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        model:
+          preset: tiny
+        rollout:
+          group_size: 8
+          top_p: 1.5
+        precision:
+          transformer_impl: local
+          fp8: hybrid
+    """)
+    err = pytest.raises(ConfigError, load_config, path).value
+    assert err.errors == [  # in TrainConfig's section order
+        f"{path}:8: precision.fp8: needs Transformer Engine (precision.transformer_impl 'auto' or "
+        "'transformer_engine', not 'local'), got 'hybrid'",
+        f"{path}:5: rollout.top_p: must be in (0, 1], got 1.5",
+    ]
+    # A preset's value is blamed only when the recipe set none of the fields involved.
+    path = write(tmp_path, "model:\n  preset: tiny\n  num_attention_heads: 5\n", "b.yaml")
+    assert error_of(load_config, path).startswith(f"{path}:3: model.num_query_groups: must divide")
+
+
+def test_top_k_and_top_p_cannot_both_be_active() -> None:
+    msg = error_of(load_config, None, ["--rollout.top_k=5", "--rollout.top_p=0.9"])
+    assert "rollout.top_k and rollout.top_p cannot both be active" in msg
+    load_config(None, ["--rollout.top_k=1", "--rollout.top_p=0.9"])  # greedy: top_p is moot
+    load_config(None, ["--rollout.top_k=40"])
+    load_config(None, ["--rollout.top_p=0.9"])
+
+
+def test_sections_check_themselves_when_built_directly() -> None:
+    from gspo_megatron.config import FieldError
+
+    with pytest.raises(ValueError, match=r"^rollout.temperature must be > 0"):
+        RolloutConfig(temperature=0.0)  # greedy is top_k=1, not temperature 0
+    with pytest.raises(FieldError) as info:
+        RolloutConfig(top_p=2.0, group_size=1)
+    assert [fields for fields, _ in info.value.problems] == [("group_size",), ("top_p",)]
+    with pytest.raises(ValueError, match="optim.lr_decay_style must be one of 'constant', "
+                                         "'linear', 'cosine', got 'cosin'"):
+        OptimConfig(lr_decay_style="cosin")
+    with pytest.raises(ValueError, match="model.num_layers must be >= 1, got 0"):
+        ModelConfig(num_layers=0)
+
+
+def test_all_section_errors_reported_together() -> None:
+    err = pytest.raises(ConfigError, load_config, None, [
+        "--rollout.top_p=2", "--checkpoint.keep_last=0", "--rollout.temperature=0"]).value
+    assert len(err.errors) == 3
+
+
+def test_validate_rechecks_sections_changed_in_place() -> None:
+    cfg = demo()
+    cfg.rollout.temperature = 0.0
+    assert error_of(validate_config, cfg) == (
+        "rollout.temperature must be > 0 (greedy decoding is rollout.top_k: 1), got 0.0")
+
+
+# ------------------------------------------------------------------------ cross-section checks
 
 
 def test_divisibility_errors_name_fields_and_numbers() -> None:
-    cfg = load_config(None, ["--rollout.prompts_per_step=3", "--rollout.group_size=5",
-                             "--trainer.num_minibatches=4"])
+    cfg = demo("--rollout.prompts_per_step=3", "--rollout.group_size=5",
+               "--trainer.num_minibatches=4")
     msg = error_of(validate_config, cfg)
     assert ("trainer.num_minibatches (4) must divide the rollout batch "
             "rollout.prompts_per_step x rollout.group_size = 3 x 5 = 15") in msg
-    cfg = load_config(None, ["--trainer.micro_batch_size=5"])  # 16 x 8 / 4 = 32
+    cfg = demo("--trainer.micro_batch_size=5")  # 16 x 8 / 4 = 32
     msg = error_of(validate_config, cfg)
     assert "trainer.micro_batch_size (5) must divide the minibatch" in msg and "= 32" in msg
+    cfg = demo("--sft.batch_size=63", "--parallel.expert_model_parallel_size=1")
+    assert "sft.batch_size (63) must be divisible by the data-parallel size (2" in error_of(
+        validate_config, cfg, 2)
+    validate_config(demo("--sft.batch_size=63", "--sft.steps=0"), 2)  # no SFT: no constraint
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("--rollout.group_size=1", "rollout.group_size must be >= 2"),
-    ("--rollout.prompts_per_step=0", "rollout.prompts_per_step must be >= 1"),
-    ("--rollout.temperature=0", "rollout.temperature must be > 0"),
-    ("--rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
-    ("--rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
-    ("--checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
-    ("--loss.kl_coef=0.1", "loss.kl_coef = 0.1 > 0 needs trainer.reference_model"),
-    ("--data.source=file", "data.train_path is required"),
-    ("--reward.fn=no_such_reward", "reward.fn = 'no_such_reward'"),
-    ("--reward.fn=no_such_pkg.mod:fn", "reward.fn = 'no_such_pkg.mod:fn'"),
+@pytest.mark.parametrize("override, needle, world", [
+    ("--loss.kl_coef=0.1", "loss.kl_coef = 0.1 > 0 needs trainer.reference_model", 1),
+    ("--reward.fn=no_such_reward", "reward.fn = 'no_such_reward'", 1),
+    ("--reward.fn=no_such_pkg.mod:fn", "reward.fn = 'no_such_pkg.mod:fn'", 1),
     ("--rollout.max_new_tokens=60", "model.seq_length (64) must be >= data.max_prompt_length + "
-                                    "rollout.max_new_tokens = 8 + 60 = 68"),
-    ("--model.num_query_groups=3", "model.num_attention_heads (4) must be divisible by "
-                                   "model.num_query_groups (3)"),
-    ("--optim.lr=0", "optim.lr must be > 0"),
-    ("--optim.min_lr=1", "optim.min_lr (1.0) must be <= optim.lr"),
-    ("--tokenizer.kind=hf", "tokenizer.path is required"),
+                                    "rollout.max_new_tokens = 8 + 60 = 68", 1),
     ("--parallel.expert_model_parallel_size=3", "parallel.expert_model_parallel_size (3) x "
-                                                "expert_tensor_parallel_size (1) must divide"),
+                                                "expert_tensor_parallel_size (1) must divide", 1),
+    ("--routing.replay=r3", "routing.replay='r3' needs the routes", 1),
+    ("--parallel.context_parallel_size=2", "parallel.context_parallel_size=2: the trainer", 2),
+    ("--model.moe_layer_freq=[0,0]", "routing.diagnostics needs an MoE model", 1),
 ])
-def test_validate_names_the_field(override: str, needle: str) -> None:
-    cfg = load_config(None, [override])
-    assert needle in error_of(validate_config, cfg)
+def test_validate_names_the_field(override: str, needle: str, world: int) -> None:
+    cfg = demo(override, *(["--routing.diagnostics=true"] if "moe_layer" in override else []))
+    err = pytest.raises(ConfigError, validate_config, cfg, world).value
+    assert needle in str(err) and len(err.errors) == 1, err.errors
+
+
+def test_validate_needs_nothing_built_and_leaves_the_config_alone() -> None:
+    cfg = demo()
+    before = config_to_dict(cfg)
+    validate_config(cfg, world_size=4)
+    assert config_to_dict(cfg) == before  # e.g. model.vocab_size is not adjusted here
 
 
 def test_validate_world_size_layout() -> None:
-    cfg = load_config(None, ["--parallel.tensor_model_parallel_size=2"])
+    cfg = demo("--parallel.tensor_model_parallel_size=2")
     assert validate_config(cfg, world_size=4) == 2
     assert "world size 3 is not divisible" in error_of(validate_config, cfg, 3)
     assert "world size must be an int >= 1" in error_of(validate_config, cfg, 0)
 
 
 def test_validate_collects_every_error() -> None:
-    cfg = load_config(None, ["--rollout.top_p=2", "--checkpoint.keep_last=0",
-                             "--rollout.temperature=0"])
+    cfg = demo("--trainer.num_minibatches=3", "--loss.kl_coef=0.1", "--rollout.max_new_tokens=60")
     err = pytest.raises(ConfigError, validate_config, cfg).value
     assert len(err.errors) == 3
 
 
 def test_data_file_exists_check(tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
-    cfg = load_config(None, ["--data.source=file", f"--data.train_path={missing}"])
+    cfg = demo("--data.source=file", f"--data.train_path={missing}")
     assert "data.train_path: no such file" in error_of(validate_config, cfg)
     validate_config(cfg, check_paths=False)
     missing.write_text("{}\n")
@@ -418,10 +611,10 @@ def test_data_file_exists_check(tmp_path: Path) -> None:
 
 
 def test_reference_model_without_kl_warns() -> None:
-    cfg = load_config(None, ["--trainer.reference_model=true"])
+    cfg = demo("--trainer.reference_model=true")
     with pytest.warns(ConfigWarning, match="reference_model"):
         validate_config(cfg)
-    validate_config(load_config(None, ["--trainer.reference_model=true", "--loss.kl_coef=0.05"]))
+    validate_config(demo("--trainer.reference_model=true", "--loss.kl_coef=0.05"))
 
 
 # ------------------------------------------------------------------------------- save / load
@@ -474,8 +667,10 @@ def test_config_from_argv(tmp_path: Path) -> None:
     cfg = config_from_argv(["--config", str(RECIPES / "tiny_grpo.yaml"),
                             "--rollout.group_size", "4", "--trainer.steps=2"], world_size=1)
     assert cfg.loss.variant == "grpo" and cfg.rollout.group_size == 4 and cfg.trainer.steps == 2
-    with pytest.raises(ConfigError, match="rollout.group_size must be >= 2"):
+    with pytest.raises(ConfigError, match="rollout.group_size: must be >= 2"):
         config_from_argv(["--rollout.group_size=1"], world_size=1)
+    with pytest.raises(ConfigError, match="trainer.num_minibatches"):
+        config_from_argv(["--trainer.num_minibatches=3"], world_size=1)
 
 
 def test_help_lists_every_field_with_docs(capsys) -> None:
@@ -488,6 +683,15 @@ def test_help_lists_every_field_with_docs(capsys) -> None:
             assert f"--{section}.{f.name}  (" in text
     assert "G: responses per prompt" in text
     assert "--loss.variant  (one of 'gspo', 'gspo_token', 'grpo'; default gspo)" in text
+    # The production defaults, not the demo's.
+    for line in ("--loss.clip_low  (float or null; default null)",
+                 "--optim.lr  (float; default 1.0e-06)",
+                 "--optim.lr_decay_style  (one of 'constant', 'linear', 'cosine'; default constant)",
+                 "--sft.steps  (int; default 0)",
+                 "--rollout.max_new_tokens  (int; default 1024)",
+                 "--logging.run_dir  (str; default runs/gspo)"):
+        assert line in text
+    assert "paper default" in text and "recipes/demo.yaml" in text
     assert describe_config(["rollout"]).startswith("rollout:")
 
 

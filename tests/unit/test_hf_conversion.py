@@ -19,10 +19,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from gspo_megatron.model.hf_config import (hf_config_from_model_config,  # noqa: E402
-                                           model_config_from_hf, validate_hf_config)
-from gspo_megatron.model.hf_weights import (conversion_plan, hf_expected_shapes,  # noqa: E402
-                                            hf_state_dict_from_mcore, mcore_state_dict_from_hf)
+from gspo_megatron.backends.megatron.hf_config import (  # noqa: E402
+    hf_config_from_model_config, model_config_from_hf, validate_hf_config)
+from gspo_megatron.backends.megatron.hf_weights import (  # noqa: E402
+    conversion_plan, hf_expected_shapes, hf_state_dict_from_mcore, mcore_state_dict_from_hf)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ = 16
@@ -97,11 +97,11 @@ def read_safetensors(directory):
 
 def megatron_logits(mcore_dir, ids):
     """Single-process (TP=1) Megatron logits of a converted checkpoint, full padded vocabulary."""
-    from gspo_megatron.model.build import build_gpt_model
-    from gspo_megatron.model.config import ParallelConfig, PrecisionConfig
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
-    from gspo_megatron.training.model_io import load_model_weights
-    from tools.convert_mcore_to_hf import read_mcore_configs
+    from gspo_megatron.backends.megatron.checkpoint import load_model_weights
+    from gspo_megatron.backends.megatron.model import build_gpt_model
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
+    from gspo_megatron.tools.export_hf import read_mcore_configs
 
     cfg, _, _ = read_mcore_configs(mcore_dir)
     initialize_distributed(ParallelConfig(), cfg, seed=0)
@@ -237,7 +237,7 @@ def read_state_dict_on_disk_format(model):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """name -> (hf model, hf dir, mcore dir) for every config, converted once."""
-    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+    from gspo_megatron.tools.convert_hf import convert_hf_to_mcore
 
     base = tmp_path_factory.mktemp("hfconv")
     out = {}
@@ -251,7 +251,7 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_megatron_logits_match_hf_and_round_trip_is_bitwise(converted, name, tmp_path):
-    from tools.convert_mcore_to_hf import convert_mcore_to_hf
+    from gspo_megatron.tools.export_hf import convert_mcore_to_hf
 
     model, hf_dir, mcore_dir = converted[name]
     vocab = model.config.vocab_size
@@ -286,7 +286,7 @@ def test_fused_expert_safetensors_are_accepted(tmp_path):
     """A checkpoint written from transformers 5's in-memory layout (3-D expert tensors)."""
     from safetensors.torch import save_file
 
-    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+    from gspo_megatron.tools.convert_hf import convert_hf_to_mcore
 
     model = make_hf_model("gqa2_hd12_mlponly")
     hf_dir = tmp_path / "fused"
@@ -313,7 +313,7 @@ def sharded_copy(converted, tmp_path):
 
 
 def _convert_fails(src, dst, exc, match):
-    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+    from gspo_megatron.tools.convert_hf import convert_hf_to_mcore
 
     with pytest.raises(exc, match=match):
         convert_hf_to_mcore(str(src), str(dst))
@@ -364,7 +364,7 @@ def test_missing_tensor_is_named(sharded_copy, tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing(converted, tmp_path, monkeypatch):
-    import tools.convert_hf_to_mcore as conv
+    import gspo_megatron.tools.convert_hf as conv
 
     def broken_save(model, directory):
         with open(os.path.join(directory, "partial.distcp"), "w") as f:
@@ -377,7 +377,7 @@ def test_failure_while_writing_leaves_nothing(converted, tmp_path, monkeypatch):
 
 
 def test_export_failure_leaves_nothing(converted, tmp_path, monkeypatch):
-    import tools.convert_mcore_to_hf as export
+    import gspo_megatron.tools.export_hf as export
 
     real = export.write_hf_from_model
 
@@ -393,7 +393,7 @@ def test_export_failure_leaves_nothing(converted, tmp_path, monkeypatch):
 
 
 def test_non_empty_destination_is_refused(converted, tmp_path):
-    from tools.convert_hf_to_mcore import convert_hf_to_mcore
+    from gspo_megatron.tools.convert_hf import convert_hf_to_mcore
 
     _, hf_dir, _ = converted["gqa2_hd12_mlponly"]
     dst = tmp_path / "out"
@@ -419,7 +419,7 @@ def _synthetic_checkpoint(directory, max_shard_bytes, **overrides):
     """A random Qwen3-MoE checkpoint written tensor group by tensor group (never whole in memory)."""
     from safetensors.torch import save_file
 
-    from gspo_megatron.model.config import ModelConfig
+    from gspo_megatron.config.model import ModelConfig
 
     hf = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=8000,
               hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -490,17 +490,15 @@ def _peak_memory(cmd):
 
 @pytest.mark.slow
 def test_peak_memory_is_about_one_model_plus_one_shard(tmp_path):
-    script = os.path.join(ROOT, "tools", "convert_hf_to_mcore.py")
+    convert = [sys.executable, "-m", "gspo_megatron.tools.convert_hf"]  # gspo-convert-hf
     shard = 40 * 10**6
     # baseline: the same program on a ~1 MB model (interpreter, torch, megatron, writer process)
     _synthetic_checkpoint(str(tmp_path / "small"), shard, vocab_size=256, hidden_size=64,
                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, moe_intermediate_size=32, num_experts=4)
     big, n_shards = _synthetic_checkpoint(str(tmp_path / "big"), shard)
-    base = _peak_memory([sys.executable, script, "--hf-dir", str(tmp_path / "small"),
-                         "--out", str(tmp_path / "small_mcore")])
-    peak = _peak_memory([sys.executable, script, "--hf-dir", str(tmp_path / "big"),
-                         "--out", str(tmp_path / "big_mcore")])
+    base = _peak_memory([*convert, "--hf-dir", str(tmp_path / "small"), "--out", str(tmp_path / "small_mcore")])
+    peak = _peak_memory([*convert, "--hf-dir", str(tmp_path / "big"), "--out", str(tmp_path / "big_mcore")])
     extra = peak - base
     mb = 1e6
     print(f"\npeak memory: checkpoint {big / mb:.0f} MB in {n_shards} shards of <= {shard / mb:.0f} MB; "

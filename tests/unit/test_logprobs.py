@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gspo_megatron.ops import vocab_parallel_logprobs
+from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
 from tests.helpers.dist import run_gloo
 
 

@@ -3,14 +3,16 @@
 import pytest
 import torch
 
-from gspo_megatron.model.config import (MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig,
+from gspo_megatron.config.model import (MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig,
                                         model_config_from_preset)
-from gspo_megatron.model.params import count_parameters
+from gspo_megatron.params import count_parameters
+
+pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 
 
 @pytest.fixture(scope="module")
 def megatron_single():
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 
     model = model_config_from_preset("tiny", num_layers=3, moe_layer_freq=[1, 0, 1])
     groups = initialize_distributed(ParallelConfig(), model, seed=5)
@@ -19,7 +21,7 @@ def megatron_single():
 
 
 def test_built_model_is_qwen3_moe_and_matches_parameter_count(megatron_single):
-    from gspo_megatron.model.build import RMSNorm, build_gpt_model
+    from gspo_megatron.backends.megatron.model import RMSNorm, build_gpt_model
 
     model_cfg, _ = megatron_single
     gpt = build_gpt_model(model_cfg, ParallelConfig(), PrecisionConfig(), pre_process=True,
@@ -57,7 +59,7 @@ def test_qwen3_presets_match_published_sizes():
 def test_rmsnorm_matches_formula():
     from types import SimpleNamespace
 
-    from gspo_megatron.model.build import RMSNorm
+    from gspo_megatron.backends.megatron.model import RMSNorm
 
     norm = RMSNorm(SimpleNamespace(params_dtype=torch.float64, sequence_parallel=True), 6, eps=1e-6)
     with torch.no_grad():
@@ -91,9 +93,9 @@ def test_valid_layouts_return_data_parallel_size():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(num_query_groups=3), "num_attention_heads .4. must be divisible by model.num_query_groups .3."),
-    (dict(moe_router_topk=5), "moe_router_topk .5. exceeds model.num_moe_experts .4."),
-    (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq has 3 entries for model.num_layers=2"),
+    (dict(num_query_groups=3), r"model.num_query_groups must divide model.num_attention_heads \(4\), got 3"),
+    (dict(moe_router_topk=5), r"model.moe_router_topk must be <= model.num_moe_experts \(4\), got 5"),
+    (dict(moe_layer_freq=[1, 0, 1]), r"model.moe_layer_freq must have one entry per layer \(model.num_layers = 2\), got 3"),
     (dict(moe_layer_freq=[1, 2]), "moe_layer_freq entries must be 0 or 1"),
     (dict(hidden_size=0), "model.hidden_size must be >= 1"),
 ])
@@ -117,7 +119,7 @@ def test_vocab_padding_is_layout_independent():
 
 
 def test_transformer_engine_requested_without_it_is_refused():
-    from gspo_megatron.model.build import resolve_transformer_impl
+    from gspo_megatron.backends.megatron.model import resolve_transformer_impl
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present")

@@ -1,21 +1,41 @@
-"""tools/plan.py: memory of a layout from exact per-rank parameter counts; bad layouts refused."""
+"""gspo-plan: memory of a layout from exact per-rank parameter counts; bad layouts refused; the
+model's parameter counts; a recipe (plus gspo-train overrides) as the source of the layout."""
 
 import os
 import subprocess
 import sys
+from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 import pytest
 
-from gspo_megatron.model.config import model_config_from_preset
-from gspo_megatron.model.params import count_parameters
+from gspo_megatron.config.model import model_config_from_preset
+from gspo_megatron.params import count_parameters
 from gspo_megatron.planner import GIB, Layout, params_per_rank, plan_memory, suggest_layouts
+from gspo_megatron.tools import plan as plan_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = os.path.join(ROOT, "examples", "configs")
+TOOLS = {"gspo-convert-hf": "convert_hf", "gspo-export-hf": "export_hf", "gspo-plan": "plan",
+         "gspo-routing-report": "routing_report"}
 
 
-def plan(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *args],
-                          capture_output=True, text=True, timeout=60)
+@pytest.fixture
+def plan(capsys):
+    """Run gspo-plan's main in this process (a subprocess pays torch's import each time):
+    ``plan(*argv)`` -> returncode, stdout, stderr."""
+
+    def run(*args):
+        try:
+            rc = plan_tool.main(list(args))
+        except SystemExit as exc:  # argparse errors, SystemExit("message")
+            rc = exc.code if isinstance(exc.code, int) else 1
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
+    return run
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(tp=2), Layout(ep=4), Layout(pp=2), Layout(tp=2, ep=2, pp=2)])
@@ -42,7 +62,7 @@ def test_bytes_follow_the_counts():
     assert 30 * GIB < p.total < 60 * GIB
 
 
-def test_cli_refuses_bad_layouts_and_models():
+def test_cli_refuses_bad_layouts_and_models(plan):
     bad = plan("--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "3", "--ep", "8")
     assert bad.returncode == 2 and "world size 16 is not divisible" in bad.stderr
     assert "layouts that fit" in bad.stderr
@@ -60,3 +80,79 @@ def test_suggestions_fit():
     model = model_config_from_preset("qwen3-235b-a22b")
     plans = suggest_layouts(model, 128, 80, seq_length=4096)
     assert plans and all(p.total <= 0.9 * 80 * GIB for p in plans)
+
+
+@pytest.mark.parametrize("name,gpus,scale,suffix", [("qwen3-30b-a3b", 16, 1e9, "B"),
+                                                     ("tiny", 1, 1e3, "K")])
+def test_cli_prints_total_and_active_parameters(plan, name, gpus, scale, suffix):
+    """The line above the table: count_parameters' total and per-token active counts, 3 digits."""
+    c = count_parameters(model_config_from_preset(name))
+    args = ["--model", name, "--gpus", str(gpus)] + (["--ep", "8", "--tp", "2"] if gpus > 1 else [])
+    p = plan(*args)
+    assert p.returncode == 0, p.stderr
+    first = p.stdout.splitlines()[0]
+    assert first == (f"{name}: {c.total / scale:.3g}{suffix} parameters, "
+                     f"{c.active / scale:.3g}{suffix} active per token")
+    assert p.stdout.splitlines()[1].startswith("layout ")
+    if name == "tiny":  # 140,160 parameters, 91,008 of them used per token (2 of 4 experts)
+        assert (c.total, c.active) == (140_160, 91_008)
+        assert first == "tiny: 140K parameters, 91K active per token"
+    else:
+        assert first == "qwen3-30b-a3b: 30.5B parameters, 3.35B active per token"
+
+
+def test_format_count():
+    fmt = plan_tool.format_count
+    assert [fmt(n) for n in (999, 1_000, 91_008, 999_999, 2_500_000, 235_093_634_560, 1.04e12)] == \
+        ["999", "1K", "91K", "1M", "2.5M", "235B", "1.04T"]
+
+
+def test_recipe_is_the_layout_source(plan):
+    """--config reads the recipe and gspo-train's overrides (both spellings); --print-layout gives
+    'TP PP EP ETP CP' on stdout, the report on stderr."""
+    tiny = os.path.join(RECIPES, "tiny_gspo.yaml")
+    p = plan("--gpus", "2", "--config", tiny, "--print-layout")
+    assert p.returncode == 0 and p.stdout == "1 1 1 1 1\n", p.stderr
+    assert "tiny: 140K parameters" in p.stderr and "layout TP1 PP1 EP1 ETP1 CP1 DP2" in p.stderr
+    p = plan("--gpus", "4", "--print-layout", "--recipe", tiny,
+             "--parallel.expert_model_parallel_size", "2", "--parallel.tensor_model_parallel_size=2")
+    assert p.returncode == 0 and p.stdout == "2 1 2 2 1\n", p.stderr
+    # Printed even when the check fails, so a script can name the layout it refuses.
+    p = plan("--gpus", "2", "--print-layout", "--config", tiny, "--parallel.expert_model_parallel_size=3")
+    assert p.returncode == 2 and p.stdout == "1 1 3 1 1\n" and "must divide" in p.stderr
+    # The recipe's micro-batch, sequence length and precision are what is planned.
+    p = plan("--gpus", "1", "--config", tiny, "--trainer.micro_batch_size=1", "--model.seq_length=4096")
+    q = plan("--gpus", "1", "--fp32", "--model", "tiny", "--seq-length", "4096", "--recompute", "none")
+    assert p.returncode == q.returncode == 0
+    assert p.stdout == q.stdout
+
+
+@pytest.mark.parametrize("recipe,gpus,layout", [("qwen3_30b_a3b_gspo.yaml", 16, "2 1 8 1 1"),
+                                                ("qwen3_235b_a22b_gspo.yaml", 128, "4 2 32 1 1")])
+def test_shipped_recipes_fit_their_launch_size(plan, recipe, gpus, layout):
+    """What launch/submit.sh checks for the two real models (launch/models/*.sh GPU counts)."""
+    p = plan("--gpus", str(gpus), "--config", os.path.join(RECIPES, recipe), "--print-layout")
+    assert p.returncode == 0 and p.stdout == layout + "\n", p.stderr
+
+
+def test_recipe_mode_refuses_flags_and_bad_overrides(plan):
+    tiny = os.path.join(RECIPES, "tiny_gspo.yaml")
+    p = plan("--gpus", "2", "--config", tiny, "--ep", "2", "--fp32")
+    assert p.returncode != 0
+    assert "--parallel.expert_model_parallel_size=N" in p.stderr and "--precision.bf16=false" in p.stderr
+    p = plan("--gpus", "2", "--config", tiny, "--parallel.tensor_size=2")
+    assert p.returncode == 2 and "parallel.tensor_size: unknown field" in p.stderr and p.stdout == ""
+    p = plan("--gpus", "2", "--parallel.tensor_model_parallel_size=2")
+    assert p.returncode == 2 and "overrides need --config" in p.stderr
+
+
+def test_console_scripts():
+    """Every tool is a console script of the installed package, and `python -m` runs it too."""
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    for name, module in TOOLS.items():
+        assert scripts.get(name) == f"gspo_megatron.tools.{module}:main", (name, scripts.get(name))
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.tools.plan", "--model", "tiny",
+                           "--gpus", "2", "--ep", "2", "--fp32"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and proc.stdout.startswith("tiny: 140K parameters"), proc.stderr

@@ -7,17 +7,20 @@ tests/distributed/test_routing_distributed.py.
 import pytest
 import torch
 
-from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
 from tests.helpers.routing import forward_logits
+
+pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 
 MBS = 4
 
 
 @pytest.fixture(scope="module")
 def setup():
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
-    from gspo_megatron.training.batch import make_policy_batch
-    from gspo_megatron.training.megatron_setup import OptimConfig, build_policy
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.policy import make_policy_batch
+    from gspo_megatron.config import OptimConfig
+    from gspo_megatron.backends.megatron.policy import build_policy
 
     # Dense layer between MoE layers; aux loss off so any router gradient comes through replay.
     model = model_config_from_preset("tiny", num_layers=3, moe_layer_freq=[1, 0, 1], seq_length=32,
@@ -43,7 +46,7 @@ def saved_weights(setup):
 
 
 def test_layers_and_compact_store(setup):
-    from gspo_megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing import ModelRouting
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -58,7 +61,7 @@ def test_layers_and_compact_store(setup):
 
 
 def test_replay_with_unchanged_weights_is_bit_identical(setup):
-    from gspo_megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing import ModelRouting
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -75,9 +78,8 @@ def test_replay_with_unchanged_weights_is_bit_identical(setup):
 
 
 def test_perturbed_weights_replay_recorded_routes_and_router_gets_gradient(setup, saved_weights):
-    from gspo_megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing import ModelRouting
     from gspo_megatron.routing.stats import multi_hot
-    from gspo_megatron.training.megatron_setup import zero_grad
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -94,7 +96,7 @@ def test_perturbed_weights_replay_recorded_routes_and_router_gets_gradient(setup
     seen = []
     hooks = [r.register_forward_hook(lambda m, i, out: seen.append(out[1].clone()))
              for r in routing.routers]
-    zero_grad(policy)
+    policy.zero_grad()
     forward_logits(policy, batch, MBS, routing.replayer(store, MBS), train=True)
     for h in hooks:
         h.remove()
@@ -111,7 +113,8 @@ def test_training_forwards_record_the_free_routes_also_under_replay(setup, saved
     capture_natural gives, per layer, the router's own top-k on the hidden states that replay
     produced: the first MoE layer's equal free routing's, deeper ones are conditioned on the
     replayed layers below."""
-    from gspo_megatron.routing import ModelRouting, route_drift
+    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing_diagnostics import route_drift
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -143,8 +146,8 @@ def test_training_forwards_record_the_free_routes_also_under_replay(setup, saved
 def test_reference_model_does_not_mix_into_the_policy_routers(setup, saved_weights):
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    from gspo_megatron.model.build import build_gpt_model
-    from gspo_megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.model import build_gpt_model
+    from gspo_megatron.backends.megatron.routing import ModelRouting
 
     model, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -175,7 +178,7 @@ def test_reference_model_does_not_mix_into_the_policy_routers(setup, saved_weigh
 
 
 def test_replay_rejects_a_mismatched_layout(setup):
-    from gspo_megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing import ModelRouting
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -191,8 +194,9 @@ def test_replay_rejects_a_mismatched_layout(setup):
 
 def test_diagnostics_zero_when_nothing_changed(setup):
     from gspo_megatron.algorithms import PolicyLossConfig
-    from gspo_megatron.routing import ModelRouting, routing_diagnostics
-    from gspo_megatron.training.step import ScoringConfig, compute_logprobs
+    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -212,11 +216,11 @@ def test_diagnostics_zero_when_nothing_changed(setup):
 @pytest.mark.parametrize("override, message", [
     ("--routing.replay=r3", "routing.replay='r3' needs the routes the rollout engine used"),
     ("--parallel.context_parallel_size=2", "not validated with context parallelism"),
-    ("--routing.diagnostics_interval=0", "routing.diagnostics_interval=0: must be an integer >= 1"),
+    ("--routing.diagnostics_interval=0", "routing.diagnostics_interval: must be >= 1"),
 ])
 def test_config_validation(override, message):
-    from gspo_megatron.config_loader import ConfigError, load_config, validate_config
+    from gspo_megatron.config.loader import ConfigError, load_config, validate_config
 
-    cfg = load_config(None, ["--routing.diagnostics=true", override])
     with pytest.raises(ConfigError, match=message):
+        cfg = load_config(None, ["--routing.diagnostics=true", "--model.seq_length=2048", override])
         validate_config(cfg, world_size=2, check_paths=False)

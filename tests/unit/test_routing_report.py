@@ -1,4 +1,4 @@
-"""tools/routing_report.py on a synthetic metrics.jsonl: the table averages each metric over the
+"""gspo-routing-report on a synthetic metrics.jsonl: the table averages each metric over the
 steps that logged it (diagnostics every other step, drift every step), and a resumed run's
 repeated step counts once."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools.routing_report import main
+from gspo_megatron.tools.routing_report import main
 
 
 def test_report_averages_over_the_steps_that_logged_each_metric(tmp_path):

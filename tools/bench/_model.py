@@ -17,7 +17,7 @@ TOY = dict(num_layers=2, hidden_size=32, num_attention_heads=2, num_query_groups
 
 
 def model_config(smoke: bool, **overrides):
-    from gspo_megatron.model.config import model_config_from_preset
+    from gspo_megatron.config.model import model_config_from_preset
 
     return model_config_from_preset("tiny", **{**(TOY if smoke else SMALL), **overrides})
 
@@ -25,11 +25,11 @@ def model_config(smoke: bool, **overrides):
 @contextlib.contextmanager
 def distributed(model_cfg, seed: int = 0):
     """Megatron's parallel state for one process (gloo, TP=PP=EP=1); torn down on exit."""
-    from gspo_megatron.compat import apply_cpu_compat
-    from gspo_megatron.model.config import ParallelConfig
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.compat import apply_compat
+    from gspo_megatron.config.model import ParallelConfig
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 
-    apply_cpu_compat()
+    apply_compat()
     groups = initialize_distributed(ParallelConfig(), model_cfg, seed=seed)
     try:
         yield groups
@@ -41,8 +41,9 @@ def policy(model_cfg, groups, with_optimizer: bool = True, seed: int = 0, lr: fl
            local_kernels: bool = True):
     """A Megatron-DDP-wrapped policy (local spec, fp32) with Adam; weights from ``seed``.
     ``local_kernels=False``: Megatron's own modules instead of ours (``precision.local_kernels``)."""
-    from gspo_megatron.model.config import ParallelConfig, PrecisionConfig
-    from gspo_megatron.training.megatron_setup import OptimConfig, build_policy
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
+    from gspo_megatron.config import OptimConfig
+    from gspo_megatron.backends.megatron.policy import build_policy
 
     torch.manual_seed(seed)
     from megatron.core import tensor_parallel
@@ -56,7 +57,7 @@ def policy(model_cfg, groups, with_optimizer: bool = True, seed: int = 0, lr: fl
 
 def random_batch(vocab: int, batch: int, seq: int, prompt: int, seed: int = 0):
     """Full-length sequences (prompt + response), advantages ~ N(0, 1)."""
-    from gspo_megatron.training.batch import make_policy_batch
+    from gspo_megatron.policy import make_policy_batch
 
     gen = torch.Generator().manual_seed(seed)
     seqs = torch.randint(1, vocab, (batch, seq), generator=gen).tolist()
@@ -68,7 +69,7 @@ def random_batch(vocab: int, batch: int, seq: int, prompt: int, seed: int = 0):
 def with_old_logprobs(policy_obj, batch, micro_batch_size: int, scoring, groups, noise: float = 0.05,
                       seed: int = 0):
     """``batch.old_logprobs`` = the policy's own log-probs + small noise (ratios != 1, some clipped)."""
-    from gspo_megatron.training.step import compute_logprobs
+    from gspo_megatron.backends.megatron.schedule import compute_logprobs
 
     lp, _ = compute_logprobs(policy_obj.model, batch, micro_batch_size, scoring, groups)
     gen = torch.Generator().manual_seed(seed)

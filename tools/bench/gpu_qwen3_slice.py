@@ -81,9 +81,9 @@ def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
     step, tokens/s, model TFLOP/s and (CUDA) peak memory. bf16 on CUDA, fp32 on CPU."""
     import torch
 
-    from gspo_megatron.model.build import build_gpt_model
-    from gspo_megatron.model.config import ParallelConfig, PrecisionConfig, model_config_from_preset
-    from gspo_megatron.ops import vocab_parallel_logprobs
+    from gspo_megatron.backends.megatron.model import build_gpt_model
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+    from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
 
     cfg = model_config_from_preset(preset, num_layers=layers, seq_length=seq)
     prec = PrecisionConfig(transformer_impl=impl, bf16=device == "cuda", fp8=fp8)
@@ -144,7 +144,7 @@ def _fp8_context(fp8: str | None):
 def logprob_memory(seq: int, vocab: int = 151936) -> dict:
     import torch
 
-    from gspo_megatron.ops import vocab_parallel_logprobs
+    from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
 
     out = {}
     for name in ("ours", "naive"):
@@ -189,9 +189,9 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
             notes.append("--smoke without CUDA: the slice code ran once on CPU at toy size; "
                          "the figure is not a GPU measurement")
         return make_result("gpu_qwen3_slice", title, target, None, rows, notes=notes)
-    from gspo_megatron.model.build import transformer_engine_available
-    from gspo_megatron.model.config import ParallelConfig, model_config_from_preset
-    from gspo_megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.backends.megatron.model import transformer_engine_available
+    from gspo_megatron.config.model import ParallelConfig, model_config_from_preset
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from tools.bench.common import quiet_megatron
 
     quiet_megatron()
@@ -240,7 +240,7 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
 
 def _cpu_code_path_check() -> dict:
     """``time_slice`` at toy size on CPU (tiny preset, local spec, fp32), in its own process group."""
-    from gspo_megatron.model.config import model_config_from_preset
+    from gspo_megatron.config.model import model_config_from_preset
     from tools.bench import _model
 
     with _model.distributed(model_config_from_preset("tiny")):

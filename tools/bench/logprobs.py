@@ -8,7 +8,7 @@ Logits ``[T, V]`` in bf16 (what the LM head of a bf16 model produces), targets u
   of ``logprobs.sum()`` into a bf16 gradient;
 * ``score``: no-grad forward of log-probs + entropy (``compute_logprobs``).
 
-``ours`` is :func:`gspo_megatron.ops.vocab_parallel_logprobs` (chunk_size 1024, the trainer's
+``ours`` is :func:`gspo_megatron.backends.megatron.logprobs.vocab_parallel_logprobs` (chunk_size 1024, the trainer's
 default); ``naive`` is ``log_softmax(logits.float())`` + gather, entropy ``-(p * logp).sum()``
 under no-grad, backward by autograd.
 
@@ -44,7 +44,7 @@ def _variant_fn(name: str, ref_module_path: str | None = None):
             return lp, ent
         return naive
     if name == "ours":
-        from gspo_megatron.ops import vocab_parallel_logprobs as fn
+        from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs as fn
     else:  # "ours@REF": the module as committed at REF (loaded from a file)
         import importlib.util
 
@@ -129,7 +129,7 @@ def _git_show(ref: str) -> str:
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    src = subprocess.run(["git", "show", f"{ref}:gspo_megatron/ops/logprobs.py"], cwd=root,
+    src = subprocess.run(["git", "show", f"{ref}:gspo_megatron/backends/megatron/logprobs.py"], cwd=root,
                          capture_output=True, text=True, check=True).stdout
     fd, path = tempfile.mkstemp(suffix="_logprobs_ref.py")
     with os.fdopen(fd, "w") as f:

@@ -2,7 +2,7 @@
 
     python -m tools.bench.rl_step [--steps 4]
 
-Runs ``gspo-train`` (:func:`gspo_megatron.train.run`, in this process) on the tiny recipe for a few
+Runs ``gspo-train`` (``gspo_megatron.cli``: ``build(cfg, prepare(cfg)).fit()``, in this process) on the tiny recipe for a few
 steps with a checkpoint after every step, and reads the trainer's own ``perf/*`` timers from
 ``metrics.jsonl``: rollout, reward, old log-probs (advantages and batch packing included),
 updates (``num_minibatches`` optimiser steps), checkpoint save. The first step (warm-up: allocator,
@@ -24,8 +24,9 @@ def run(smoke: bool = False, steps: int = 4, threads: int = 1) -> dict:
 
     import torch
 
-    from gspo_megatron.config_loader import load_config
-    from gspo_megatron.train import run as train_run
+    from gspo_megatron.config.loader import load_config
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed
+    from gspo_megatron.cli import build, prepare
     from tools.bench.common import make_result, median, quiet_megatron, row
 
     quiet_megatron()
@@ -45,7 +46,10 @@ def run(smoke: bool = False, steps: int = 4, threads: int = 1) -> dict:
     overrides.append(f"trainer.steps={steps}")
     try:
         cfg = load_config(recipe, overrides)
-        summary = train_run(cfg)
+        try:
+            summary = build(cfg, prepare(cfg)).fit()
+        finally:
+            destroy_distributed()
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
     finally:

@@ -37,14 +37,13 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
 
     import torch
 
-    from gspo_megatron.config import RolloutConfig, TrainConfig
-    from gspo_megatron.training.step import ScoringConfig, compute_logprobs
+    from gspo_megatron.config import DEMO_RECIPE, RolloutConfig, TrainConfig, load_config
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
     from tools.bench import _model
     from tools.bench.common import (interleaved, make_result, median, median_ratio,
                                     quiet_megatron, row)
 
     try:
-        from gspo_megatron.routing import ModelRouting
         from gspo_megatron.trainer import update_stage
         if not hasattr(TrainConfig(), "routing"):
             raise ImportError("TrainConfig has no routing section")
@@ -59,7 +58,7 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
     if smoke:
         rounds, batch, seq, micro_batch_size, diag_interval = 1, 4, 16, 2, 2
     cfg = _model.model_config(smoke, seq_length=seq)
-    tcfg = TrainConfig()
+    tcfg = load_config(DEMO_RECIPE)  # the demo's loss and optimiser (the measured figures')
     tcfg.trainer.num_minibatches = num_minibatches
     tcfg.trainer.micro_batch_size = micro_batch_size
     variants = {
@@ -79,7 +78,8 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
     with _model.distributed(cfg) as groups:
         plain = _model.policy(cfg, groups)
         routed = _model.policy(cfg, groups)
-        routing = ModelRouting(routed.model, groups)
+        for pol in (plain, routed):  # the trainer builds its policy with these
+            pol.micro_batch_size, pol.scoring.vocab_size = micro_batch_size, cfg.vocab_size
         scoring = ScoringConfig(vocab_size=cfg.vocab_size)
         data = _model.random_batch(cfg.vocab_size, batch, seq, prompt=seq // 4)
         noise = 0.05 * torch.randn(data.tokens.shape, generator=torch.Generator().manual_seed(1))
@@ -88,22 +88,21 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
             vcfg = variants[name]
             pol = plain if name == "off" else routed
             # As in Trainer.rl_step: the old pass records routes whenever the policy has a
-            # ModelRouting (R2 or diagnostics), for the replay, the drift metrics and, on a
+            # routing on (R2 or diagnostics), for the replay, the drift metrics and, on a
             # diagnosed step, the diagnostics.
-            recorder = routing.recorder() if name != "off" else None
+            recorder = routed.record_routes() if name != "off" else None
             lp, _ = compute_logprobs(pol.model, data, micro_batch_size, scoring, groups,
                                      routing=recorder)
             old_routes = recorder.store() if recorder is not None else None
             data.old_logprobs = (lp + noise * data.response_mask).detach()
-            return update_stage(pol, data, vcfg, scoring, groups, seed=0, step=step,
-                                routing=routing if name != "off" else None, old_routes=old_routes)
+            return update_stage(pol, data, vcfg, seed=0, step=step, old_routes=old_routes)
 
         def steps(name, n):
             for step in range(n):
                 phase(name, step)
 
         # The rollout of the same RL batch (prompt -> seq tokens), for the full-step ratio.
-        from gspo_megatron.rollout import RolloutEngine
+        from gspo_megatron.backends.megatron.rollout import RolloutEngine
 
         prompt_len = seq // 4
         engine = RolloutEngine(plain.model, groups, eos_id=cfg.vocab_size - 1, pad_id=0,

@@ -23,8 +23,7 @@ def run(smoke: bool = False, rounds: int = 8, batch: int = 16, seq: int = 256,
     import torch
 
     from gspo_megatron.algorithms import PolicyLossConfig
-    from gspo_megatron.training.megatron_setup import optimizer_step, zero_grad
-    from gspo_megatron.training.step import ScoringConfig, train_minibatch, train_sft_minibatch
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, train_minibatch, train_sft_minibatch
     from tools.bench import _model
     from tools.bench.common import (interleaved, make_result, median, median_ratio,
                                     quiet_megatron, row)
@@ -42,14 +41,14 @@ def run(smoke: bool = False, rounds: int = 8, batch: int = 16, seq: int = 256,
         loss_cfg = PolicyLossConfig(variant="gspo")
 
         def gspo():
-            zero_grad(pol)
+            pol.zero_grad()
             train_minibatch(pol.model, data, micro_batch_size, loss_cfg, scoring, groups)
-            optimizer_step(pol)
+            pol.optimizer_step()
 
         def ce():
-            zero_grad(pol)
+            pol.zero_grad()
             train_sft_minibatch(pol.model, data, micro_batch_size, scoring, groups)
-            optimizer_step(pol)
+            pol.optimizer_step()
 
         times = interleaved({"gspo": gspo, "ce": ce}, rounds=rounds, warmup=1)
     ratio = median_ratio(times, "gspo", "ce")

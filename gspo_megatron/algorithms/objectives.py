@@ -1,0 +1,103 @@
+"""What a minibatch update minimises, given the policy's log-probs of a batch's labels.
+
+A backend runs the forward (and backward) passes and hands each microbatch's log-probs to an
+:class:`Objective`; the objective owns everything algorithmic about the loss: which tokens count,
+the normaliser, the non-finite guard. Two are needed: the RL policy-gradient loss
+(:class:`PolicyGradientObjective`, GSPO / GSPO-token / GRPO through :func:`policy_loss`) and the
+supervised warm-up's token NLL (:class:`NLLObjective`). Pure torch: the batch is anything with
+``response_mask`` / ``old_logprobs`` / ``advantages`` / ``ref_logprobs`` ``[b, T]`` fields
+(:class:`gspo_megatron.policy.PolicyBatch`).
+
+Normalisation contract: the backend sums :meth:`Objective.local_count` over data-parallel ranks
+and passes the total to every microbatch as ``normalizer``; each microbatch returns its share
+``sum over its rows / normalizer``, so the summed gradient equals the whole minibatch's however it
+is split into microbatches and ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from .policy_loss import PolicyLossConfig, k3, policy_loss
+
+Corrupt = Callable[[str, torch.Tensor], torch.Tensor]
+"""Fault-injection hook ``(point, tensor) -> tensor`` (identity unless a test asks for NaNs)."""
+
+
+class Objective(Protocol):
+    temperature: float
+    """Logits are divided by it before the softmax (the rollout's sampling temperature)."""
+    needs_entropy: bool
+    """Whether ``__call__`` wants the token entropies (an extra pass over the vocabulary)."""
+
+    def local_count(self, batch) -> torch.Tensor:
+        """This rank's share of the normaliser (float64 scalar), summed over DP by the caller."""
+
+    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None, mb, normalizer: float
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, metrics)`` of one microbatch: ``logprobs`` ``[b, T]`` (grad), metrics 0-dim."""
+
+
+class PolicyGradientObjective:
+    """The clipped policy-gradient loss of ``loss`` (GSPO Eq. 5, GSPO-token Eq. 14, GRPO Eq. 2).
+
+    Normaliser: sequences, or response tokens for GRPO ``token_mean`` (DAPO). Non-finite
+    log-probs (diverged weights, a bad kernel) would make the loss NaN: the loss is computed on
+    sanitised values (ratio 1) so metrics keep their keys, multiplied by 0 (no gradient), and the
+    minibatch is flagged ``faults/nonfinite_loss`` so the caller skips its optimiser step."""
+
+    needs_entropy = True
+
+    def __init__(self, loss: PolicyLossConfig, temperature: float = 1.0,
+                 corrupt: Corrupt | None = None):
+        self.loss, self.temperature = loss, temperature
+        self.corrupt = corrupt or (lambda point, t: t)
+
+    def local_count(self, batch) -> torch.Tensor:
+        if self.loss.variant == "grpo" and self.loss.aggregation == "token_mean":
+            return batch.response_mask.sum().double()
+        return torch.tensor(float(batch.response_mask.shape[0]), dtype=torch.float64)
+
+    def __call__(self, logprobs, entropy, mb, normalizer):
+        lp = self.corrupt("nan_loss", logprobs)
+        nonfinite = not bool(torch.isfinite(lp[mb.response_mask]).all())
+        if nonfinite:
+            lp = torch.where(torch.isfinite(lp), lp, mb.old_logprobs.to(lp.dtype))
+        loss, metrics = policy_loss(
+            lp, mb.old_logprobs, mb.advantages, mb.response_mask, self.loss,
+            ref_logprobs=mb.ref_logprobs,
+            entropy=entropy.detach() if entropy is not None else None,
+            loss_normalizer=normalizer)
+        if nonfinite:
+            loss = loss * 0.0
+        metrics = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v)))
+                   for k, v in metrics.items()}
+        metrics["loss/total"] = loss.detach()
+        metrics["faults/nonfinite_loss"] = torch.tensor(float(nonfinite))
+        return loss, metrics
+
+
+class NLLObjective:
+    """Supervised warm-up: token-mean negative log-likelihood of the ``response_mask`` tokens
+    (prompt tokens are not trained), at temperature 1 whatever the rollout's."""
+
+    needs_entropy = False
+    temperature = 1.0
+
+    def local_count(self, batch) -> torch.Tensor:
+        return batch.response_mask.sum().double()
+
+    def __call__(self, logprobs, entropy, mb, normalizer):
+        normalizer = max(normalizer, 1.0)
+        loss = -(logprobs * mb.response_mask.to(logprobs.dtype)).sum() / normalizer
+        return loss, {"loss/sft_nll": loss.detach()}
+
+
+def rollout_mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> float:
+    """k3 KL estimate between the rollout engine's and the trainer's log-probs on response tokens,
+    ``E[exp(d) - d - 1]`` with ``d = log p_train - log p_rollout`` (0 when they agree), in
+    float64. ``[B, T]`` inputs, ``mask`` bool."""
+    d = (train_lp.double() - rollout_lp.double())[mask]
+    return float(k3(d).mean()) if d.numel() else 0.0

@@ -1,0 +1,1 @@
+"""Model backends: everything that knows a training framework lives under here."""

@@ -1,0 +1,259 @@
+"""Training checkpoints in Megatron's layout, written with ``dist_checkpointing`` (torch_dist).
+
+    <save_dir>/
+        iter_0000010/                      one checkpoint: model + optimizer shards, common state
+            rng/rank_00000.pt              per-rank RNG states (tensors and ints only)
+        latest_checkpointed_iteration.txt  "10", written last
+
+Crash safety: a checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed into place only when every
+rank has finished, and the pointer file is replaced atomically after that; a run killed mid-write
+leaves the previous checkpoint and pointer intact. ``keep_last`` prunes older checkpoints.
+Loading falls back to the newest older checkpoint when the latest one cannot be read.
+
+Nothing is unpickled beyond tensors, numbers, strings and containers (``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the directory and the reason."""
+
+
+def iteration_dir(save_dir: str, step: int) -> str:
+    return os.path.join(save_dir, f"iter_{step:07d}")
+
+
+def list_checkpoints(save_dir: str) -> list[int]:
+    """Complete checkpoints (renamed into place) in ``save_dir``, oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    steps = [int(m.group(1)) for name in os.listdir(save_dir) if (m := _ITER_RE.match(name))]
+    return sorted(steps)
+
+
+def read_latest(save_dir: str) -> int | None:
+    """The step named by ``latest_checkpointed_iteration.txt``, or None if there is none."""
+    path = os.path.join(save_dir, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": _numpy_state_to_safe(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(_tuplify(state["python"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _numpy_state_to_safe(state) -> tuple:
+    """numpy's RNG state with its key array as a tensor (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = state
+    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a load failure; torch's CheckpointException wraps the real error per rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = next(iter(failures.items()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _optimizer_has_state(optimizer) -> bool:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(state) > 0 for opt in inner for state in opt.optimizer.state.values())
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@dataclass
+class TrainingState:
+    """The non-tensor state a resume needs besides weights and optimizer."""
+
+    step: int
+    """RL steps completed."""
+    extra: dict
+    """Trainer state: data sampler position, counters (JSON-like values only)."""
+
+
+def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int = 2,
+                    before_commit=None) -> str:
+    """Write model, optimizer, scheduler, RNG and ``state`` for ``state.step`` (collective).
+
+    ``before_commit(step)`` runs once the shards are written, before they are renamed into place
+    (fault injection: a crash there must leave the previous checkpoint the latest)."""
+    from megatron.core import dist_checkpointing
+
+    final = iteration_dir(save_dir, state.step)
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed write
+        os.makedirs(tmp)
+    _barrier()
+    gpt = policy.unwrapped()
+    model_sd = gpt.sharded_state_dict()
+    # A fresh optimizer (no step taken yet) has no Adam state to save; loading then skips it.
+    with_optimizer = _optimizer_has_state(policy.optimizer)
+    sharded = {
+        "model": model_sd,
+        "scheduler": policy.scheduler.state_dict(),
+        "step": state.step,
+        "extra": state.extra,
+        "has_optimizer_state": with_optimizer,
+    }
+    if with_optimizer:
+        sharded["optimizer"] = policy.optimizer.sharded_state_dict(model_sd)
+    dist_checkpointing.save(sharded, tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+    if before_commit is not None:
+        before_commit(state.step)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = os.path.join(save_dir, TRACKER_FILE)
+        with open(pointer + ".tmp", "w") as f:
+            f.write(str(state.step))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer + ".tmp", pointer)
+        for old in list_checkpoints(save_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(iteration_dir(save_dir, old), ignore_errors=True)
+    _barrier()
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def load_checkpoint(policy, load_dir: str, step: int | None = None) -> TrainingState:
+    """Restore the checkpoint at ``step`` (default: the latest; falls back to older complete ones
+    if it cannot be read). Raises :class:`CheckpointError` when none can be loaded."""
+    latest = read_latest(load_dir) if step is None else step
+    if latest is None:
+        raise CheckpointError(f"{load_dir}: no {TRACKER_FILE}; nothing to resume from")
+    candidates = [latest] + [s for s in reversed(list_checkpoints(load_dir)) if s < latest]
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    errors = []
+    for candidate in candidates:
+        try:
+            return _load_one(policy, iteration_dir(load_dir, candidate))
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - report, try the previous
+            errors.append(f"{iteration_dir(load_dir, candidate)}: {_describe(exc)}")
+            logger.warning("checkpoint %s failed to load (%s); trying an older one",
+                           iteration_dir(load_dir, candidate), exc)
+    raise CheckpointError("no loadable checkpoint:\n  " + "\n  ".join(errors))
+
+
+def _load_one(policy, directory: str) -> TrainingState:
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} does not exist")
+    gpt = policy.unwrapped()
+    common = dist_checkpointing.load_common_state_dict(directory)
+    model_sd = gpt.sharded_state_dict()
+    sharded = {"model": model_sd}
+    if common.get("has_optimizer_state", True):
+        sharded["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, directory)
+    loaded = {**common, **loaded}
+    gpt.load_state_dict(loaded["model"], strict=True)
+    if "optimizer" in loaded:
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+    policy.scheduler.load_state_dict(loaded["scheduler"])
+    rng_path = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
+    if os.path.isfile(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=True))
+    else:
+        logger.warning("%s: no RNG state for rank %d (different world size?)", directory, _rank())
+    return TrainingState(step=int(loaded["step"]), extra=dict(loaded["extra"] or {}))
+
+
+# ------------------------------------------------------------------ model weights only
+
+def save_model_weights(gpt_model, directory: str) -> None:
+    """Save this rank's shard of ``gpt_model`` (a ``GPTModel``) into ``directory`` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory, exist_ok=True)
+    dist_checkpointing.save(gpt_model.sharded_state_dict(), directory)
+
+
+def load_model_weights(gpt_model, directory: str) -> None:
+    """Load ``directory`` into ``gpt_model`` whatever layout saved it (collective); strict."""
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+    state = dist_checkpointing.load(gpt_model.sharded_state_dict(), directory)
+    gpt_model.load_state_dict(state, strict=True)
+
+
+@torch.no_grad()
+def grads_to_params(gpt_model) -> None:
+    """Overwrite every parameter with its reduced gradient (``main_grad`` from Megatron DDP).
+
+    Lets a test save gradients through ``dist_checkpointing`` and compare them across layouts.
+    """
+    for p in gpt_model.parameters():
+        grad = getattr(p, "main_grad", None)
+        if grad is None:
+            grad = p.grad
+        p.copy_(grad if grad is not None else torch.zeros_like(p))

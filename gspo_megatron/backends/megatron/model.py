@@ -1,0 +1,220 @@
+"""Build a Megatron-Core ``GPTModel`` with Qwen3-MoE architecture from typed configs.
+
+Transformer Engine's layer spec (bf16/FP8 kernels) is used where TE imports and CUDA exists;
+otherwise Megatron's local spec, with :class:`RMSNorm` swapped in for the torch norm wrapper (which
+refuses sequence parallel). One log line says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from gspo_megatron.config.model import ModelConfig, ParallelConfig, PrecisionConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm usable in Megatron's local spec, including under sequence parallel.
+
+    Megatron's ``WrappedTorchNorm`` asserts ``not sequence_parallel``. Under SP every TP rank normalises
+    a different slice of the sequence, so the weight's gradient is partial per rank; tagging the weight
+    with ``sequence_parallel`` makes ``finalize_model_grads`` all-reduce it over TP.
+    Shapes: ``x [S, B, H] -> [S, B, H]``.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused: Any):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 (as TE does) whatever the activation dtype.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def transformer_engine_available() -> bool:
+    """True when TE imports and CUDA is present (the only case its spec can run)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a half-installed TE raises RuntimeError, not ImportError
+        return False
+    return True
+
+
+def resolve_transformer_impl(precision: PrecisionConfig) -> str:
+    """'transformer_engine' or 'local', logging the choice once; raises if TE was demanded but absent."""
+    te_ok = transformer_engine_available()
+    if precision.transformer_impl == "transformer_engine" and not te_ok:
+        raise RuntimeError(
+            "precision.transformer_impl='transformer_engine' but Transformer Engine with CUDA is not "
+            "available; use 'auto' or 'local'")
+    if precision.fp8 and not te_ok:
+        raise RuntimeError("precision.fp8 needs Transformer Engine with CUDA (Hopper or newer)")
+    impl = "transformer_engine" if (te_ok and precision.transformer_impl != "local") else "local"
+    if impl == "local" and precision.transformer_impl == "auto":
+        logger.info("Transformer Engine/CUDA not available: using Megatron local spec with torch kernels")
+    else:
+        logger.info("layer spec: %s", impl)
+    return impl
+
+
+def build_transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, **overrides: Any
+):
+    """Translate our configs into Megatron's ``TransformerConfig``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    bf16 = precision.bf16 and on_gpu
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim(),
+        ffn_hidden_size=model.ffn_hidden_size,
+        # Qwen3: RMSNorm, QK-norm, SwiGLU, no bias, RoPE (set on the GPTModel), no dropout.
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        # MoE
+        num_moe_experts=model.num_moe_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_layer_freq=model.moe_layer_freq,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_router_dtype=model.moe_router_dtype,
+        moe_grouped_gemm=on_gpu,  # CUDA-only kernels; sequential experts on CPU
+        # Parallelism
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
+        # Numerics
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp8=precision.fp8,
+        recompute_granularity=precision.recompute_granularity,
+        recompute_method="uniform" if precision.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if precision.recompute_granularity == "full" else None,
+        # CPU: fused kernels from apex/TE are absent; Megatron's own fusions are kept.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not on_gpu,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _swap_modules(spec: Any, old: type, new: type) -> Any:
+    """Return ``spec`` (a ModuleSpec / submodules dataclass tree) with class ``old`` replaced by ``new``."""
+    if spec is old:
+        return new
+    if isinstance(spec, list):
+        return [_swap_modules(s, old, new) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _swap_modules(getattr(spec, f.name), old, new)
+                   for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def build_layer_spec(config, impl: str, pp_rank: int | None = None, local_kernels: bool = True):
+    """Megatron's decoder block spec (dense and MoE layers per ``moe_layer_freq``) for ``impl``;
+    with the local spec and ``local_kernels``, our drop-in faster modules swapped in."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    use_te = impl == "transformer_engine"
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
+    if not use_te:
+        spec = _swap_modules(spec, WrappedTorchNorm, RMSNorm)
+    if not use_te and local_kernels:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.attention import SelfAttention
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from gspo_megatron.compat import local_kernels as lk
+
+        # Same parameters and checkpoints, less Python per call (see local_kernels' docstring).
+        for old, new in ((SelfAttention, lk.RopeOnceSelfAttention),
+                         (DotProductAttention, lk.SDPADotProductAttention),
+                         (ColumnParallelLinear, lk.DirectColumnParallelLinear),
+                         (RowParallelLinear, lk.DirectRowParallelLinear),
+                         (SequentialMLP, lk.LoopedSequentialMLP)):
+            spec = _swap_modules(spec, old, new)
+    return spec
+
+
+def build_gpt_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    pp_rank: int | None = None,
+    transformer_config_overrides: dict | None = None,
+):
+    """One pipeline stage of the policy as a Megatron ``GPTModel`` (not yet wrapped in DDP).
+
+    Output of ``forward(input_ids [B, T], position_ids [B, T], attention_mask)`` on the last stage:
+    vocab-parallel logits ``[B, T, V/TP]`` (``parallel_output=True``; never gathered).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    model.validate()
+    # Megatron's per-layer aux-loss tracker is process-global and sized by the first model that
+    # logs into it; a model with more layers built later in the same process would index past it.
+    get_moe_layer_wise_logging_tracker().clear()
+    impl = resolve_transformer_impl(precision)
+    config = build_transformer_config(model, parallel, precision, **(transformer_config_overrides or {}))
+    local_kernels = (precision.local_kernels if precision.local_kernels is not None
+                     else not torch.cuda.is_available())  # measured on CPU only so far
+    spec = build_layer_spec(config, impl, pp_rank=pp_rank, local_kernels=local_kernels)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=model.padded_vocab_size(),
+        max_sequence_length=model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+    )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt

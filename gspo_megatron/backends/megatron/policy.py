@@ -1,0 +1,272 @@
+"""The Megatron-Core policy: DDP-wrapped ``GPTModel`` chunks, Megatron's optimizer and LR
+schedule, behind the :class:`gspo_megatron.policy.Policy` interface the trainer talks to.
+
+This is the only place that wires Megatron's training machinery together (grad buffers,
+``finalize_model_grads``, ``get_megatron_optimizer``, ``OptimizerParamScheduler``), the same way
+Megatron-LM's ``training.py`` does. Log-prob passes and updates run Megatron's forward-backward
+schedule (:mod:`.schedule`); MoE routes are recorded and replayed on Megatron's routers
+(:mod:`.routing`); checkpoints are ``dist_checkpointing`` (:mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from gspo_megatron.backends.megatron import checkpoint as ckpt
+from gspo_megatron.backends.megatron.model import build_gpt_model
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, run_objective
+from gspo_megatron.config import ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
+from gspo_megatron.policy import PolicyBatch
+
+
+class MegatronPolicy:
+    """The trainable policy on this rank: model chunks (one per pipeline stage here), optimizer,
+    scheduler. Implements :class:`gspo_megatron.policy.Policy`."""
+
+    def __init__(self, model: list, optimizer, scheduler, transformer_config,
+                 groups: ParallelGroups, micro_batch_size: int = 1, vocab_size: int | None = None):
+        self.model = model  # list[DistributedDataParallel]
+        self.optimizer = optimizer  # MegatronOptimizer
+        self.scheduler = scheduler  # OptimizerParamScheduler
+        self.transformer_config = transformer_config
+        self.groups = groups
+        self.micro_batch_size = micro_batch_size
+        self.scoring = ScoringConfig(vocab_size=vocab_size)
+        """The tokenizer's real vocabulary: padded entries are excluded from every softmax."""
+        self._routing = None
+
+    def unwrapped(self):
+        """The ``GPTModel`` inside DDP (single chunk: no virtual pipeline)."""
+        return self.model[0].module
+
+    # -- passes
+    def logprobs(self, batch: PolicyBatch, *, temperature: float = 1.0, routing=None
+                 ) -> torch.Tensor | None:
+        """``[B, T]`` log-probs of ``batch.labels`` (no grad) on the last pipeline stage, else None."""
+        scoring = ScoringConfig(temperature, self.scoring.vocab_size, self.scoring.logprob_chunk_size)
+        lp, _ = compute_logprobs(self.model, batch, self.micro_batch_size, scoring, self.groups,
+                                 routing=routing)
+        return lp
+
+    def train_minibatch(self, batch: PolicyBatch, objective, *, routing=None) -> dict[str, float]:
+        """Forward + backward of ``objective`` over ``batch`` (gradients accumulate; call
+        :meth:`zero_grad` before and :meth:`optimizer_step` after). Adds ``moe/aux_loss``."""
+        metrics = run_objective(self.model, batch, self.micro_batch_size, objective, self.scoring,
+                                self.groups, routing)
+        aux = pop_moe_aux_loss()
+        if aux is not None and self.groups.is_last_stage and self.groups.pp_size == 1:
+            metrics["moe/aux_loss"] = aux / -(-batch.size // self.micro_batch_size)
+        return metrics
+
+    # -- optimisation
+    def zero_grad(self) -> None:
+        """Clear DDP grad buffers and the optimizer's grads before a minibatch."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def grads_are_finite(self) -> bool:
+        """True when every reduced gradient on every rank is finite (one MAX all-reduce).
+
+        Megatron's fp32 optimizer has no inf/nan check (only the fp16/bf16 loss-scaled path has
+        one), so the policy checks before stepping."""
+        bad = any(not bool(torch.isfinite(p.main_grad).all()) for chunk in self.model
+                  for p in chunk.module.parameters() if getattr(p, "main_grad", None) is not None)
+        return not any_rank(bad)
+
+    def optimizer_step(self, corrupt_grad=None) -> tuple[bool, float]:
+        """One optimiser + scheduler step. Returns ``(applied, grad_norm)``.
+
+        A step whose gradients are not finite is skipped (``applied=False``): weights, optimizer
+        state and schedule are left untouched. ``corrupt_grad`` (fault injection) may rewrite the
+        first reduced gradient before the check."""
+        if corrupt_grad is not None:
+            param = next(p for p in self.model[0].module.parameters() if hasattr(p, "main_grad"))
+            param.main_grad.copy_(corrupt_grad(param.main_grad))
+        if not self.grads_are_finite():
+            return False, float("nan")
+        applied, grad_norm, _ = self.optimizer.step()
+        if applied:
+            self.scheduler.step(increment=1)
+        return applied, float(grad_norm) if grad_norm is not None else float("nan")
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @contextlib.contextmanager
+    def temporary_optimizer(self, optim_cfg: OptimConfig, total_steps: int):
+        """Train with a fresh optimizer and schedule inside the block (the SFT warm-up); the RL
+        optimizer, its Adam state and schedule, are back untouched afterwards."""
+        saved = self.optimizer, self.scheduler
+        self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
+        try:
+            yield
+        finally:
+            self.optimizer, self.scheduler = saved
+
+    @torch.no_grad()
+    def copy_weights_to(self, other: "MegatronPolicy") -> None:
+        """Copy parameters into a policy with the same layout (e.g. policy -> reference)."""
+        for s, d in zip(self.model, other.model):
+            for ps, pd in zip(s.module.parameters(), d.module.parameters()):
+                pd.copy_(ps)
+
+    # -- MoE routing (R2 replay, drift, diagnostics)
+    @property
+    def routing(self):
+        """The model's routers (:class:`~.routing.ModelRouting`), attached on first use."""
+        if self._routing is None:
+            from gspo_megatron.backends.megatron.routing import ModelRouting
+
+            self._routing = ModelRouting(self.model, self.groups)
+        return self._routing
+
+    def record_routes(self):
+        """Schedule hooks that record the routes of a pass; ``.store()`` afterwards."""
+        return self.routing.recorder()
+
+    def replay_routes(self, routes, capture_natural: bool = False):
+        """Schedule hooks that force ``routes`` in a pass (and its recompute); with
+        ``capture_natural`` ``.natural_store()`` holds the routes free routing would take."""
+        return self.routing.replayer(routes, self.micro_batch_size, capture_natural=capture_natural)
+
+    def route_drift(self, old_routes, new_routes, response_mask: torch.Tensor):
+        """``(rate, per-layer rates)`` of routes whose top-k set differs (no forward pass)."""
+        from gspo_megatron.backends.megatron.routing_diagnostics import route_drift
+
+        return route_drift(self.routing, old_routes, new_routes, response_mask)
+
+    def routing_diagnostics(self, batch: PolicyBatch, old_routes, loss_cfg, temperature: float,
+                            replay_gap: bool = True) -> dict[str, float]:
+        """``routing/*`` statistics of the current weights vs ``old_routes`` on ``batch``."""
+        from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
+
+        scoring = ScoringConfig(temperature, self.scoring.vocab_size, self.scoring.logprob_chunk_size)
+        return routing_diagnostics(self.model, self.routing, batch, old_routes,
+                                   self.micro_batch_size, scoring, self.groups, loss_cfg,
+                                   replay_gap=replay_gap)
+
+    # -- state
+    def has_checkpoint(self, load_dir: str) -> bool:
+        return ckpt.read_latest(load_dir) is not None
+
+    def save_checkpoint(self, save_dir: str, step: int, extra: dict, keep_last: int,
+                        before_commit=None) -> str:
+        """Model, optimizer, scheduler, RNG and ``(step, extra)`` (collective, atomic)."""
+        return ckpt.save_checkpoint(self, save_dir, ckpt.TrainingState(step, extra),
+                                    keep_last=keep_last, before_commit=before_commit)
+
+    def load_checkpoint(self, load_dir: str) -> tuple[int, dict]:
+        """Restore the latest loadable checkpoint; returns ``(step, extra)``."""
+        state = ckpt.load_checkpoint(self, load_dir)
+        return state.step, state.extra
+
+    def save_weights(self, directory: str) -> None:
+        ckpt.save_model_weights(self.unwrapped(), directory)
+
+    def load_weights(self, directory: str) -> None:
+        ckpt.load_model_weights(self.unwrapped(), directory)
+
+
+def build_policy(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    precision_cfg: PrecisionConfig,
+    optim_cfg: OptimConfig,
+    groups: ParallelGroups,
+    total_steps: int,
+    with_optimizer: bool = True,
+    micro_batch_size: int = 1,
+    vocab_size: int | None = None,
+) -> MegatronPolicy:
+    """Build this rank's pipeline stage, wrap it in Megatron DDP and attach the optimizer."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    gpt = build_gpt_model(
+        model_cfg, parallel_cfg, precision_cfg,
+        pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
+        pp_rank=groups.pp_rank,
+    )
+    tf_config = gpt.config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=gpt)
+    model = [ddp]
+    # What Megatron-LM's training loop sets so the schedule can sync and finalise grads.
+    tf_config.no_sync_func = ddp.no_sync
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    tf_config.grad_scale_func = None
+
+    optimizer = scheduler = None
+    if with_optimizer:
+        optimizer, scheduler = build_optimizer(model, optim_cfg, total_steps)
+    return MegatronPolicy(model, optimizer, scheduler, tf_config, groups,
+                          micro_batch_size=micro_batch_size, vocab_size=vocab_size)
+
+
+def build_optimizer(model: list, optim_cfg: OptimConfig, total_steps: int):
+    """Megatron's optimizer (Adam, grad clipping, fp32 main params under bf16) and LR schedule for
+    ``model`` (DDP chunks). Returns ``(optimizer, scheduler)``."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim_cfg.validate()
+    tf_config = model[0].module.config
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim_cfg.lr,
+            min_lr=optim_cfg.min_lr,
+            weight_decay=optim_cfg.weight_decay,
+            adam_beta1=optim_cfg.adam_beta1,
+            adam_beta2=optim_cfg.adam_beta2,
+            adam_eps=optim_cfg.adam_eps,
+            clip_grad=optim_cfg.clip_grad,
+            bf16=tf_config.bf16,
+            params_dtype=tf_config.params_dtype,
+            use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
+        ),
+        model,
+        use_gloo_process_groups=False,
+    )
+    decay_steps = optim_cfg.lr_decay_steps or max(total_steps, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim_cfg.lr_warmup_steps else optim_cfg.lr,
+        max_lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        lr_warmup_steps=optim_cfg.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, optim_cfg.lr_warmup_steps + 1),
+        lr_decay_style=optim_cfg.lr_decay_style,
+        start_wd=optim_cfg.weight_decay,
+        end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def pop_moe_aux_loss() -> float | None:
+    """Sum over MoE layers of the load-balancing loss Megatron tracked since the last call (this
+    rank's layers, summed over microbatches), then reset the tracker. Megatron's own training loop
+    resets it when it logs; without that it would accumulate for the whole run."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if not tracker:
+        return None
+    total = sum(float(entry["values"].sum()) for entry in tracker.values())
+    for entry in tracker.values():
+        entry["values"].zero_()
+    return total

@@ -1,0 +1,334 @@
+"""Rollouts through Megatron-Core's own inference engine.
+
+:class:`RolloutEngine` samples responses from the *live* policy ``GPTModel`` (the very module the
+trainer updates; nothing is copied) with Megatron-Core's text-generation controller:
+
+* CPU (no CUDA): ``StaticInferenceEngine(legacy=True)`` + ``GPTInferenceWrapper`` +
+  ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache.
+* GPU: ``DynamicInferenceEngine`` with a ``DynamicInferenceContext`` (paged KV cache, continuous
+  batching). Same interface; not exercised by the CPU test-suite.
+
+Sampling semantics (both paths)
+-------------------------------
+Let ``l = logits[:V] / T`` where ``V`` is the real (unpadded) vocabulary and ``T`` the temperature.
+Every forward step's logits are rewritten to ``l`` (padded vocabulary entries ``-inf``) *before*
+Megatron samples, and Megatron is asked to sample at temperature 1.0. Megatron then applies its own
+top-k or top-p filter to ``l`` and draws with ``torch.multinomial`` from its seeded generator
+(``controller.sampling_rng``); ``top_k == 1`` (or ``temperature == 0``) is Megatron's greedy argmax.
+Ids ``>= V`` can therefore never be produced (Megatron itself would only *clamp* them to ``V-1``).
+
+``RolloutSample.response_logprobs[i] = log softmax(l)[token_i]``: the log-prob under the
+temperature-scaled distribution over the real vocabulary, *before* top-k/top-p truncation -- the
+same quantity the trainer computes (:func:`gspo_megatron.backends.megatron.schedule.compute_logprobs` with
+``ScoringConfig(temperature=T, vocab_size=V)``). Greedy decoding with ``temperature == 0`` reports
+log-probs at ``T = 1``. (For reference: Megatron's own ``return_log_probs`` output is
+``log_softmax`` of the *raw* logits over the *padded* vocabulary, i.e. at temperature 1 and
+including padded entries; we do not use it on the static path.)
+
+Groups: ``generate`` samples once per entry of ``prompts``; pass each prompt ``G`` times (or use
+:meth:`RolloutEngine.generate_groups`). Repeated prompts draw independent samples (one RNG stream
+over the whole batch).
+
+Parallelism: every rank of a model-parallel group (TP x PP) calls ``generate`` with the same prompts
+and seed and gets the same samples (logits are gathered over TP and, under PP, broadcast from the
+last stage; every rank samples from identical logits with an identically seeded generator). Under
+expert parallelism (EP > 1) the MoE all-to-alls couple ranks that hold *different* prompts, so
+**every rank of the world must call** ``generate`` together; the static path then disables
+Megatron's early stop on EOS (so the number of forward steps is known up front), agrees on the
+largest step count and pads with Megatron's ``dummy_forward`` (not available together with PP > 1
+on the static path). Seeds are used as given: fold the
+data-parallel rank into ``seed`` if different DP ranks should draw independent samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.config import RolloutConfig
+from gspo_megatron.distributed import ParallelGroups
+from gspo_megatron.policy import RolloutSample
+
+__all__ = ["RolloutEngine", "RolloutSample"]
+
+
+def _unwrap(model):
+    """The ``GPTModel`` inside a list of chunks / Megatron DDP / Float16Module."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise NotImplementedError("virtual pipeline (several model chunks) is not supported")
+        model = model[0]
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def _sequence_parallel_off(model):
+    """Megatron's static inference path refuses sequence parallel on non-MoE layers (and a decode
+    step has one token, which cannot be split over TP). Turn it off for generation and restore
+    every attribute exactly afterwards (the config object is shared with training)."""
+    attrs = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+    saved = [(m, a, getattr(m, a)) for m in model.modules() for a in attrs if hasattr(m, a)]
+    cfg_sp = model.config.sequence_parallel
+    try:
+        if cfg_sp or any(v for _, _, v in saved):
+            model.config.sequence_parallel = False
+            for m, a, _ in saved:
+                setattr(m, a, False)
+        yield
+    finally:
+        model.config.sequence_parallel = cfg_sp
+        for m, a, v in saved:
+            setattr(m, a, v)
+
+
+class RolloutEngine:
+    """Generate responses with Megatron-Core's inference engine from the live policy model.
+
+    Args:
+        model: the policy ``GPTModel`` (or its DDP wrapper / ``policy.model`` list; unwrapped here).
+            It is used in place: rollouts always see the trainer's current weights.
+        groups: this rank's :class:`~gspo_megatron.backends.megatron.parallel.ParallelGroups`.
+        eos_id: generation stops on this id (it is kept in ``response_ids``).
+        pad_id: padding id (used only for Megatron's internal batch padding).
+        vocab_size: the tokenizer's real vocabulary; padded embedding rows are never sampled.
+        config: :class:`~gspo_megatron.config.RolloutConfig` (temperature, top_p, top_k,
+            max_new_tokens, max_batch_size, group_size).
+        tokenizer: optional gspo tokenizer, only so Megatron can fill its ``text`` fields.
+        max_sequence_length: KV-cache length (prompt + response); default the model's.
+        backend: ``"auto"`` (dynamic on CUDA, static otherwise), ``"static"`` or ``"dynamic"``.
+    """
+
+    def __init__(self, model, groups: ParallelGroups, *, eos_id: int, pad_id: int,
+                 vocab_size: int, config: RolloutConfig, tokenizer: Any = None,
+                 max_sequence_length: int | None = None,
+                 backend: Literal["auto", "static", "dynamic"] = "auto",
+                 dynamic_buffer_size_gb: float = 20.0):
+        self.model = _unwrap(model)
+        self.groups = groups
+        self.eos_id, self.pad_id, self.vocab_size = int(eos_id), int(pad_id), int(vocab_size)
+        self.config = config
+        padded = int(self.model.vocab_size)
+        if not 0 < self.vocab_size <= padded:
+            raise ValueError(f"vocab_size ({vocab_size}) must be in (0, padded vocab {padded}]")
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(f"eos_id ({eos_id}) outside the vocabulary [0, {vocab_size})")
+        if backend == "auto":
+            backend = "dynamic" if torch.cuda.is_available() else "static"
+        if backend == "dynamic" and not torch.cuda.is_available():
+            raise RuntimeError("the dynamic inference engine needs CUDA")
+        if backend == "static" and groups.pp_size > 1 and groups.ep_size > 1:
+            raise NotImplementedError(
+                f"parallel.pipeline_model_parallel_size={groups.pp_size} with "
+                f"expert_model_parallel_size={groups.ep_size}: the static engine keeps EP ranks in "
+                "lock-step with Megatron's dummy_forward, which has no pipeline send/recv")
+        self.backend = backend
+        self.max_sequence_length = int(max_sequence_length or self.model.max_sequence_length)
+        self._tokenizer = tokenizer
+        self._build(dynamic_buffer_size_gb)
+
+    # ------------------------------------------------------------------ construction
+    def _build(self, buffer_size_gb: float) -> None:
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig,
+        )
+
+        from gspo_megatron.backends.megatron.inference_hooks import (
+            IdTokenizer,
+            RolloutInferenceWrapper,
+            RolloutTextGenerationController,
+        )
+
+        cfg = self.model.config
+        self.wrapper_config = InferenceWrapperConfig(
+            hidden_size=cfg.hidden_size,
+            params_dtype=cfg.params_dtype,
+            inference_batch_times_seqlen_threshold=-1,  # PP: never split a batch into microbatches
+            padded_vocab_size=int(self.model.vocab_size),
+            inference_max_requests=int(self.config.max_batch_size),
+            inference_max_seq_length=self.max_sequence_length,
+            fp32_residual_connection=cfg.fp32_residual_connection,
+        )
+        id_tok = IdTokenizer(self.eos_id, self.pad_id, self.vocab_size, self._tokenizer)
+        if self.backend == "static":
+            from megatron.core.inference.contexts import StaticInferenceContext
+            from megatron.core.inference.engines import StaticInferenceEngine
+
+            context = StaticInferenceContext.from_config(self.wrapper_config)
+            self.wrapper = RolloutInferenceWrapper(self.model, self.wrapper_config, context)
+            self.wrapper.real_vocab_size = self.vocab_size
+            self.controller = RolloutTextGenerationController(
+                self.wrapper, id_tok, pp_group=self.groups.pp_group)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.engine = StaticInferenceEngine(
+                    self.controller, max_batch_size=int(self.config.max_batch_size), legacy=True)
+            # The legacy engine reseeds torch's *global* RNG on every generate(); we seed only the
+            # controller's sampling generator, so training RNG streams are left untouched.
+            self.engine.random_seed = None
+        else:
+            self._build_dynamic(id_tok, buffer_size_gb)
+
+    def _build_dynamic(self, id_tok, buffer_size_gb: float) -> None:
+        """GPU path, following ``StaticInferenceEngine.__init__`` (non-legacy) in megatron-core 0.16."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+        from megatron.core.inference.engines import DynamicInferenceEngine
+
+        from gspo_megatron.backends.megatron.inference_hooks import (
+            RolloutInferenceWrapper,
+            RolloutTextGenerationController,
+        )
+
+        # The controller's constructor needs a context; the dynamic one replaces it below.
+        placeholder = StaticInferenceContext.from_config(self.wrapper_config)
+        self.wrapper = RolloutInferenceWrapper(self.model, self.wrapper_config, placeholder)
+        self.wrapper.real_vocab_size = self.vocab_size
+        self.controller = RolloutTextGenerationController(
+            self.wrapper, id_tok, pp_group=self.groups.pp_group)
+        context = DynamicInferenceContext.from_config(
+            inference_config=self.wrapper_config, model=self.model,
+            max_batch_size=int(self.config.max_batch_size), buffer_size_gb=buffer_size_gb)
+        self.wrapper.inference_context = context
+        self.wrapper.prep_model_for_inference()
+        self.controller._init_dynamic_sampling_tensors()
+        self.engine = DynamicInferenceEngine(controller=self.controller, context=context,
+                                             random_seed=1234)
+
+    # ------------------------------------------------------------------ sampling params
+    def _sampling(self):
+        """Megatron ``SamplingParams`` (at temperature 1: our wrapper already divided by T) and the
+        temperature the log-probs are reported at."""
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        c = self.config
+        greedy = c.temperature == 0 or c.top_k == 1
+        score_t = 1.0 if c.temperature == 0 else float(c.temperature)
+        sp = SamplingParams(
+            temperature=1.0,
+            top_k=1 if greedy else int(c.top_k),
+            top_p=0.0 if (greedy or c.top_p >= 1.0) else float(c.top_p),
+            num_tokens_to_generate=int(c.max_new_tokens),
+            return_log_probs=self.backend == "dynamic",
+            termination_id=self.eos_id,
+        )
+        return sp, score_t
+
+    # ------------------------------------------------------------------ public API
+    def generate_groups(self, prompts: list[list[int]], seed: int,
+                        group_size: int | None = None) -> list[list[RolloutSample]]:
+        """``group_size`` (default ``config.group_size``) samples per prompt, grouped per prompt."""
+        g = int(group_size or self.config.group_size)
+        flat = self.generate([list(p) for p in prompts for _ in range(g)], seed)
+        return [flat[i * g:(i + 1) * g] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seed: int) -> list[RolloutSample]:
+        """One response per prompt (in order), sampled from the current weights.
+
+        Collective over the model-parallel group (and over the whole world when EP > 1).
+        """
+        prompts = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"prompt {i} has ids outside [0, {self.vocab_size})")
+            if len(p) + self.config.max_new_tokens > self.max_sequence_length:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens={self.config.max_new_tokens} "
+                    f"exceeds the inference max sequence length {self.max_sequence_length}")
+        sp, score_t = self._sampling()
+        self.wrapper.temperature = score_t
+        self.controller.sampling_rng.manual_seed(int(seed))
+        was_training = self.model.training
+        try:
+            if self.backend == "static":
+                with _sequence_parallel_off(self.model):
+                    samples = self._generate_static(prompts, sp)
+            else:
+                samples = self._generate_dynamic(prompts, sp)
+        finally:
+            self.model.train(was_training)
+        return samples
+
+    # ------------------------------------------------------------------ static (CPU) path
+    def _generate_static(self, prompts, sp) -> list[RolloutSample]:
+        from megatron.core.inference.inference_request import InferenceRequest
+
+        bs = int(self.config.max_batch_size)
+        chunks = [prompts[s:s + bs] for s in range(0, len(prompts), bs)]
+        ep_sync = self.groups.ep_size > 1 and dist.is_initialized() and dist.get_world_size() > 1
+        if ep_sync:
+            # Fixed step count per static batch: max_prompt + n_new - min_prompt forward calls.
+            sp.add_attributes({"no_early_termination": True})
+            mine = sum(max(map(len, c)) + sp.num_tokens_to_generate - min(map(len, c))
+                       for c in chunks)
+            most = torch.tensor([mine], dtype=torch.long)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            self.wrapper.forward_calls = 0
+
+        samples: list[RolloutSample] = []
+        scheduler = self.engine.scheduler
+        for chunk in chunks:
+            requests = [
+                InferenceRequest(request_id=self.engine.get_new_request_id(), prompt="",
+                                 sampling_params=sp, prompt_tokens=list(p))
+                for p in chunk
+            ]
+            done = self.engine.generate(inference_requests=requests)
+            for req in done:
+                scheduler.completed_request_pool.pop(req.request_id, None)
+                scheduler.requests.pop(req.request_id, None)
+                samples.append(self._static_sample(req, sp.num_tokens_to_generate))
+
+        if ep_sync:
+            self.model.eval()
+            for _ in range(int(most.item()) - self.wrapper.forward_calls):
+                self.wrapper.dummy_forward()
+        return samples
+
+    def _static_sample(self, req, n_new: int) -> RolloutSample:
+        tokens = list(req.gspo_sampled_tokens)
+        logprobs = list(req.gspo_sampled_logprobs)
+        mc_tokens = [int(t) for t in req.generated_tokens.tolist()]
+        # Megatron's own result must be a prefix of what we recorded (it drops the EOS token).
+        if tokens[:len(mc_tokens)] != mc_tokens:
+            raise RuntimeError("internal: recorded samples disagree with Megatron's generated tokens")
+        length = len(mc_tokens)
+        if length < n_new:  # Megatron stopped early: the next sampled token was EOS
+            length += 1
+        tokens, logprobs = tokens[:length], logprobs[:length]
+        return self._finish(req.prompt_tokens, tokens, logprobs)
+
+    def _finish(self, prompt, tokens, logprobs) -> RolloutSample:
+        """Cut at the first EOS (kept) and name the finish reason."""
+        if self.eos_id in tokens:
+            end = tokens.index(self.eos_id) + 1
+            return RolloutSample(list(prompt), tokens[:end], logprobs[:end], "eos")
+        n = self.config.max_new_tokens
+        return RolloutSample(list(prompt), tokens[:n], logprobs[:n], "length")
+
+    # ------------------------------------------------------------------ dynamic (GPU) path
+    def _generate_dynamic(self, prompts, sp) -> list[RolloutSample]:
+        # Sampling draws from controller.sampling_rng (seeded in generate()); the engine's own
+        # random_seed is unused in megatron-core 0.16.
+        self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
+        with _sequence_parallel_off(self.model) if self.groups.ep_size == 1 else \
+                contextlib.nullcontext():
+            records = self.engine.generate(prompts=prompts, sampling_params=sp)
+        samples = []
+        for prompt, record in zip(prompts, records):
+            req = record[-1] if hasattr(record, "requests") else record
+            tokens = [int(t) for t in (req.generated_tokens.tolist()
+                                       if torch.is_tensor(req.generated_tokens)
+                                       else req.generated_tokens)]
+            logprobs = [float(x) for x in (req.generated_log_probs or [])]
+            samples.append(self._finish(prompt, tokens, logprobs[-len(tokens):] if tokens else []))
+        return samples
+

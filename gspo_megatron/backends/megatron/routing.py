@@ -1,0 +1,345 @@
+"""Per-model routing record / replay on Megatron-Core's own ``RouterReplay``.
+
+Megatron-Core (>= 0.16) routes every MoE token through ``topk_routing_with_score_function``, which
+asks the router's ``router_replay`` object for the top-k (:class:`RouterReplay.get_replay_topk`):
+``RECORD`` runs the normal top-k and keeps the indices, ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD``
+gather the router scores at given indices (so the router still gets a gradient). With
+``moe_enable_routing_replay=True`` every router's instance joins one class-level list, so a
+reference model or a second policy in the process would mix into it.
+
+Here each router of *one* model gets its own :class:`ScopedRouterReplay` (a ``RouterReplay`` that
+is taken out of the class-level list), held by :class:`ModelRouting`. Top-k itself is Megatron's.
+
+Layout
+------
+A :class:`RouteStore` holds the routes of a batch on this rank: ``indices [L_local, B, T_local, k]``
+(uint8 up to 256 experts, uint16 up to 65,536), ``L_local`` = the MoE layers of this pipeline stage
+(``moe_layers`` gives their global MoE index: dense layers are skipped, so with
+``moe_layer_freq=[1, 0, 1]`` the layers are 0 and 1), ``T_local`` = this rank's part of the
+sequence (``T / TP`` under sequence parallelism: each TP rank routes, records and replays only its
+shard; nothing is gathered). Rows are the batch's sequences, so a store can be re-sliced for any
+minibatch / microbatch split (``select``). Megatron's routers see tokens sequence-major
+(``[s * b, k]``); the conversion happens in :class:`RouteRecorder` / :class:`RouteReplayer`.
+
+Schedule hooks
+--------------
+:class:`RouteRecorder` and :class:`RouteReplayer` implement the ``before_forward(i)`` /
+``after_forward(i)`` / ``finish()`` hooks that :func:`gspo_megatron.backends.megatron.schedule._run_schedule`
+calls around each microbatch's model forward. Megatron's schedules run forward steps in microbatch
+order on every stage (also 1F1B), and backward steps in the same order, so: before forward ``i``
+the replayer sets the targets (``REPLAY_FORWARD``, and queues them for the backward), after it
+switches to ``REPLAY_BACKWARD`` so that activation recomputation in the backward pops the queue in
+FIFO order (Megatron's own design); ``finish`` clears everything so rollouts and other passes route
+freely.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from gspo_megatron.config.model import moe_layer_pattern
+from gspo_megatron.routing.stats import entropy_from_logits, entropy_from_probs, route_dtype
+
+__all__ = ["ModelRouting", "RouteRecorder", "RouteReplayer", "RouteStore", "ScopedRouterReplay",
+           "moe_layer_pattern"]
+
+
+def _router_replay_cls():
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    return RouterReplay
+
+
+def _actions():
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    return RouterReplayAction
+
+
+@functools.lru_cache(maxsize=None)
+def scoped_router_replay_class():
+    """The :class:`ScopedRouterReplay` class (built on first use: it subclasses Megatron's)."""
+    RouterReplay = _router_replay_cls()
+
+    class ScopedRouterReplay(RouterReplay):
+        """A ``RouterReplay`` owned by one router of one model (not in the class-level list).
+
+        Adds three things around Megatron's ``get_replay_topk``: a check that replayed indices
+        fit the tokens being routed (a mismatch would otherwise gather silently from the wrong
+        rows); when ``capture_entropy`` is set, the router entropy of the scores it is given; and,
+        when ``capture_natural`` is set during a replayed forward, the top-k the router would
+        have chosen itself (Megatron's own top-k on the same scores, no gradient), kept in
+        ``recorded_topk_idx`` as a recording would."""
+
+        def __init__(self, score_kind: str = "logits"):
+            super().__init__()
+            instances = RouterReplay.global_router_replay_instances
+            for i in range(len(instances) - 1, -1, -1):
+                if instances[i] is self:
+                    del instances[i]
+            self.score_kind = score_kind
+            self.capture_entropy = False
+            self.capture_natural = False
+            self.recorded_entropy: torch.Tensor | None = None
+            self.num_experts: int | None = None
+
+        def _check(self, scores: torch.Tensor, indices: torch.Tensor | None, what: str):
+            if indices is None:
+                raise RuntimeError(f"routing replay ({what}): no routes were set for this router")
+            if indices.shape[0] != scores.shape[0]:
+                raise RuntimeError(
+                    f"routing replay ({what}): {indices.shape[0]} recorded tokens but the router "
+                    f"sees {scores.shape[0]}; the batch layout (padding, micro-batch size, "
+                    "sequence/context parallel split) must match the recording")
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                            default_compute_topk=None):
+            A = _actions()
+            if self.capture_entropy:
+                with torch.no_grad():
+                    self.recorded_entropy = (entropy_from_logits(scores) if self.score_kind == "logits"
+                                             else entropy_from_probs(scores)).detach()
+            if self.router_replay_action == A.REPLAY_FORWARD:
+                self._check(scores, self.target_topk_idx, "forward")
+                if self.capture_natural:
+                    with torch.no_grad():
+                        _, natural = default_compute_topk(scores.detach(), topk,
+                                                          num_groups=num_groups,
+                                                          group_topk=group_topk)
+                    self.record_indices(natural)
+            elif self.router_replay_action == A.REPLAY_BACKWARD:
+                self._check(scores, self.replay_backward_list[0] if self.replay_backward_list
+                            else None, "recompute")
+            return super().get_replay_topk(scores, topk, num_groups, group_topk,
+                                           default_compute_topk)
+
+    return ScopedRouterReplay
+
+
+def ScopedRouterReplay(score_kind: str = "logits"):
+    """A fresh per-router replay object: ``score_kind`` is ``"logits"`` when the router hands
+    top-k raw logits (softmax after top-k, Qwen3) and ``"probs"`` otherwise (entropy only)."""
+    return scoped_router_replay_class()(score_kind)
+
+
+@dataclass
+class RouteStore:
+    """Routes of a batch on this rank (see the module docstring for the layout)."""
+
+    indices: torch.Tensor
+    """[L_local, B, T_local, k] expert ids (uint8 / uint16), on the CPU."""
+    moe_layers: list[int]
+    """Global MoE-layer index of each of the L_local layers."""
+    entropy: torch.Tensor | None = None
+    """[L_local, B, T_local] router entropy (nats) when recorded with ``capture_entropy``."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.indices.shape[1]
+
+    def select(self, rows) -> "RouteStore":
+        """Rows (sequences) ``rows``: a slice or an index tensor, as in ``PolicyBatch.select``."""
+        return RouteStore(self.indices[:, rows], self.moe_layers,
+                          None if self.entropy is None else self.entropy[:, rows])
+
+    def sequence_major(self, rows: slice) -> list[torch.Tensor]:
+        """Per local layer, the routes of rows ``rows`` as Megatron's router sees them:
+        int64 ``[T_local * b, k]`` (sequence-major)."""
+        x = self.indices[:, rows].long()  # [L, b, T, k]
+        return [x[i].transpose(0, 1).reshape(-1, x.shape[-1]) for i in range(x.shape[0])]
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.numel() * self.indices.element_size()
+
+    def bytes_per_token_per_layer(self) -> int:
+        return self.indices.shape[-1] * self.indices.element_size()
+
+
+class ModelRouting:
+    """The MoE routers of one model (this rank's pipeline stage), each with its own replay object.
+
+    ``ModelRouting(model_chunks, groups)`` attaches (replacing any ``RouterReplay`` that
+    ``moe_enable_routing_replay`` put there, and taking it out of Megatron's class-level list).
+    With no action set the replay object defers to Megatron's normal top-k, so attaching changes
+    nothing until a recorder or replayer runs."""
+
+    def __init__(self, model_chunks: list, groups=None):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        chunks = [getattr(c, "module", c) for c in model_chunks]
+        config = chunks[0].config
+        if not config.num_moe_experts:
+            raise ValueError("routing replay/diagnostics need an MoE model (num_moe_experts > 0)")
+        if config.moe_router_load_balancing_type == "sinkhorn":
+            raise ValueError("routing replay does not apply to sinkhorn routing")
+        self.config = config
+        self.num_experts = int(config.num_moe_experts)
+        self.topk = int(config.moe_router_topk)
+        self.dtype = route_dtype(self.num_experts)
+        pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+        self.num_moe_layers = sum(pattern)
+        score_kind = ("logits" if config.moe_router_score_function == "softmax"
+                      and not config.moe_router_pre_softmax else "probs")
+        RouterReplay = _router_replay_cls()
+        self.routers, self.replays, self.moe_layers = [], [], []
+        for chunk in chunks:
+            layers = getattr(getattr(chunk, "decoder", None), "layers", [])
+            for layer in layers:
+                router = getattr(getattr(layer, "mlp", None), "router", None)
+                if not isinstance(router, TopKRouter):
+                    continue
+                old = router.router_replay
+                if old is not None and old in RouterReplay.global_router_replay_instances:
+                    RouterReplay.global_router_replay_instances.remove(old)
+                replay = ScopedRouterReplay(score_kind)
+                router.router_replay = replay
+                self.routers.append(router)
+                self.replays.append(replay)
+                self.moe_layers.append(sum(pattern[: layer.layer_number - 1]))
+        if not self.routers and groups is None:
+            raise ValueError("no MoE router found in the model")
+        self.tp_size = groups.tp_size if groups is not None else 1
+        self.tp_rank = groups.tp_rank if groups is not None else 0
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.groups = groups
+        if groups is not None and groups.cp_size > 1:
+            raise ValueError("routing replay/diagnostics are not validated with context "
+                             "parallelism (parallel.context_parallel_size > 1)")
+
+    # -- layout
+    def local_positions(self, seq_length: int) -> slice:
+        """The sequence positions this rank routes (its sequence-parallel shard)."""
+        if self.sequence_parallel and self.tp_size > 1:
+            n = seq_length // self.tp_size
+            return slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+        return slice(0, seq_length)
+
+    @property
+    def route_replicas(self) -> int:
+        """How many ranks route the same token in one layer (TP without SP routes the full
+        sequence on every TP rank)."""
+        return 1 if self.sequence_parallel else self.tp_size
+
+    # -- actions
+    def set_action(self, action) -> None:
+        for r in self.replays:
+            r.set_router_replay_action(action)
+
+    def reset(self) -> None:
+        """No action, no indices: routing is free again."""
+        for r in self.replays:
+            r.clear_router_replay_action()
+            r.clear_indices()
+            r.capture_entropy = False
+            r.capture_natural = False
+            r.recorded_entropy = None
+
+    def recorder(self, capture_entropy: bool = False) -> "RouteRecorder":
+        return RouteRecorder(self, capture_entropy)
+
+    def replayer(self, store: RouteStore, micro_batch_size: int,
+                 capture_natural: bool = False) -> "RouteReplayer":
+        return RouteReplayer(self, store, micro_batch_size, capture_natural)
+
+    def collect(self, mb_index: int, b: int, capture_entropy: bool = False):
+        """The routes each router recorded for the microbatch just run (``b`` sequences):
+        ``([L, b, T_local, k] indices, [L, b, T_local] entropy or None)`` on the CPU, taken out
+        of the routers (their ``recorded_topk_idx`` is cleared)."""
+        per_layer, ent = [], []
+        for layer, r in zip(self.moe_layers, self.replays):
+            idx = r.recorded_topk_idx
+            if idx is None:
+                raise RuntimeError(f"MoE layer {layer} recorded no routes for microbatch {mb_index}")
+            # [s * b, k] sequence-major -> [b, s, k]
+            per_layer.append(idx.detach().reshape(-1, b, idx.shape[-1]).transpose(0, 1)
+                             .to(self.dtype).cpu())
+            if capture_entropy:
+                e = r.recorded_entropy
+                ent.append(e.reshape(-1, b).transpose(0, 1).float().cpu())
+            r.recorded_topk_idx = None
+        if not per_layer:  # a pipeline stage without MoE layers
+            return torch.zeros(0, b, 0, self.topk, dtype=self.dtype), None
+        return torch.stack(per_layer), (torch.stack(ent) if ent else None)
+
+
+class RouteRecorder:
+    """Schedule hooks that record every microbatch's routes; :meth:`store` assembles them (rows in
+    microbatch order, i.e. the row order of the batch that was split)."""
+
+    def __init__(self, routing: ModelRouting, capture_entropy: bool = False):
+        self.routing = routing
+        self.capture_entropy = capture_entropy
+        self._indices: list[torch.Tensor] = []  # per microbatch [L, b, T_local, k]
+        self._entropy: list[torch.Tensor] = []
+
+    def before_forward(self, mb_index: int, microbatch=None) -> None:
+        A = _actions()
+        for r in self.routing.replays:
+            r.set_router_replay_action(A.RECORD)
+            r.recorded_topk_idx = None
+            r.capture_entropy = self.capture_entropy
+
+    def after_forward(self, mb_index: int, microbatch=None) -> None:
+        indices, entropy = self.routing.collect(mb_index, microbatch.size, self.capture_entropy)
+        self._indices.append(indices)
+        if entropy is not None:
+            self._entropy.append(entropy)
+
+    def finish(self) -> None:
+        self.routing.reset()
+
+    def store(self) -> RouteStore:
+        return RouteStore(torch.cat(self._indices, dim=1), list(self.routing.moe_layers),
+                          torch.cat(self._entropy, dim=1) if self._entropy else None)
+
+
+class RouteReplayer:
+    """Schedule hooks that force the routes of ``store`` (rows = the batch's rows, split into
+    consecutive microbatches of ``micro_batch_size``) in every forward and recompute. With
+    ``capture_natural``, each forward also keeps the routes the routers would have chosen
+    (:meth:`natural_store`): free routing's top-k on the same scores, at the cost of one top-k."""
+
+    def __init__(self, routing: ModelRouting, store: RouteStore, micro_batch_size: int,
+                 capture_natural: bool = False):
+        if routing.routers and list(store.moe_layers) != list(routing.moe_layers):
+            raise ValueError(f"route store holds MoE layers {store.moe_layers}, the model "
+                             f"{routing.moe_layers}")
+        self.routing, self.store, self.mbs = routing, store, micro_batch_size
+        self.device = (routing.routers[0].weight.device if routing.routers else torch.device("cpu"))
+        self.capture_natural = capture_natural
+        self._natural: list[torch.Tensor] = []
+
+    def before_forward(self, mb_index: int, microbatch=None) -> None:
+        A = _actions()
+        start = mb_index * self.mbs
+        b = microbatch.size if microbatch is not None else self.mbs
+        if start + b > self.store.batch_size:
+            raise RuntimeError(f"routing replay: microbatch {mb_index} needs rows {start}:{start + b}"
+                               f" but the route store has {self.store.batch_size}")
+        routes = self.store.sequence_major(slice(start, start + b))
+        for r, idx in zip(self.routing.replays, routes):
+            r.set_target_indices(idx.to(self.device))
+            r.set_router_replay_action(A.REPLAY_FORWARD)
+            r.capture_natural = self.capture_natural
+            r.recorded_topk_idx = None
+
+    def after_forward(self, mb_index: int, microbatch=None) -> None:
+        if self.capture_natural:
+            b = microbatch.size if microbatch is not None else self.mbs
+            self._natural.append(self.routing.collect(mb_index, b)[0])
+            for r in self.routing.replays:
+                r.capture_natural = False  # not in the backward's recompute
+        self.routing.set_action(_actions().REPLAY_BACKWARD)
+
+    def natural_store(self) -> RouteStore:
+        """The routes free routing would have taken in the replayed forwards (``capture_natural``)."""
+        if not self._natural:
+            raise RuntimeError("natural_store() needs capture_natural=True and a finished pass")
+        return RouteStore(torch.cat(self._natural, dim=1), list(self.routing.moe_layers))
+
+    def finish(self) -> None:
+        self.routing.reset()

@@ -1,0 +1,220 @@
+"""Log-prob passes and policy updates through Megatron's forward-backward schedules.
+
+Both functions run Megatron's own schedule (``get_forward_backward_func``: no pipelining, or 1F1B
+under PP), so microbatching, pipeline P2P, DDP grad sync and ``finalize_model_grads`` are Megatron's.
+Log-probs come from vocab-parallel logits (:func:`~gspo_megatron.backends.megatron.logprobs.vocab_parallel_logprobs`)
+on the last pipeline stage; what is minimised is an :class:`~gspo_megatron.algorithms.Objective`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.algorithms import (NLLObjective, Objective, PolicyGradientObjective,
+                                      PolicyLossConfig)
+from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
+from gspo_megatron.distributed import ParallelGroups, all_reduce_, compute_device
+from gspo_megatron.policy import PolicyBatch
+
+
+@dataclass
+class ScoringConfig:
+    """How the trainer turns logits into log-probs."""
+
+    temperature: float = 1.0
+    """The rollout's sampling temperature; logits are divided by it before the softmax."""
+    vocab_size: int | None = None
+    """The tokenizer's real vocabulary; padded vocabulary entries are excluded."""
+    logprob_chunk_size: int = 1024
+    """Tokens per fp32 chunk in the log-prob kernel (bounds its memory)."""
+
+
+def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_only: bool,
+                  loss_fn: Callable[[PolicyBatch, torch.Tensor], tuple],
+                  routing=None) -> list[dict]:
+    """Run Megatron's forward(-backward) schedule over ``microbatches``; returns the per-microbatch
+    dicts that ``loss_fn`` reported (on the last pipeline stage; empty elsewhere).
+
+    ``routing`` (optional): MoE routing hooks (:mod:`gspo_megatron.routing`), called as
+    ``before_forward(i, mb)`` / ``after_forward(i, mb)`` around microbatch ``i``'s model forward
+    (forward steps run in microbatch order on every stage, also under 1F1B) and ``finish()`` once
+    the schedule is done (also on error)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    counter = iter(range(len(microbatches)))
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        if routing is None:
+            output = model(mb.tokens, mb.position_ids(), attention_mask=None)
+        else:
+            i = next(counter)
+            routing.before_forward(i, mb)
+            output = model(mb.tokens, mb.position_ids(), attention_mask=None)
+            routing.after_forward(i, mb)
+        return output, partial(loss_fn, mb)
+
+    seq_length = microbatches[0].seq_length
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=policy_model,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=microbatches[0].size,
+            decoder_seq_length=seq_length,
+            forward_only=forward_only,
+        )
+    finally:
+        if routing is not None:
+            routing.finish()
+
+
+def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
+    import dataclasses
+
+    return dataclasses.replace(batch, **{
+        f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+        if getattr(batch, f.name) is not None
+    })
+
+
+@torch.no_grad()
+def compute_logprobs(
+    policy_model: list,
+    batch: PolicyBatch,
+    micro_batch_size: int,
+    scoring: ScoringConfig,
+    groups: ParallelGroups,
+    with_entropy: bool = False,
+    routing=None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs of ``batch.labels`` under ``policy_model`` (one forward, no grad).
+
+    ``routing``: optional MoE routing hooks (record or replay routes; see :func:`_run_schedule`),
+    applied to the microbatches ``batch.split(micro_batch_size)`` in order.
+
+    Returns ``(logprobs [B, T], entropy [B, T] or None)`` on the last pipeline stage, ``(None, None)``
+    on the others (only the last stage computes the loss, so only it needs them).
+    """
+    for chunk in policy_model:
+        chunk.eval()
+
+    def score(mb: PolicyBatch, logits: torch.Tensor):
+        lp, ent = vocab_parallel_logprobs(
+            logits, mb.labels, temperature=scoring.temperature, tp_group=groups.tp_group,
+            vocab_size=scoring.vocab_size, compute_entropy=with_entropy,
+            chunk_size=scoring.logprob_chunk_size)
+        return torch.zeros((), device=logits.device), {"logprobs": lp, "entropy": ent}
+
+    device = next(policy_model[0].parameters()).device
+    micro = [_to_device(mb, device) for mb in batch.split(micro_batch_size)]
+    try:
+        outputs = _run_schedule(policy_model, micro, forward_only=True, loss_fn=score,
+                                routing=routing)
+    finally:
+        for chunk in policy_model:
+            chunk.train()
+    if not groups.is_last_stage:
+        return None, None
+    logprobs = torch.cat([o["logprobs"] for o in outputs]).float().cpu()
+    entropy = torch.cat([o["entropy"] for o in outputs]).float().cpu() if with_entropy else None
+    return logprobs, entropy
+
+
+def run_objective(
+    policy_model: list,
+    batch: PolicyBatch,
+    micro_batch_size: int,
+    objective: Objective,
+    scoring: ScoringConfig,
+    groups: ParallelGroups,
+    routing=None,
+) -> dict[str, float]:
+    """Forward and backward of ``objective`` over one minibatch (grads accumulate in DDP buffers,
+    finalised by Megatron; the caller zeroes grads before and steps the optimizer after).
+
+    Normalisation: Megatron's schedule divides each microbatch loss by the number of microbatches M
+    and DDP averages grads over the data(-context)-parallel ranks. We want the gradient of
+    ``sum over the minibatch / N_global`` instead (``N_global``: the objective's count summed over
+    data-parallel ranks), so each microbatch returns ``objective(..., N_global) * M * DP``; the two
+    scalings cancel exactly.
+
+    ``routing``: optional MoE routing hooks, e.g. R2 replay of the old policy's routes (see
+    :func:`_run_schedule`), applied to ``batch.split(micro_batch_size)`` in order.
+
+    Returns metrics averaged over microbatches and data-parallel ranks (0 keys on non-last stages).
+    """
+    local = objective.local_count(batch)
+    normalizer = float(all_reduce_(local.to(compute_device()), groups.dp_group))
+    device = next(policy_model[0].parameters()).device
+    micro = [_to_device(mb, device) for mb in batch.split(micro_batch_size)]
+    scale = len(micro) * groups.dp_size
+
+    def loss_fn(mb: PolicyBatch, logits: torch.Tensor):
+        lp, ent = vocab_parallel_logprobs(
+            logits, mb.labels, temperature=objective.temperature, tp_group=groups.tp_group,
+            vocab_size=scoring.vocab_size, compute_entropy=objective.needs_entropy,
+            chunk_size=scoring.logprob_chunk_size)
+        loss, metrics = objective(lp, ent, mb, normalizer)
+        return loss * scale, metrics
+
+    outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn,
+                            routing=routing)
+    return reduce_metrics(outputs, groups)
+
+
+def train_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
+                    loss_cfg: PolicyLossConfig, scoring: ScoringConfig, groups: ParallelGroups,
+                    routing=None, corrupt=None) -> dict[str, float]:
+    """One RL minibatch: :class:`PolicyGradientObjective` at the scoring temperature through
+    :func:`run_objective` (tests and benchmarks; the trainer goes through ``MegatronPolicy``)."""
+    objective = PolicyGradientObjective(loss_cfg, scoring.temperature, corrupt)
+    return run_objective(policy_model, batch, micro_batch_size, objective, scoring, groups, routing)
+
+
+def train_sft_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
+                        scoring: ScoringConfig, groups: ParallelGroups) -> dict[str, float]:
+    """Supervised warm-up minibatch: :class:`NLLObjective` through :func:`run_objective`."""
+    return run_objective(policy_model, batch, micro_batch_size, NLLObjective(), scoring, groups)
+
+
+def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, float]:
+    """Mean over microbatches, then over data-parallel ranks; min/max keys keep their extreme.
+
+    ``loss/*`` keys are sums: each microbatch carries its share of the minibatch loss (it was divided
+    by the global normaliser), so the minibatch loss is their sum over microbatches and DP ranks.
+    """
+    if not outputs:
+        return {}
+    keys = sorted(outputs[0])
+    out: dict[str, float] = {}
+    for key in keys:
+        vals = torch.stack([o[key].float().reshape(()) for o in outputs])
+        if key.startswith("loss/"):
+            v = vals.sum()
+        elif key.endswith("min"):
+            v = vals.min()
+        elif key.endswith("max"):
+            v = vals.max()
+        else:
+            v = vals.mean()
+        out[key] = v
+    if groups.dp_size > 1:
+        for key, v in out.items():
+            t = v.clone().double()
+            if key.endswith("min") or key.endswith("max"):
+                all_reduce_(t, groups.dp_group,
+                            dist.ReduceOp.MIN if key.endswith("min") else dist.ReduceOp.MAX)
+            else:
+                all_reduce_(t, groups.dp_group)
+                if not key.startswith("loss/"):
+                    t /= groups.dp_size
+            out[key] = t
+    return {k: float(v) for k, v in out.items()}

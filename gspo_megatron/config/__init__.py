@@ -1,0 +1,26 @@
+"""The run's configuration, validated before any compute.
+
+- :mod:`.schema`: the sections of :class:`TrainConfig` (run, data, rollout, ...), one typed
+  dataclass each, a docstring under every field; production defaults.
+- :mod:`.model`: the model, its parallel layout and numerics; ``MODEL_PRESETS``.
+- :mod:`.checks`: each section checks its own fields on construction.
+- :mod:`.loader`: YAML recipes + ``--section.field=value`` overrides (types in :mod:`.coerce`),
+  ``--help`` text, saving; ``DEMO_RECIPE``, the CPU demo shipped in ``recipes/``.
+- :mod:`.validation`: the checks across sections and against the world size.
+"""
+
+from gspo_megatron.config.checks import FieldError
+from gspo_megatron.config.loader import DEMO_RECIPE, load_config, save_config
+from gspo_megatron.config.model import MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig
+from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, OptimConfig,
+                                         RewardConfig, RolloutConfig, RoutingConfig, SFTConfig,
+                                         TokenizerConfig, TrainConfig, TrainerConfig)
+from gspo_megatron.config.validation import ConfigError, ConfigWarning, validate_config
+
+__all__ = [
+    "DEMO_RECIPE", "MODEL_PRESETS", "CheckpointConfig", "ConfigError", "ConfigWarning",
+    "DataConfig", "FieldError", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "PrecisionConfig", "RewardConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
+    "TokenizerConfig", "TrainConfig", "TrainerConfig", "load_config", "save_config",
+    "validate_config",
+]

@@ -1,0 +1,465 @@
+"""Load, override, validate, save and document a :class:`~gspo_megatron.config.TrainConfig`.
+
+A recipe is a YAML file whose top-level keys are the sections of ``TrainConfig`` (``model``,
+``parallel``, ``precision``, ``optim``, ``loss``, ``data``, ``tokenizer``, ``rollout``,
+``reward``, ``sft``, ``trainer``, ``routing``, ``checkpoint``, ``logging``)::
+
+    model:
+      preset: qwen3-30b-a3b     # fills every other model field from MODEL_PRESETS ...
+      seq_length: 5120          # ... explicit keys win
+    rollout:
+      group_size: 16
+
+Command-line overrides are ``--section.field=value`` (or ``section.field=value``; ``parse_cli``
+also takes ``--section.field value``). Values are parsed as YAML scalars and coerced to the
+field's annotated type (``int``, ``float`` incl. ``3e-4``, ``bool``, ``str``, ``X | None`` with
+``null``/``none``, ``Literal[...]``, ``list[int]`` like ``[1,0,1]``, ``int | list[int]``).
+
+Every problem raises :class:`ConfigError` (a ``ValueError``) naming the source (``file:line``
+or the override), the field path and the bad value, before any compute::
+
+    tiny.yaml:12: rollout.group_szie: unknown field; did you mean 'group_size'?
+    tiny.yaml:14: rollout.top_p: must be in (0, 1], got 1.5
+    override '--loss.variant=GSPO': loss.variant: expected one of 'gspo', 'gspo_token', 'grpo',
+        got 'GSPO'; did you mean 'gspo'?
+
+:func:`load_config` checks names, types and each section's own fields (the sections'
+``__post_init__``, :mod:`.checks`); :func:`validate_config` checks the sections against each
+other and the world size. Type coercion is :mod:`.coerce`. Files are read with
+``yaml.safe_load`` only (no Python tags). Fields a recipe leaves out take the library's
+(production) defaults; ``DEMO_RECIPE`` is the CPU demo's recipe.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import os
+import re
+import textwrap
+import typing
+from typing import Any, Iterable, Sequence
+
+import yaml
+
+from gspo_megatron.config.checks import FieldError
+from gspo_megatron.config.coerce import (NULL_WORDS, CoerceError, accepts_str, coerce, suggest,
+                                         type_name)
+from gspo_megatron.config.model import MODEL_PRESETS
+from gspo_megatron.config.schema import TrainConfig
+from gspo_megatron.config.validation import ConfigError, ConfigWarning, validate_config
+
+__all__ = [
+    "DEMO_RECIPE",
+    "ConfigError",
+    "ConfigWarning",
+    "config_from_argv",
+    "config_to_dict",
+    "describe_config",
+    "field_docs",
+    "load_config",
+    "parse_cli",
+    "save_config",
+    "section_types",
+    "validate_config",
+]
+
+
+DEMO_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes", "demo.yaml")
+"""The CPU demo (a tiny model trained from scratch on the built-in arithmetic task): the recipe
+``gspo-train`` runs when given no ``--config``. Shipped inside the package."""
+
+# ------------------------------------------------------------------------------------ schema
+
+
+@functools.lru_cache(maxsize=None)
+def section_types() -> dict[str, type]:
+    """``{section name: dataclass}`` for the sections of :class:`TrainConfig`."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+@dataclasses.dataclass
+class _Entry:
+    value: Any
+    source: str  # "file.yaml:12", "override '--a.b=c'", "preset 'tiny'"
+    raw: str | None = None  # the override's text, used as-is for str fields
+    from_preset: bool = False  # filled in from model.preset, not written by the user
+
+
+def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark is not None else path
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    detail = f"{context}; {problem}" if context else problem
+    if isinstance(e, yaml.constructor.ConstructorError):
+        detail += " (recipes are read with yaml.safe_load: plain YAML only, no Python tags)"
+    return ConfigError(f"{where}: invalid YAML: {detail}")
+
+
+def _read_yaml(path: str) -> tuple[dict[str, dict[str, _Entry]], list[str]]:
+    """``{section: {field: entry}}`` from a recipe, with the line of each key; plus errors."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e}") from e
+    try:
+        data = yaml.safe_load(text)  # never yaml.load: no Python object tags
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise _yaml_error(path, e) from e
+    if data is None:
+        return {}, []
+    if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections "
+                          f"({', '.join(section_types())}), got {type(data).__name__}")
+
+    errors: list[str] = []
+    sections = section_types()
+    out: dict[str, dict[str, _Entry]] = {}
+    seen_sections: set[str] = set()
+    for knode, vnode in root.value:
+        line = knode.start_mark.line + 1
+        where = f"{path}:{line}"
+        name = knode.value
+        if not isinstance(knode, yaml.ScalarNode) or knode.tag != "tag:yaml.org,2002:str":
+            errors.append(f"{where}: section names must be strings, got {name!r}")
+            continue
+        if name in seen_sections:
+            errors.append(f"{where}: {name}: duplicate section")
+            continue
+        seen_sections.add(name)
+        if name not in sections:
+            errors.append(f"{where}: {name}: unknown section{suggest(name, sections)} "
+                          f"(sections: {', '.join(sections)})")
+            continue
+        value = data[name]
+        if value is None:
+            out[name] = {}
+            continue
+        if not isinstance(value, dict) or not isinstance(vnode, yaml.MappingNode):
+            errors.append(f"{where}: {name}: a section must be a mapping of fields, "
+                          f"got {value!r}")
+            continue
+        entries: dict[str, _Entry] = {}
+        for fknode, _ in vnode.value:
+            fline = fknode.start_mark.line + 1
+            fname = fknode.value
+            if not isinstance(fknode, yaml.ScalarNode) or fknode.tag != "tag:yaml.org,2002:str":
+                errors.append(f"{path}:{fline}: {name}: field names must be strings, got {fname!r}")
+                continue
+            if fname in entries:
+                errors.append(f"{path}:{fline}: {name}.{fname}: duplicate field "
+                              f"(first at {entries[fname].source})")
+                continue
+            entries[fname] = _Entry(value[fname], f"{path}:{fline}")
+        out[name] = entries
+    return out, errors
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    body = text[2:] if text.startswith("--") else text
+    key, sep, value = body.partition("=")
+    if not sep:
+        raise ConfigError(f"override {text!r}: expected --section.field=value")
+    return key.strip(), value
+
+
+def _parse_override_value(value: str) -> Any:
+    try:
+        return yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        return value
+
+
+def _apply_overrides(raw: dict[str, dict[str, _Entry]], overrides: Iterable[str],
+                     errors: list[str]) -> None:
+    sections = section_types()
+    for text in overrides:
+        if not isinstance(text, str):
+            errors.append(f"override {text!r}: expected a string --section.field=value")
+            continue
+        try:
+            key, value = _split_override(text)
+        except ConfigError as e:
+            errors.extend(e.errors)
+            continue
+        source = f"override {text!r}"
+        section, dot, fname = key.partition(".")
+        if not dot or not fname or "." in fname:
+            errors.append(f"{source}: {key!r} is not section.field "
+                          f"(sections: {', '.join(sections)})")
+            continue
+        if section not in sections:
+            errors.append(f"{source}: {section}: unknown section{suggest(section, sections)}")
+            continue
+        raw.setdefault(section, {})[fname] = _Entry(_parse_override_value(value), source, value)
+
+
+def _coerce_entry(path: str, entry: _Entry, tp: Any) -> Any:
+    value = entry.value
+    if entry.raw is not None and accepts_str(tp) and not (
+            type(None) in typing.get_args(tp) and entry.raw.strip().lower() in NULL_WORDS):
+        value = entry.raw  # "--logging.run_dir=007" stays the string "007"
+    try:
+        return coerce(value, tp)
+    except CoerceError as e:
+        raise ConfigError(f"{entry.source}: {path}: {e}, got {value!r}{e.hint}") from None
+
+
+def _apply_preset(entries: dict[str, _Entry], errors: list[str]) -> None:
+    """Fill model fields from ``model.preset`` where the recipe or the overrides set none."""
+    if "preset" not in entries:
+        return
+    try:
+        name = _coerce_entry("model.preset", entries["preset"], str)
+    except ConfigError as e:
+        errors.extend(e.errors)
+        return
+    if name not in MODEL_PRESETS:
+        errors.append(f"{entries['preset'].source}: model.preset: unknown preset {name!r}"
+                      f"{suggest(name, MODEL_PRESETS)} (presets: {', '.join(MODEL_PRESETS)})")
+        return
+    for key, value in MODEL_PRESETS[name].items():
+        entries.setdefault(key, _Entry(value, f"preset {name!r}", from_preset=True))
+
+
+def _source_of(fields: Iterable[str], entries: dict[str, _Entry]) -> str:
+    """Where the first of ``fields`` that the recipe or an override set came from (a preset's
+    value only when none was set explicitly; every source of the section when none is known)."""
+    given = [entries[f] for f in fields if f in entries]
+    entry = next((e for e in given if not e.from_preset), given[0] if given else None)
+    if entry is not None:
+        return entry.source
+    return ", ".join(sorted({e.source for e in entries.values()})) or "defaults"
+
+
+def _constructor_errors(section: str, e: Exception, ftypes: dict[str, Any],
+                        entries: dict[str, _Entry]) -> list[str]:
+    """``file:line: section.field: problem`` lines for a section's constructor failure.
+
+    A :class:`FieldError` names its fields. Any other error (``PolicyLossConfig``'s own checks)
+    is matched by the field its message starts with (``clip_low must be ...``), then by the
+    fields it mentions."""
+    if isinstance(e, FieldError):
+        return [f"{_source_of(fields, entries)}: {section}.{fields[0]}: {text}"
+                for fields, text in e.problems]
+    msg = str(e)
+    mentioned = list(dict.fromkeys(w for w in re.findall(r"\w+", msg) if w in ftypes))
+    lead = re.match(r"(\w+)( )?", msg)
+    if lead and lead.group(1) in ftypes:
+        # "clip_low must be >= 0, got -1" -> "loss.clip_low: must be >= 0, got -1"
+        text = msg[lead.end():] if lead.group(2) else msg
+        return [f"{_source_of(mentioned, entries)}: {section}.{lead.group(1)}: {text}"]
+    return [f"{_source_of(mentioned, entries)}: {section}: {msg}"]
+
+
+def _build_section(section: str, cls: type, default: Any, entries: dict[str, _Entry],
+                   errors: list[str]) -> Any:
+    """The section from its ``default`` (TrainConfig's) updated by ``entries``; ``None`` and
+    ``errors`` extended when a name, a type or the section's own checks fail."""
+    ftypes = _field_types(cls)
+    kwargs: dict[str, Any] = {name: getattr(default, name) for name in ftypes}
+    for fname, entry in entries.items():
+        path = f"{section}.{fname}"
+        if fname not in ftypes:
+            errors.append(f"{entry.source}: {path}: unknown field{suggest(fname, ftypes)}")
+            continue
+        try:
+            kwargs[fname] = _coerce_entry(path, entry, ftypes[fname])
+        except ConfigError as e:
+            errors.extend(e.errors)
+    try:
+        return cls(**kwargs)  # every section checks its own fields on construction
+    except (TypeError, ValueError) as e:
+        errors.extend(_constructor_errors(section, e, ftypes, entries))
+        return None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Build a :class:`TrainConfig` from a YAML recipe (or the defaults) plus overrides.
+
+    Args:
+        path: A YAML recipe (``DEMO_RECIPE`` for the CPU demo), or ``None`` for the library's
+            defaults (production hyperparameters; see :mod:`gspo_megatron.config.schema`).
+        overrides: ``"--section.field=value"`` / ``"section.field=value"`` strings, applied after
+            the file (a ``model.preset`` override fills the model fields not set explicitly).
+
+    Raises:
+        ConfigError: unreadable/invalid YAML or a Python tag, unknown section or field (with a
+            suggestion), a value of the wrong type or outside a ``Literal`` (with a suggestion),
+            or a value its section refuses (``rollout.top_p: must be in (0, 1], got 1.5``); each
+            line starts with ``file:line`` or the override that set the field.
+
+    Names, types and each section's own fields are checked here; call :func:`validate_config`
+    for the checks across sections (batch divisibility, parallel layout vs world size, lengths,
+    paths, reward name).
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    errors: list[str] = []
+    raw: dict[str, dict[str, _Entry]] = {}
+    if path is not None:
+        raw, errors = _read_yaml(os.fspath(path))
+    _apply_overrides(raw, overrides, errors)
+    if "model" in raw:
+        _apply_preset(raw["model"], errors)
+    defaults = TrainConfig()
+    built: dict[str, Any] = {}
+    for section, cls in section_types().items():
+        built[section] = _build_section(section, cls, getattr(defaults, section),
+                                        raw.get(section, {}), errors)
+    if errors:
+        raise ConfigError(errors)
+    return TrainConfig(**built)
+
+
+# ----------------------------------------------------------------------------- saving, docs
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
+    """``{section: {field: value}}`` of plain Python values (YAML-serialisable)."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return {
+        f.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, f.name)).items()}
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
+    """Write ``cfg`` as a YAML recipe that :func:`load_config` reads back to an equal config."""
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Resolved gspo_megatron TrainConfig (gspo_megatron.config.loader.save_config).\n")
+        f.write(text)
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` for a dataclass: the string literal right after each field."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if node is None:
+        return {}
+    docs: dict[str, str] = {}
+    body = node.body
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def describe_config(sections: Iterable[str] | None = None, width: int = 100) -> str:
+    """Help text: every ``--section.field`` with its type, default and docstring."""
+    defaults = TrainConfig()
+    lines: list[str] = []
+    wanted = list(sections) if sections is not None else list(section_types())
+    for section in wanted:
+        cls = section_types()[section]
+        # The section's docstring, one wrapped paragraph after another, under its name.
+        paragraphs = [" ".join(p.split()) for p in inspect.cleandoc(cls.__doc__ or "").split("\n\n")]
+        lines.extend(textwrap.wrap(f"{section}:  {paragraphs[0]}", width=width,
+                                   subsequent_indent=" " * 2) or [f"{section}:"])
+        for para in paragraphs[1:]:
+            lines.extend(textwrap.wrap(para, width=width, initial_indent=" " * 2,
+                                       subsequent_indent=" " * 2))
+        docs = field_docs(cls)
+        current = getattr(defaults, section)
+        for fname, tp in _field_types(cls).items():
+            default = getattr(current, fname)
+            shown = "null" if default is None else yaml.safe_dump(
+                default, default_flow_style=True).strip().removesuffix("...").strip()
+            lines.append(f"  --{section}.{fname}  ({type_name(tp)}; default {shown})")
+            for para in docs.get(fname, "").split("\n"):
+                lines.extend(textwrap.wrap(para, width=width, initial_indent=" " * 6,
+                                           subsequent_indent=" " * 6) or [])
+        lines.append("")
+    return "\n".join(lines)
+
+
+_USAGE = """\
+usage: gspo-train [--config RECIPE.yaml] [--section.field=VALUE | --section.field VALUE ...]
+
+Without --config, gspo-train runs the CPU demo recipe (gspo_megatron/config/recipes/demo.yaml).
+Every field of the recipe can be overridden; values are YAML scalars (3e-4, true, null, [1,0,1]).
+A field a recipe leaves out takes the default listed below (the paper's and production's).
+A 'model.preset' (tiny, qwen3-30b-a3b, qwen3-235b-a22b) fills the model fields not set explicitly.
+"""
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split ``argv`` into ``(config_path, overrides)`` for :func:`load_config`.
+
+    Accepts ``--config PATH`` / ``--config=PATH`` / ``-c PATH``, ``--section.field=value``,
+    ``--section.field value``, ``section.field=value``, and a bare ``--section.field`` (= true,
+    for bool fields). ``-h`` / ``--help`` prints every field's documentation and exits.
+    """
+    argv = list(argv)
+    config: str | None = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(_USAGE)
+            print(describe_config())
+            raise SystemExit(0)
+        if arg in ("--config", "-c"):
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a path")
+            config, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            config, i = arg.partition("=")[2], i + 1
+            continue
+        body = arg[2:] if arg.startswith("--") else arg
+        key, sep, _ = body.partition("=")
+        if "." not in key or (not sep and not arg.startswith("--")):
+            raise ConfigError(f"unrecognised argument {arg!r}; expected --config PATH or "
+                              "--section.field=value")
+        if sep:
+            overrides.append(arg)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            overrides.append(f"{arg}={argv[i + 1]}")
+            i += 2
+        else:
+            overrides.append(f"{arg}=true")
+            i += 1
+    return config, overrides
+
+
+def config_from_argv(argv: Sequence[str], world_size: int | None = None) -> TrainConfig:
+    """The config ``gspo-train argv`` runs: ``parse_cli`` + ``load_config`` of the ``--config``
+    recipe or, without one, ``DEMO_RECIPE`` (+ ``validate_config`` when ``world_size`` is given)."""
+    path, overrides = parse_cli(argv)
+    cfg = load_config(DEMO_RECIPE if path is None else path, overrides)
+    if world_size is not None:
+        validate_config(cfg, world_size)
+    return cfg

@@ -1,0 +1,315 @@
+"""The run's configuration: one typed dataclass per component, gathered in :class:`TrainConfig`.
+
+A recipe is a YAML file whose top-level keys are the sections below; any field can be overridden
+on the command line as ``--section.field=value``. See :mod:`gspo_megatron.config.loader`.
+
+The defaults are the paper's and production's: a recipe that leaves a section out fine-tunes a
+pretrained model with them (GSPO eps 3e-4 / 4e-4, a constant 1e-6 learning rate, no supervised
+warm-up). The exceptions are the sections that only a recipe can choose, whose defaults are the
+built-in task's: the model (the ``tiny`` shape), and data / tokenizer / reward (the arithmetic
+task). The CPU demo's toy values live in its recipe, ``gspo_megatron/config/recipes/demo.yaml``.
+Each section checks its own fields when constructed (:class:`~.checks.Section`); checks across
+sections are :func:`~gspo_megatron.config.validation.validate_config`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+from gspo_megatron.algorithms.policy_loss import PolicyLossConfig
+from gspo_megatron.config.checks import Problem, Section
+from gspo_megatron.config.model import ModelConfig, ParallelConfig, PrecisionConfig
+
+
+@dataclass
+class OptimConfig(Section, name="optim"):
+    """Optimiser and LR schedule (Megatron's names). Defaults: RL fine-tuning of a pretrained model
+    (verl's and slime's: AdamW at a constant 1e-6, no warm-up, weight decay 0.01, clip 1.0)."""
+
+    lr: float = 1e-6
+    """Peak learning rate (1e-6 suits RL on a pretrained model; the from-scratch demo uses 3e-4)."""
+    min_lr: float = 0.0
+    """Floor of the decay (unused with ``lr_decay_style: constant``)."""
+    lr_warmup_steps: int = 0
+    """Optimiser steps of linear warm-up from 0."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, over ``lr_decay_steps`` (constant = the peak throughout)."""
+    lr_decay_steps: int | None = None
+    """Steps over which to decay; None = the run's total optimiser steps."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    def validate(self) -> None:
+        """Re-run the checks (after changing a field in place); raises ``FieldError``."""
+        self.check()
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._positive("lr", "adam_eps")
+        yield from self._at_least(0, "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad")
+        yield from self._at_least(1, "lr_decay_steps", note=" or null")
+        if self.lr > 0 and self.min_lr > self.lr:
+            yield self._problem(("min_lr", "lr"), f"must be <= optim.lr ({self.lr}), got {self.min_lr}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                yield self._problem(name, f"must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass
+class DataConfig(Section, name="data"):
+    """Where prompts come from (default: the built-in arithmetic task, which needs no download)."""
+
+    source: Literal["arithmetic", "file"] = "arithmetic"
+    """'arithmetic' = the built-in verifiable task (no download); 'file' = ``train_path``."""
+    train_path: str | None = None
+    """JSONL or Parquet prompts (verl and slime layouts work as-is)."""
+    eval_path: str | None = None
+    """Held-out prompts for accuracy evaluation (optional for 'file')."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt (a string or a list of chat messages); dotted keys reach nested fields."""
+    answer_key: str = "answer"
+    """Field holding the reference answer, e.g. ``reward_model.ground_truth`` for verl."""
+    num_train_examples: int = 500
+    """Size of the built-in task's training set."""
+    num_eval_examples: int = 120
+    """Size of the built-in task's held-out set."""
+    max_operand: int = 20
+    """Built-in task: operands are drawn from [0, max_operand]."""
+    heldout_fraction: float = 0.2
+    """Built-in task: share of all problems reserved for evaluation (never trained on)."""
+    max_prompt_length: int = 1024
+    """Prompts longer than this many tokens are rejected at load time (with
+    ``rollout.max_new_tokens``, it bounds ``model.seq_length`` from below)."""
+
+    def _problems(self) -> Iterator[Problem]:
+        if self.source == "file" and not self.train_path:
+            yield self._problem(("train_path", "source"), "is required when data.source is 'file'")
+        for name in ("prompt_key", "answer_key"):
+            if not getattr(self, name):
+                yield self._problem(name, "must be a non-empty field name")
+        yield from self._at_least(1, "max_prompt_length")
+        if self.source == "arithmetic":  # the built-in task's knobs
+            yield from self._at_least(1, "num_train_examples", "max_operand")
+            yield from self._at_least(0, "num_eval_examples")
+            if not 0.0 < self.heldout_fraction < 1.0:
+                yield self._problem("heldout_fraction",
+                                    f"must be in (0, 1), got {self.heldout_fraction}")
+
+
+@dataclass
+class TokenizerConfig(Section, name="tokenizer"):
+    """How text becomes tokens."""
+
+    kind: Literal["sentencepiece", "hf"] = "sentencepiece"
+    """'sentencepiece' trains one in-process for the built-in task (saved with the run);
+    'hf' loads a Hugging Face tokenizer (Qwen3)."""
+    path: str | None = None
+    """An existing tokenizer (sentencepiece .model / directory, or an HF name or directory)."""
+
+    def _problems(self) -> Iterator[Problem]:
+        if self.kind == "hf" and not self.path:
+            yield self._problem(("path", "kind"), (
+                "is required when tokenizer.kind is 'hf' (a Hugging Face name such as "
+                "'Qwen/Qwen3-30B-A3B' or a directory)"))
+
+
+@dataclass
+class RolloutConfig(Section, name="rollout"):
+    """Sampling G responses per prompt with Megatron-Core's inference engine."""
+
+    group_size: int = 8
+    """G: responses per prompt (the group advantages normalise within)."""
+    prompts_per_step: int = 16
+    """Prompts per RL step (per data-parallel rank); the rollout batch is prompts x G."""
+    max_new_tokens: int = 1024
+    """Generation budget per response."""
+    temperature: float = 1.0
+    """Sampling temperature, > 0 (also applied when the trainer scores tokens). For greedy
+    decoding set ``top_k: 1``."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1] (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off, 1 = greedy). Not combinable with ``top_p`` < 1."""
+    max_batch_size: int = 256
+    """Sequences the engine decodes at once."""
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(2, "group_size", note=(
+            " (GSPO/GRPO advantages are normalised within a group of responses to the same "
+            "prompt)"))
+        yield from self._at_least(1, "prompts_per_step", "max_new_tokens", "max_batch_size")
+        if not self.temperature > 0:
+            yield self._problem("temperature", (
+                f"must be > 0 (greedy decoding is rollout.top_k: 1), got {self.temperature}"))
+        if not 0 < self.top_p <= 1:
+            yield self._problem("top_p", f"must be in (0, 1], got {self.top_p}")
+        yield from self._at_least(0, "top_k", note=" (0 = off)")
+        if self.top_k > 1 and 0 < self.top_p < 1:
+            yield self._problem(("top_k", "top_p"), (
+                f"must be 0 or 1 when rollout.top_p < 1 ({self.top_p}), got {self.top_k}: "
+                "rollout.top_k and rollout.top_p cannot both be active (Megatron-Core's sampler "
+                "supports one at a time)"))
+
+
+@dataclass
+class RewardConfig(Section, name="reward"):
+    """Scoring responses."""
+
+    fn: str = "arithmetic_exact"
+    """A registered reward name or a dotted path ``package.module:function``."""
+    timeout_s: float = 5.0
+    """A reward call that takes longer scores 0 and is counted under ``reward/timeouts``."""
+
+    def _problems(self) -> Iterator[Problem]:
+        if not self.fn:
+            yield self._problem("fn", "must name a reward function")
+        yield from self._positive("timeout_s")
+
+
+@dataclass
+class SFTConfig(Section, name="sft"):
+    """Optional supervised warm-up before RL: off by default (a pretrained policy needs none); the
+    demo's tiny model, trained from scratch, uses 300 steps."""
+
+    steps: int = 0
+    """Optimiser steps of supervised training on prompt + answer (0 = skip)."""
+    batch_size: int = 64
+    """Sequences per SFT step (across data-parallel ranks: divisible by the DP size)."""
+    lr: float = 1e-5
+    """SFT learning rate (constant after a short warm-up); 1e-5 suits a pretrained model."""
+    num_examples: int = 0
+    """Warm up on only the first N training problems (0 = all); RL then also meets problems the
+    warm-up never showed, so its gains must generalise rather than recall."""
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(0, "steps", "num_examples")
+        yield from self._at_least(1, "batch_size")
+        yield from self._positive("lr")
+
+
+@dataclass
+class TrainerConfig(Section, name="trainer"):
+    """The RL loop."""
+
+    steps: int = 600
+    """RL steps (each: rollout, reward, advantages, old log-probs, ``num_minibatches`` updates)."""
+    num_minibatches: int = 4
+    """Optimiser steps per rollout batch (the paper: 4)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward (gradient accumulation inside a minibatch)."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """pi_old from a trainer forward pass, or the rollout engine's log-probs (paper Sec. 5.4)."""
+    normalize_advantage_std: bool = True
+    """Divide by the group std (GRPO/GSPO Eq. 6); False = mean-centred only."""
+    reference_model: bool = False
+    """Keep a frozen copy of the initial policy for a k3 KL penalty (needs ``loss.kl_coef`` > 0)."""
+    eval_interval: int = 100
+    """Held-out accuracy every N steps (0 = only before and after)."""
+    seed: int = 1234
+    """Seeds data order, sampling and initialisation."""
+    max_consecutive_faults: int = 3
+    """Steps in a row with NaN/Inf (rewards, advantages, log-probs, loss or gradients; each such step
+    is skipped with the weights untouched) after which the run stops with an error."""
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(0, "steps", "eval_interval", "seed")
+        yield from self._at_least(1, "num_minibatches", "micro_batch_size",
+                                  "max_consecutive_faults")
+
+
+@dataclass
+class RoutingConfig(Section, name="routing"):
+    """MoE routing replay and in-loop routing diagnostics (docs/routing.md)."""
+
+    replay: Literal["none", "r2", "r3"] = "none"
+    """'none' = free routing in every update forward; 'r2' = Routing Replay: the top-k experts
+    recorded in the old-policy log-prob pass are forced in every forward and recompute of that
+    batch's updates; 'r3' = routes recorded by the rollout engine (not available with Megatron's
+    static/dynamic engines here: rejected at validation)."""
+    diagnostics: bool = False
+    """Log ``routing/*`` after every optimiser step: route change rate vs the old policy (overall,
+    per MoE layer), top-k Jaccard overlap, router entropy, expert load and imbalance, |log ratio|
+    and clip fraction of positions with and without a changed route. Costs one extra forward per
+    minibatch (two with ``replay_gap``) on the steps it runs (``diagnostics_interval``). Every
+    step (and every step with R2) also logs ``routing/drift/*`` for free: the routes each update
+    forward takes vs the old policy's, after 0, 1, ... optimiser steps."""
+    diagnostics_interval: int = 1
+    """Run the diagnostics on RL steps whose index is a multiple of this (step 0 included). Their
+    cost is a fixed number of forward passes, so the average step-time overhead divides by it
+    (docs/benchmarks.md, CPU: 1.20x of the full RL step at 1, 1.01-1.02x at 8). Steps in between
+    log only the free ``routing/drift/*``."""
+    replay_gap: bool = True
+    """With ``diagnostics``: also replay the old routes on the updated policy and log the gap to
+    free routing (``routing/replay_gap_abs_logprob``, ``routing/replay_gap_k3``)."""
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(1, "diagnostics_interval", note=(
+            " (run the diagnostics every N RL steps)"))
+
+
+@dataclass
+class CheckpointConfig(Section, name="checkpoint"):
+    """Megatron ``dist_checkpointing`` (torch_dist) checkpoints."""
+
+    save_dir: str | None = None
+    """Where ``iter_XXXXXXX/`` and ``latest_checkpointed_iteration.txt`` go (None = run_dir/checkpoints)."""
+    save_interval: int = 0
+    """Save every N RL steps (0 = only at the end)."""
+    load_dir: str | None = None
+    """Resume from here (None = save_dir if it holds a checkpoint)."""
+    keep_last: int = 2
+    """Older checkpoints beyond this many are deleted."""
+    init_weights: str | None = None
+    """Initial policy weights (a dist checkpoint, e.g. converted from HF) when not resuming."""
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(0, "save_interval", note=" (0 = only at the end)")
+        yield from self._at_least(1, "keep_last")
+
+
+@dataclass
+class LoggingConfig(Section, name="logging"):
+    """Where metrics go."""
+
+    run_dir: str = "runs/gspo"
+    """Run directory: metrics.jsonl, tokenizer, config, checkpoints."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases (offline when no API key is set)."""
+    progress: bool = True
+    """One progress line per step on rank 0."""
+
+    def _problems(self) -> Iterator[Problem]:
+        if not self.run_dir:
+            yield self._problem("run_dir", "must be a non-empty path")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. Sections mirror the YAML recipe's top-level keys."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    # GSPO with the paper's eps (clip_low / clip_high None = 3e-4 / 4e-4, Sec. 5.1). The section is
+    # owned (and checked on construction) by gspo_megatron.algorithms.policy_loss.
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

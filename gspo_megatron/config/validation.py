@@ -1,0 +1,153 @@
+"""Cross-section validation of a :class:`~gspo_megatron.config.TrainConfig`, before any compute.
+
+Each section checks its own fields when it is built (:mod:`gspo_megatron.config.checks`);
+:func:`validate_config` checks what involves several sections or the outside world (layout vs
+world size, batch divisibility, lengths, routing vs the model, the KL penalty vs the reference
+model, paths, the reward function) and collects every problem into one :class:`ConfigError`
+whose lines name the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Sequence
+
+from gspo_megatron.config.checks import FieldError, Section
+from gspo_megatron.config.schema import TrainConfig
+
+
+class ConfigError(ValueError):
+    """An invalid recipe, override or field combination. ``errors`` lists every problem found."""
+
+    def __init__(self, errors: str | Sequence[str]):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        if len(self.errors) == 1:
+            msg = self.errors[0]
+        else:
+            msg = f"{len(self.errors)} configuration errors:\n" + "\n".join(
+                f"  - {e}" for e in self.errors)
+        super().__init__(msg)
+
+
+class ConfigWarning(UserWarning):
+    """A legal but probably unintended configuration."""
+
+
+def _section_errors(cfg: TrainConfig) -> list[str]:
+    """Each section's own checks again, for sections changed in place after construction."""
+    errors: list[str] = []
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if isinstance(section, Section):
+            try:
+                section.check()
+            except FieldError as e:
+                errors.extend(e.messages)
+    return errors
+
+
+def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool = True) -> int:
+    """Cross-section checks for a run on ``world_size`` ranks; return the data-parallel size.
+
+    Needs nothing but ``cfg`` (no process group, model, tokenizer or file is built), so it runs
+    before all of them. Raises one :class:`ConfigError` listing every problem, each naming the
+    field(s) and values. ``check_paths=False`` skips the checks that files exist (to check a
+    cluster recipe elsewhere). Warns (:class:`ConfigWarning`) for legal but wasteful settings.
+    The sections' own checks ran when they were built; they are repeated first (a field may have
+    been changed in place), and the cross-section checks run only on consistent sections.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be an int >= 1, got {world_size!r}")
+    errors = _section_errors(cfg)
+    if errors:
+        raise ConfigError(errors)
+    m, par, loss, data, ro = cfg.model, cfg.parallel, cfg.loss, cfg.data, cfg.rollout
+    sft, tr, ck, rt = cfg.sft, cfg.trainer, cfg.checkpoint, cfg.routing
+
+    # The layout against the world size and the model.
+    dp = 0
+    try:
+        dp = par.validate(world_size, m)
+    except ValueError as e:
+        errors.append(str(e))
+    # Context parallelism: the losses reduce sequence sums over a CP group (tested in pure torch),
+    # but the trainer does not yet split batches into Megatron's load-balanced CP chunks.
+    if par.context_parallel_size > 1:
+        errors.append(
+            f"parallel.context_parallel_size={par.context_parallel_size}: the trainer does not yet "
+            "shard sequences across context-parallel ranks; use 1 (long sequences: raise "
+            "tensor_model_parallel_size with sequence_parallel, or recompute)")
+
+    # Batches: the rollout batch (per DP rank) splits into minibatches, each into micro-batches;
+    # the SFT batch is global and splits evenly over the DP ranks.
+    batch = ro.prompts_per_step * ro.group_size
+    if batch % tr.num_minibatches:
+        errors.append(
+            f"trainer.num_minibatches ({tr.num_minibatches}) must divide the rollout batch "
+            f"rollout.prompts_per_step x rollout.group_size = {ro.prompts_per_step} x "
+            f"{ro.group_size} = {batch}")
+    elif (batch // tr.num_minibatches) % tr.micro_batch_size:
+        errors.append(
+            f"trainer.micro_batch_size ({tr.micro_batch_size}) must divide the minibatch "
+            f"(rollout.prompts_per_step x rollout.group_size / trainer.num_minibatches = "
+            f"{batch} / {tr.num_minibatches} = {batch // tr.num_minibatches})")
+    if sft.steps > 0 and dp and sft.batch_size % dp:
+        errors.append(f"sft.batch_size ({sft.batch_size}) must be divisible by the data-parallel "
+                      f"size ({dp}: world size {world_size} / model parallelism)")
+
+    # Lengths: every prompt plus its longest response fits the model's context.
+    if m.seq_length < data.max_prompt_length + ro.max_new_tokens:
+        errors.append(
+            f"model.seq_length ({m.seq_length}) must be >= data.max_prompt_length + "
+            f"rollout.max_new_tokens = {data.max_prompt_length} + {ro.max_new_tokens} = "
+            f"{data.max_prompt_length + ro.max_new_tokens}")
+
+    # MoE routing replay and diagnostics.
+    if rt.replay == "r3":
+        errors.append(
+            "routing.replay='r3' needs the routes the rollout engine used while sampling; "
+            "gspo_megatron's RolloutEngine (Megatron-Core's static and dynamic inference engines) "
+            "does not return them (docs/routing.md, 'R3'). Use routing.replay='r2' (routes "
+            "recorded in the trainer's old-policy pass)")
+    if rt.replay != "none" or rt.diagnostics:
+        what = f"routing.replay={rt.replay!r}" if rt.replay != "none" else "routing.diagnostics"
+        if not any(m.layer_is_moe()):
+            errors.append(f"{what} needs an MoE model (model.moe_layer_freq makes every layer "
+                          "dense)")
+        if par.context_parallel_size > 1:
+            errors.append(f"{what} is not validated with context parallelism "
+                          f"(parallel.context_parallel_size={par.context_parallel_size}); use 1")
+        if rt.replay == "r2" and tr.old_logprobs == "rollout":
+            warnings.warn("routing.replay='r2' with trainer.old_logprobs='rollout': the replayed "
+                          "routes come from the trainer's recompute pass while pi_old comes from "
+                          "the rollout engine", ConfigWarning, stacklevel=2)
+
+    # The KL penalty and its reference model.
+    if loss.kl_coef > 0 and not tr.reference_model:
+        errors.append(f"loss.kl_coef = {loss.kl_coef} > 0 needs trainer.reference_model: true "
+                      "(the k3 KL penalty needs the reference policy's log-probs)")
+    if tr.reference_model and loss.kl_coef == 0:
+        warnings.warn("trainer.reference_model is true but loss.kl_coef is 0: the reference "
+                      "copy costs memory and a forward pass per step for nothing",
+                      ConfigWarning, stacklevel=2)
+
+    # Files and the reward function (imported lazily: resolving may import the user's module).
+    if check_paths:
+        for name, value in (("data.train_path", data.train_path if data.source == "file" else None),
+                            ("data.eval_path", data.eval_path),
+                            ("checkpoint.init_weights", ck.init_weights),
+                            ("checkpoint.load_dir", ck.load_dir)):
+            if value and not os.path.exists(value):
+                errors.append(f"{name}: no such {'file' if name.startswith('data') else 'path'} "
+                              f"{value!r}")
+    try:
+        from gspo_megatron.rewards import get_reward_fn
+        get_reward_fn(cfg.reward.fn)
+    except (ValueError, ImportError) as e:
+        errors.append(f"reward.fn = {cfg.reward.fn!r}: {e}")
+
+    if errors:
+        raise ConfigError(errors)
+    return dp

@@ -1,0 +1,97 @@
+"""Who this rank is and what it reduces over, in plain torch (no framework import).
+
+:class:`ParallelGroups` is filled once by the backend (Megatron's parallel state); the trainer, the
+algorithms and the routing statistics read ranks and process groups from it and never from a
+framework's globals. :func:`all_reduce_` is the one host-tensor all-reduce: NCCL reduces device
+tensors only, so it round-trips through :func:`compute_device` (a no-op copy on CPU/gloo).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups and ranks a training step needs."""
+
+    world_size: int
+    rank: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    ep_size: int
+    cp_rank: int
+    cp_size: int
+    dp_rank: int
+    dp_size: int
+    tp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    """Data-parallel group *without* CP: ranks holding different sequences."""
+    dp_cp_group: dist.ProcessGroup
+    """Data x context parallel: where gradients are averaged."""
+    pp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def compute_device() -> torch.device:
+    """The device this rank computes on: its CUDA device if present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_size(group=None) -> int:
+    """Ranks in ``group`` (the world for None); 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def all_reduce_(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over ``group`` (the world for None) and return it.
+
+    Works for host tensors under NCCL: the reduction runs on :func:`compute_device` and the result
+    is copied back. A no-op for a single rank."""
+    if group_size(group) > 1:
+        buf = tensor.to(compute_device())
+        dist.all_reduce(buf, op=op, group=group)
+        if buf is not tensor:
+            tensor.copy_(buf)
+    return tensor
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True if ``flag`` is true on any rank of ``group`` (one MAX all-reduce), so all decide alike."""
+    return bool(all_reduce_(torch.tensor([1.0 if flag else 0.0]), group, dist.ReduceOp.MAX).item())
+
+
+def gather_on_logging_rank(metrics: dict, groups: ParallelGroups) -> dict:
+    """Merge metric dicts from all ranks (the last pipeline stage holds the loss metrics); the
+    first rank that reports a key wins."""
+    if groups.world_size == 1:
+        return metrics
+    gathered: list = [None] * groups.world_size
+    dist.all_gather_object(gathered, metrics)
+    merged: dict = {}
+    for d in gathered:
+        for k, v in d.items():
+            merged.setdefault(k, v)
+    return merged

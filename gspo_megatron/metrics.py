@@ -1,0 +1,119 @@
+"""Where step metrics go: ``metrics.jsonl`` in the run directory, a progress line, and wandb.
+
+Only the logging rank writes. wandb is imported lazily; without an API key it runs offline, and
+tests disable it (``WANDB_MODE=disabled``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Shown in the progress line, in this order, when present.
+_PROGRESS_KEYS = (
+    ("reward/mean", "reward"), ("reward/accuracy", "acc"), ("loss/policy", "loss"),
+    ("clip/fraction", "clip"), ("kl/rollout_vs_train", "kl_rt"), ("eval/accuracy", "heldout"),
+    ("perf/step_s", "s"),
+)
+
+
+class MetricsLogger:
+    """Append one JSON object per step to ``<run_dir>/metrics.jsonl`` (and wandb, if configured)."""
+
+    def __init__(self, run_dir: str, enabled: bool, progress: bool = True,
+                 wandb_project: str | None = None, run_config: dict | None = None,
+                 resume_step: int | None = None):
+        self.enabled = enabled
+        self.progress = progress
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._wandb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if resume_step is not None:
+            self._truncate_after(resume_step)
+        if wandb_project and os.environ.get("WANDB_MODE") != "disabled":
+            try:
+                import wandb
+            except ImportError:
+                logger.warning("logging.wandb_project is set but wandb is not installed; skipping")
+            else:
+                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+                self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=run_config,
+                                         mode=mode, resume="allow")
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop lines for steps after the checkpoint (they will be redone)."""
+        if not os.path.isfile(self.path):
+            return
+        kept = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    if json.loads(line).get("step", -1) <= step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by a crash ends the usable log
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        if self.progress:
+            parts = [f"step {step}"] + [
+                f"{short} {record[key]:.4g}" for key, short in _PROGRESS_KEYS
+                if isinstance(record.get(key), (int, float))]
+            print(" | ".join(parts), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_metrics(path: str) -> list[dict]:
+    """All records of a ``metrics.jsonl``."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Stopwatch:
+    """Wall-clock laps of a step: ``lap(key)`` records the seconds since the previous lap (or the
+    start) under ``key``; ``total(key)`` adds the seconds since the start and returns every lap."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, key: str) -> float:
+        now = time.perf_counter()
+        self.laps[key], self.last = now - self.last, now
+        return self.laps[key]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def total(self, key: str) -> dict[str, float]:
+        self.laps[key] = self.elapsed()
+        return dict(self.laps)

@@ -1,0 +1,1 @@
+"""Console scripts: ``gspo-convert-hf``, ``gspo-export-hf``, ``gspo-plan``, ``gspo-routing-report``."""

@@ -1,0 +1,212 @@
+"""Convert a Megatron ``dist_checkpointing`` directory of the Qwen3-MoE policy back to Hugging Face.
+
+    gspo-export-hf --mcore-dir /ckpt/qwen3-30b-mcore --out /models/qwen3-30b-rl \
+        --max-shard-size 5GB
+
+Writes ``config.json`` (``Qwen3MoeForCausalLM``; the source ``hf_config.json`` kept by
+``gspo-convert-hf`` supplies token ids and other fields the ModelConfig does not carry) and
+safetensors with the Hub's per-expert names: ``model.safetensors`` when everything fits in one
+shard, else ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``. The result
+loads with ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+The checkpoint may have been saved under any layout; it is loaded unsharded (TP=1) in one process.
+Memory: the model once plus one output shard (its tensors are copied out, then serialised).
+Everything is written to a temporary directory beside ``--out`` and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+
+import torch
+
+from gspo_megatron.backends.megatron.hf_config import hf_config_from_model_config, model_config_from_hf
+from gspo_megatron.backends.megatron.hf_weights import conversion_plan, extract, hf_expected_shapes
+from gspo_megatron.config.model import ModelConfig
+from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, MODEL_CONFIG_FILE,
+                                            _check_destination, _commit, _fresh_temp_dir, hide_gpus,
+                                            release_freed_memory_eagerly)
+
+logger = logging.getLogger("gspo-export-hf")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like ``5GB``, ``500MB``, ``20KB`` (powers of 1000, as HF)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", size.upper())
+    if not m:
+        raise ValueError(f"cannot parse size {size!r}")
+    unit = m.group(2).rstrip("B")
+    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+            "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def read_mcore_configs(mcore_dir: str) -> tuple[ModelConfig, dict | None, str | None]:
+    """ModelConfig, the source HF config (if kept) and the checkpoint dtype name from a converted dir."""
+    path = os.path.join(mcore_dir, MODEL_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{MODEL_CONFIG_FILE} not found in {mcore_dir}; pass --hf-config")
+    with open(path) as f:
+        meta = json.load(f)
+    dtype = meta.pop("checkpoint_dtype", None)
+    cfg = ModelConfig(**{k: v for k, v in meta.items()
+                         if k in {f.name for f in dataclasses.fields(ModelConfig)}})
+    hf = None
+    hf_path = os.path.join(mcore_dir, HF_CONFIG_FILE)
+    if os.path.isfile(hf_path):
+        with open(hf_path) as f:
+            hf = json.load(f)
+    return cfg, hf, dtype
+
+
+def shard_layout(cfg: ModelConfig, dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
+    """HF tensor names grouped into shards of at most ``max_shard_bytes`` (a lone larger tensor
+    gets its own shard), in plan order."""
+    shapes = hf_expected_shapes(cfg)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for target in conversion_plan(cfg):
+        for piece in target.pieces:
+            nbytes = elsize * int(torch.Size(shapes[piece.hf_name]).numel())
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(piece.hf_name)
+            size += nbytes
+    return shards
+
+
+def write_hf_from_model(gpt_model, cfg: ModelConfig, directory: str, dtype: torch.dtype,
+                        max_shard_bytes: int) -> list[str]:
+    """Write the model's weights as HF safetensors shards into ``directory``; returns file names."""
+    from safetensors.torch import save_file
+
+    state = gpt_model.state_dict()
+    pieces = {p.hf_name: (t.mcore_name, p) for t in conversion_plan(cfg) for p in t.pieces}
+    layout = shard_layout(cfg, dtype, max_shard_bytes)
+    n = len(layout)
+    files, weight_map, total = [], {}, 0
+    for i, names in enumerate(layout):
+        file = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        shard = {}
+        for name in names:
+            mcore_name, piece = pieces[name]
+            shard[name] = extract(state[mcore_name], piece, cfg).to(dtype)
+            total += shard[name].numel() * shard[name].element_size()
+            weight_map[name] = file
+        save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+        del shard
+        files.append(file)
+    if n > 1:
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
+                      sort_keys=True)
+    return files
+
+
+# Non-weight files of an HF model directory worth carrying over (tokenizer, generation defaults).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+              "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+              "chat_template.jinja", "chat_template.json")
+
+
+def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str = "5GB",
+                        dtype: str | None = None, hf_config: str | dict | None = None,
+                        copy_side_files_from: str | None = None,
+                        overwrite: bool = False) -> ModelConfig:
+    """Convert the dist checkpoint ``mcore_dir`` into an HF directory ``out`` (one process).
+
+    ``copy_side_files_from``: an HF directory whose tokenizer / generation-config files
+    (``SIDE_FILES``) are copied along.
+    """
+    import torch.distributed as dist
+
+    from gspo_megatron.backends.megatron.checkpoint import load_model_weights
+    from gspo_megatron.backends.megatron.hf_config import load_hf_config
+    from gspo_megatron.backends.megatron.model import build_gpt_model
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
+
+    _check_destination(out, overwrite)
+    if not os.path.isdir(mcore_dir):
+        raise FileNotFoundError(f"checkpoint directory not found: {mcore_dir}")
+    if hf_config is not None:
+        base = load_hf_config(hf_config) if isinstance(hf_config, str) else hf_config
+        cfg, saved_dtype = model_config_from_hf(base), None
+    else:
+        cfg, base, saved_dtype = read_mcore_configs(mcore_dir)
+    dtype_name = dtype or saved_dtype or "float32"
+    if dtype_name not in DTYPE_NAMES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype_name!r}")
+    torch_dtype = DTYPE_NAMES[dtype_name]
+    max_bytes = parse_size(max_shard_size)
+    hf_out = hf_config_from_model_config(cfg, base=base, dtype=dtype_name)
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise RuntimeError("convert_mcore_to_hf runs in a single process (WORLD_SIZE=1)")
+
+    owns_dist = not dist.is_initialized()
+    parallel = ParallelConfig(sequence_parallel=False)
+    initialize_distributed(parallel, cfg, seed=0)
+    tmp = _fresh_temp_dir(out)
+    try:
+        gpt = build_gpt_model(
+            cfg, parallel, PrecisionConfig(transformer_impl="local"), pre_process=True,
+            post_process=True, transformer_config_overrides=dict(
+                params_dtype=DTYPE_NAMES[saved_dtype] if saved_dtype else torch_dtype,
+                perform_initialization=False, use_cpu_initialization=True))
+        gpt.to("cpu")
+        load_model_weights(gpt, mcore_dir)
+        os.makedirs(tmp)
+        files = write_hf_from_model(gpt, cfg, tmp, torch_dtype, max_bytes)
+        del gpt
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_out, f, indent=2, sort_keys=True)
+        for name in SIDE_FILES if copy_side_files_from else ():
+            path = os.path.join(copy_side_files_from, name)
+            if os.path.isfile(path):
+                shutil.copy2(path, os.path.join(tmp, name))
+        _commit(tmp, out)
+        logger.info("wrote %s (%d safetensors file(s))", out, len(files))
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if owns_dist:
+            destroy_distributed()
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    hide_gpus()
+    ap = argparse.ArgumentParser(prog="gspo-export-hf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mcore-dir", required=True, help="dist checkpoint directory")
+    ap.add_argument("--out", required=True, help="destination HF directory")
+    ap.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
+    ap.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
+                    help="safetensors dtype (default: the checkpoint's)")
+    ap.add_argument("--hf-config", default=None,
+                    help="config.json (or HF dir) describing the model, for checkpoints not made "
+                         "by gspo-convert-hf")
+    ap.add_argument("--copy-side-files-from", default=None, metavar="HF_DIR",
+                    help="copy tokenizer / generation_config files from this HF directory")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    release_freed_memory_eagerly()
+    convert_mcore_to_hf(args.mcore_dir, args.out, max_shard_size=args.max_shard_size,
+                        dtype=args.dtype, hf_config=args.hf_config,
+                        copy_side_files_from=args.copy_side_files_from, overwrite=args.overwrite)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Per-GPU memory of a Megatron layout for a Qwen3-MoE model, and layouts that fit.
+
+    gspo-plan --model qwen3-30b-a3b --gpus 16 --gpu-memory 80 --tp 2 --ep 8
+    gspo-plan --model qwen3-235b-a22b --gpus 128 --gpu-memory 80 --suggest
+    gspo-plan --hf-config path/to/config.json --gpus 8 --tp 1 --ep 8
+    gspo-plan --gpus 32 --config examples/configs/qwen3_30b_a3b_gspo.yaml \
+        --parallel.expert_model_parallel_size=16
+
+With ``--config RECIPE`` (alias ``--recipe``) the model, layout, precision, micro-batch size,
+sequence length and routing replay come from the recipe plus ``--section.field=value`` overrides,
+read exactly as gspo-train reads them; the launch scripts pass the trainer's own arguments, so the
+layout checked is the one that runs. ``--print-layout`` (for scripts) prints ``TP PP EP ETP CP``
+as five integers on stdout before the checks, and the report on stderr.
+
+Exits non-zero, before anything is submitted, when the layout does not divide the GPUs, heads or
+experts (2), does not fit in memory (3), or the recipe does not load (2); it then prints layouts
+that do fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gspo_megatron.config.model import MODEL_PRESETS, model_config_from_preset
+from gspo_megatron.params import count_parameters
+from gspo_megatron.planner import GIB, Layout, plan_memory, suggest_layouts
+
+# Flag-mode settings and their defaults. The parser leaves them None so that --config mode can tell
+# which were given: there the recipe sets them, and a flag would silently disagree with it.
+FLAG_DEFAULTS = dict(tp=1, pp=1, ep=1, etp=None, cp=1, micro_batch_size=1, seq_length=None,
+                     fp32=False, no_distributed_optimizer=False, recompute="full",
+                     rollout_tokens=0, routing_replay=False)
+# What changes each of them (and the model flags) in --config mode instead.
+RECIPE_OVERRIDES = dict(
+    model="--model.preset=NAME", hf_config="the recipe's model section",
+    tp="--parallel.tensor_model_parallel_size=N", pp="--parallel.pipeline_model_parallel_size=N",
+    ep="--parallel.expert_model_parallel_size=N", etp="--parallel.expert_tensor_parallel_size=N",
+    cp="--parallel.context_parallel_size=N", micro_batch_size="--trainer.micro_batch_size=N",
+    seq_length="--model.seq_length=N", fp32="--precision.bf16=false",
+    no_distributed_optimizer="--optim.use_distributed_optimizer=false",
+    recompute="--precision.recompute_granularity=...",
+    rollout_tokens="--rollout.prompts_per_step / --rollout.group_size", routing_replay="--routing.replay=r2")
+
+
+def format_count(n: int) -> str:
+    """Three significant digits with a K/M/B/T suffix: 30532122624 -> '30.5B', 140160 -> '140K'."""
+    if n < 1000:
+        return str(n)
+    for scale, suffix in ((1e3, "K"), (1e6, "M"), (1e9, "B"), (1e12, "T")):
+        text = f"{n / scale:.3g}"
+        if float(text) < 1000 or suffix == "T":  # 999,999 is '1M', not '1e+03K'
+            return text + suffix
+
+
+def parameter_line(name: str, model) -> str:
+    """``qwen3-30b-a3b: 30.5B parameters, 3.35B active per token`` (top-k experts per token)."""
+    c = count_parameters(model)
+    return f"{name}: {format_count(c.total)} parameters, {format_count(c.active)} active per token"
+
+
+def table(plan) -> str:
+    rows = [("parameters / GPU", f"{plan.params_per_gpu:,} (dense {plan.dense_params_per_gpu:,}, "
+                                 f"experts {plan.expert_params_per_gpu:,})"),
+            ("weights", plan.weights), ("gradients (fp32)", plan.grads),
+            ("optimizer (fp32 master + Adam)", plan.optimizer),
+            ("activations (estimate)", plan.activations), ("log-prob logits", plan.logits),
+            ("routing replay buffer", plan.routing_replay), ("total", plan.total)]
+    lines = [f"layout {plan.layout.describe()} DP{plan.dp} on {plan.num_gpus} GPUs"]
+    for name, value in rows:
+        lines.append(f"  {name:32s} {value if isinstance(value, str) else f'{value / GIB:8.2f} GiB'}")
+    return "\n".join(lines)
+
+
+def from_flags(args):
+    """(name, ModelConfig, Layout, plan_memory kwargs) from --model / --hf-config and the flags."""
+    for key, default in FLAG_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    if args.hf_config:
+        from gspo_megatron.backends.megatron.hf_config import model_config_from_hf
+
+        name, model = args.hf_config, model_config_from_hf(args.hf_config)
+    else:
+        name = args.model or "qwen3-30b-a3b"
+        if name not in MODEL_PRESETS:
+            raise SystemExit(f"plan: unknown model {name!r}; presets: {', '.join(sorted(MODEL_PRESETS))}")
+        model = model_config_from_preset(name)
+    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp)
+    kwargs = dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                  bf16=not args.fp32, distributed_optimizer=not args.no_distributed_optimizer,
+                  recompute=None if args.recompute == "none" else args.recompute,
+                  rollout_tokens=args.rollout_tokens, routing_replay=args.routing_replay)
+    return name, model, layout, kwargs
+
+
+def from_recipe(args, overrides: list[str]):
+    """The same four from a recipe and gspo-train's ``--section.field=value`` overrides."""
+    from gspo_megatron.config.loader import load_config, parse_cli
+
+    given = [k for k in RECIPE_OVERRIDES if getattr(args, k) is not None]
+    if given:
+        raise SystemExit("plan: with --config the recipe sets " + ", ".join(
+            f"--{k.replace('_', '-')} (override: {RECIPE_OVERRIDES[k]})" for k in given))
+    path, overrides = parse_cli(["--config", args.config, *overrides])
+    cfg = load_config(path, overrides)
+    p, r = cfg.parallel, cfg.rollout
+    layout = Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                    ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                    cp=p.context_parallel_size)
+    kwargs = dict(micro_batch_size=cfg.trainer.micro_batch_size, seq_length=cfg.model.seq_length,
+                  bf16=cfg.precision.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
+                  recompute=cfg.precision.recompute_granularity,
+                  # Routes recorded for one rollout batch per DP rank: prompts x G sequences of at
+                  # most seq_length tokens (an upper bound: responses stop at EOS).
+                  rollout_tokens=r.prompts_per_step * r.group_size * cfg.model.seq_length,
+                  routing_replay=cfg.routing.replay != "none")
+    return cfg.model.preset, cfg.model, layout, kwargs
+
+
+def parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: arguments argparse does not know are recipe overrides, never prefixes.
+    ap = argparse.ArgumentParser(prog="gspo-plan", description=__doc__, allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="preset name (default qwen3-30b-a3b)")
+    ap.add_argument("--hf-config", help="a Hugging Face Qwen3-MoE config.json instead of a preset")
+    ap.add_argument("--config", "--recipe", dest="config", metavar="RECIPE",
+                    help="a gspo-train recipe; --section.field=value overrides may follow")
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
+    ap.add_argument("--tp", type=int)
+    ap.add_argument("--pp", type=int)
+    ap.add_argument("--ep", type=int)
+    ap.add_argument("--etp", type=int, help="expert tensor parallel (default: TP)")
+    ap.add_argument("--cp", type=int)
+    ap.add_argument("--micro-batch-size", type=int)
+    ap.add_argument("--seq-length", type=int)
+    ap.add_argument("--fp32", action="store_true", default=None, help="fp32 weights (CPU runs)")
+    ap.add_argument("--no-distributed-optimizer", action="store_true", default=None)
+    ap.add_argument("--recompute", choices=["full", "selective", "none"], help="default: full")
+    ap.add_argument("--rollout-tokens", type=int, help="tokens per rollout batch per rank (replay buffer)")
+    ap.add_argument("--routing-replay", action="store_true", default=None)
+    ap.add_argument("--suggest", action="store_true", help="list layouts that fit instead")
+    ap.add_argument("--print-layout", action="store_true",
+                    help="print 'TP PP EP ETP CP' on stdout before the checks; report on stderr")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args, extra = ap.parse_known_args(argv)
+    if args.config is None:
+        if extra:
+            ap.error(f"unrecognized arguments: {' '.join(extra)} (overrides need --config RECIPE)")
+        name, model, layout, kwargs = from_flags(args)
+    else:
+        from gspo_megatron.config.loader import ConfigError
+
+        try:
+            name, model, layout, kwargs = from_recipe(args, extra)
+        except ConfigError as exc:
+            print(f"plan: {exc}", file=sys.stderr)
+            return 2
+    out = sys.stdout
+    if args.print_layout:
+        # Printed before the checks, so a caller that overrides the verdict still learns the layout.
+        print(layout.tp, layout.pp, layout.ep, layout.etp, layout.cp, flush=True)
+        out = sys.stderr
+    print(parameter_line(name, model), file=out)
+    if args.suggest:
+        plans = suggest_layouts(model, args.gpus, args.gpu_memory, **kwargs)
+        if not plans:
+            print(f"plan: no layout of {args.gpus} GPUs fits in {args.gpu_memory} GiB", file=sys.stderr)
+            return 1
+        for plan in plans:
+            print(table(plan), file=out)
+        return 0
+    try:
+        plan = plan_memory(model, layout, args.gpus, **kwargs)
+    except ValueError as exc:
+        print(f"plan: invalid layout {layout.describe()}: {exc}", file=sys.stderr)
+        _print_suggestions(model, args, kwargs)
+        return 2
+    print(table(plan), file=out)
+    if plan.total > args.gpu_memory * GIB:
+        print(f"plan: does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory} GiB per GPU",
+              file=sys.stderr)
+        _print_suggestions(model, args, kwargs)
+        return 3
+    return 0
+
+
+def _print_suggestions(model, args, kwargs) -> None:
+    plans = suggest_layouts(model, args.gpus, args.gpu_memory, limit=3, **kwargs)
+    if plans:
+        print("layouts that fit:", file=sys.stderr)
+        for p in plans:
+            print(f"  {p.layout.describe()} DP{p.dp}: {p.total / GIB:.1f} GiB", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

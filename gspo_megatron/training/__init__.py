@@ -1,1 +1,0 @@
-"""The RL training machinery on Megatron-Core."""
