@@ -11,6 +11,7 @@ schedule (:mod:`.schedule`); MoE routes are recorded and replayed on Megatron's 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -46,7 +47,7 @@ class MegatronPolicy:
     def logprobs(self, batch: PolicyBatch, *, temperature: float = 1.0, routing=None
                  ) -> torch.Tensor | None:
         """``[B, T]`` log-probs of ``batch.labels`` (no grad) on the last pipeline stage, else None."""
-        scoring = ScoringConfig(temperature, self.scoring.vocab_size, self.scoring.logprob_chunk_size)
+        scoring = dataclasses.replace(self.scoring, temperature=temperature)
         lp, _ = compute_logprobs(self.model, batch, self.micro_batch_size, scoring, self.groups,
                                  routing=routing)
         return lp
@@ -146,7 +147,7 @@ class MegatronPolicy:
         """``routing/*`` statistics of the current weights vs ``old_routes`` on ``batch``."""
         from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
 
-        scoring = ScoringConfig(temperature, self.scoring.vocab_size, self.scoring.logprob_chunk_size)
+        scoring = dataclasses.replace(self.scoring, temperature=temperature)
         return routing_diagnostics(self.model, self.routing, batch, old_routes,
                                    self.micro_batch_size, scoring, self.groups, loss_cfg,
                                    replay_gap=replay_gap)
