@@ -106,15 +106,16 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     sampler = PromptSampler(prepared.train, cfg.rollout.prompts_per_step * groups.dp_size,
                             seed=cfg.trainer.seed)
 
-    def engine(rollout_cfg):
-        return RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
+    sampling = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
                              pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
-                             config=rollout_cfg, tokenizer=tokenizer)
-
-    greedy = dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0)
+                             config=cfg.rollout, tokenizer=tokenizer, backend=cfg.rollout.engine,
+                             dynamic_buffer_size_gb=cfg.rollout.dynamic_buffer_size_gb)
+    # Greedy evaluation shares the engine and its KV cache.
+    greedy = sampling.with_sampling(
+        dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0))
     return Trainer(cfg, groups, actor, tokenizer, sampler,
                    {"train": prepared.train, "eval": prepared.eval}, prepared.reward_fn,
-                   engine(cfg.rollout), engine(greedy), reference=reference, faults=faults)
+                   sampling, greedy, reference=reference, faults=faults)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,15 +98,37 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _wait_for_device() -> None:
+    """Block until queued CUDA work is done, so a lap measures the GPU's time, not the launches'
+    (one synchronize per lap: a few per step)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def device_memory_metrics() -> dict[str, float]:
+    """``perf/peak_mem_gib``: this rank's peak CUDA memory allocated by torch so far (GiB);
+    empty without CUDA."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"perf/peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
 class Stopwatch:
     """Wall-clock laps of a step: ``lap(key)`` records the seconds since the previous lap (or the
-    start) under ``key``; ``total(key)`` adds the seconds since the start and returns every lap."""
+    start) under ``key``; ``total(key)`` adds the seconds since the start and returns every lap.
+    With CUDA each lap first waits for the GPU."""
 
     def __init__(self):
+        _wait_for_device()
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
 
     def lap(self, key: str) -> float:
+        _wait_for_device()
         now = time.perf_counter()
         self.laps[key], self.last = now - self.last, now
         return self.laps[key]
@@ -115,5 +137,6 @@ class Stopwatch:
         return time.perf_counter() - self.start
 
     def total(self, key: str) -> dict[str, float]:
+        _wait_for_device()
         self.laps[key] = self.elapsed()
         return dict(self.laps)

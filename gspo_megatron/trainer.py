@@ -22,7 +22,7 @@ from gspo_megatron.algorithms import (NLLObjective, PolicyGradientObjective, gro
 from gspo_megatron.config import OptimConfig, TrainConfig
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
-from gspo_megatron.metrics import MetricsLogger, Stopwatch
+from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
 from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, make_policy_batch
 
 logger = logging.getLogger(__name__)
@@ -350,6 +350,7 @@ class Trainer:
         timings = watch.total("perf/step_s")
         timings["perf/rollout_tokens_per_s"] = num_tokens / max(timings["perf/rollout_s"], 1e-9)
         metrics = {**reward_metrics, **adv_metrics, **extra, **update_metrics, **timings,
+                   **device_memory_metrics(),
                    "response/mean_length": num_tokens / len(samples),
                    "response/eos_fraction": sum(s.finish_reason == "eos" for s in samples) / len(samples)}
         return gather_on_logging_rank(metrics, g)

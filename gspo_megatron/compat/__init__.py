@@ -3,6 +3,8 @@
 * :mod:`.cpu`: megatron-core 0.16 on CPU (gloo, fp32), scoped to an explicit list of its modules.
 * :mod:`.inference`: the static generation loop's CUDA-only spots on CPU; its progress bars.
 * :mod:`.local_kernels`: drop-in subclasses of Megatron's local-spec modules (CPU by default).
+* :mod:`.paged_attention`: PyTorch SDPA stand-ins for flash-attn's paged-KV kernels, installed into
+  Megatron's attention module only when flash-attn is absent (the GPU dynamic inference engine).
 
 :func:`apply_compat` is the single entry point; :func:`check_megatron_version` refuses a
 megatron-core these shims were not checked against (``GSPO_ALLOW_UNTESTED_MEGATRON=1`` overrides).
@@ -48,15 +50,32 @@ def check_megatron_version(version: str | None = None) -> str:
     raise UnsupportedMegatronError(msg)
 
 
+def apply_missing_te_compat() -> bool:
+    """megatron-core 0.16.1 bug, on CPU *and* GPU: the MoE router's GEMM tests
+    ``te_general_gemm is not None``, a name that module defines only when Transformer Engine
+    imports, so without TE every router forward raises NameError. Define it as None (the torch
+    path). Found on CPU; it would also have stopped the local spec on an H100. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
 def apply_compat() -> None:
     """Check the megatron-core version, then apply every shim this machine needs (idempotent)."""
+    from gspo_megatron.compat import paged_attention
     from gspo_megatron.compat.inference import apply_inference_compat, silence_static_engine_progress_bar
 
     check_megatron_version()
+    apply_missing_te_compat()
     apply_cpu_compat()
     apply_inference_compat()
     silence_static_engine_progress_bar()
+    paged_attention.install()
 
 
 __all__ = ["ALLOW_UNTESTED_ENV", "SUPPORTED_MEGATRON", "UnsupportedMegatronError",
-           "apply_compat", "apply_cpu_compat", "check_megatron_version"]
+           "apply_compat", "apply_cpu_compat", "apply_missing_te_compat",
+           "check_megatron_version"]

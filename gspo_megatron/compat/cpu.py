@@ -303,11 +303,8 @@ def apply_cpu_compat() -> bool:
         if getattr(module, "torch", None) is torch:
             module.torch = proxy
 
-    # Failure 4 (0.16.1 bug): the router calls te_general_gemm, which is undefined without TE.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    # Failure 4 (te_general_gemm undefined without TE) is not CPU-specific: compat.apply_compat
+    # fixes it on every machine without Transformer Engine (apply_missing_te_compat).
 
     # Failure 3: activation checkpointing and the RNG tracker save/restore the CUDA RNG state.
     mcore_random._get_cuda_rng_state = _cpu_rng_get

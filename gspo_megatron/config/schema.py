@@ -142,8 +142,18 @@ class RolloutConfig(Section, name="rollout"):
     """Top-k sampling (0 = off, 1 = greedy). Not combinable with ``top_p`` < 1."""
     max_batch_size: int = 256
     """Sequences the engine decodes at once."""
+    engine: Literal["auto", "static", "dynamic"] = "auto"
+    """Megatron-Core inference engine: ``dynamic`` (paged KV cache, continuous batching; CUDA only)
+    or ``static`` (fixed batches; the CPU path). ``auto`` = dynamic with CUDA, else static."""
+    dynamic_buffer_size_gb: float = 20.0
+    """GPU memory the dynamic engine reserves for its paged KV cache (Megatron's
+    ``inference_dynamic_batching_buffer_size_gb``); held for the whole run, so size it to
+    ``max_batch_size x (prompt + max_new_tokens)`` tokens of KV, not to the free memory."""
 
     def _problems(self) -> Iterator[Problem]:
+        if not self.dynamic_buffer_size_gb > 0:
+            yield self._problem("dynamic_buffer_size_gb",
+                                f"must be > 0, got {self.dynamic_buffer_size_gb}")
         yield from self._at_least(2, "group_size", note=(
             " (GSPO/GRPO advantages are normalised within a group of responses to the same "
             "prompt)"))

@@ -104,6 +104,14 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             f"rollout.max_new_tokens = {data.max_prompt_length} + {ro.max_new_tokens} = "
             f"{data.max_prompt_length + ro.max_new_tokens}")
 
+    # The rollout engine: Megatron's dynamic engine allocates its KV cache with CUDA.
+    if ro.engine == "dynamic":
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append("rollout.engine='dynamic' needs CUDA (Megatron-Core's dynamic inference "
+                          "context allocates on the GPU); use 'static' or 'auto' on CPU")
+
     # MoE routing replay and diagnostics.
     if rt.replay == "r3":
         errors.append(

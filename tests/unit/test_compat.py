@@ -7,9 +7,10 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compat is
 
 
 def test_patches_are_scoped_to_listed_megatron_modules():
-    from gspo_megatron.compat import apply_cpu_compat
+    from gspo_megatron.compat import apply_cpu_compat, apply_missing_te_compat
     from gspo_megatron.compat.cpu import _PATCHED_MODULES
 
+    apply_missing_te_compat()
     assert apply_cpu_compat() is True
     assert apply_cpu_compat() is True  # idempotent
 

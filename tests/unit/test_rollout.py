@@ -135,6 +135,24 @@ def test_greedy_equals_manual_argmax(setup):
         torch.testing.assert_close(torch.tensor(s.response_logprobs), ref, atol=1e-4, rtol=0)
 
 
+def test_with_sampling_shares_the_engine_and_samples_as_a_fresh_one(setup):
+    """The greedy evaluator is a view of the rollout engine (one KV cache, one Megatron engine: the
+    dynamic engine's cache is gigabytes on a GPU), and samples exactly as an engine built with its
+    config; the original keeps its own sampling."""
+    prompts = make_prompts(10, seed=7)
+    sampler = engine(setup, temperature=1.0)
+    greedy = sampler.with_sampling(RolloutConfig(max_new_tokens=8, max_batch_size=16, top_k=1))
+    assert greedy.engine is sampler.engine and greedy.controller is sampler.controller
+    fresh = engine(setup, top_k=1).generate(prompts, seed=3)
+    assert [s.response_ids for s in greedy.generate(prompts, seed=3)] == \
+        [s.response_ids for s in fresh]
+    again = engine(setup, temperature=1.0).generate(prompts, seed=11)
+    assert [s.response_ids for s in sampler.generate(prompts, seed=11)] == \
+        [s.response_ids for s in again]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        sampler.with_sampling(RolloutConfig(max_batch_size=8))
+
+
 def test_uses_live_weights_and_masks_padded_vocab(setup):
     """Zero the final norm: every logit is 0, so the engine's distribution is uniform over the
     *real* vocabulary (log-prob -log 12, not -log 128) -- seen without rebuilding the engine."""

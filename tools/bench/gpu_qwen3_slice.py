@@ -13,7 +13,8 @@ after the other on the same GPU:
    micro-batch 1 x ``--seq`` tokens: forward + backward of the token NLL through the LM head and
    our log-prob kernel. tokens/s, model TFLOP/s (6 x matmul FLOPs per token + causal attention,
    counted below), MFU = TFLOP/s / the measured bf16 matmul TFLOP/s.
-3. Grouped vs sequential experts: the same slice with ``moe_grouped_gemm`` True / False.
+3. Megatron's local spec (experts as a loop; grouped only with the ``grouped_gemm`` package) vs
+   the same spec with our local kernels (SDPA attention, direct expert loop).
 4. Transformer Engine spec (bf16), and FP8 (``hybrid`` recipe) when TE imports.
 5. The log-prob path at full vocabulary: ``torch.cuda.max_memory_allocated`` above the logits of
    ours vs a naive fp32 ``log_softmax`` (forward + backward, entropy detached), bf16 logits
@@ -76,7 +77,7 @@ def _sync(device: str) -> None:
 
 def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
                fp8: str | None = None, preset: str = "qwen3-30b-a3b",
-               device: str = "cuda") -> dict:
+               device: str = "cuda", local_kernels: bool = False) -> dict:
     """Forward + backward of ``preset`` with ``layers`` layers on ``[1, seq]`` tokens: seconds per
     step, tokens/s, model TFLOP/s and (CUDA) peak memory. bf16 on CUDA, fp32 on CPU."""
     import torch
@@ -86,7 +87,8 @@ def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
     from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
 
     cfg = model_config_from_preset(preset, num_layers=layers, seq_length=seq)
-    prec = PrecisionConfig(transformer_impl=impl, bf16=device == "cuda", fp8=fp8)
+    prec = PrecisionConfig(transformer_impl=impl, bf16=device == "cuda", fp8=fp8,
+                           local_kernels=local_kernels)
     gpt = build_gpt_model(cfg, ParallelConfig(), prec, pre_process=True, post_process=True,
                           transformer_config_overrides={"moe_grouped_gemm": grouped})
     gpt.train()
@@ -123,7 +125,8 @@ def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
     if device == "cuda":
         torch.cuda.empty_cache()
     flops = model_flops_per_token(cfg, seq) * seq
-    return {"impl": impl, "grouped_gemm": grouped, "fp8": fp8, "layers": layers, "seq": seq,
+    return {"impl": impl, "grouped_gemm": grouped, "fp8": fp8, "local_kernels": local_kernels,
+            "layers": layers, "seq": seq,
             "params": params, "step_s": sec, "tokens_per_s": seq / sec,
             "tflops": flops / sec / 1e12, "peak_mem_gb": peak / 2**30}
 
@@ -199,17 +202,25 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
         layers, seq, iters = 1, 256, 1
     peak = matmul_tflops()
     rows = [row("bf16 matmul 8192^3", peak, "TFLOP/s")]
-    configs = [("local", True, None), ("local", False, None)]
+    from gspo_megatron.backends.megatron.model import grouped_gemm_available
+
+    # (spec, grouped experts, fp8, our local kernels). Megatron's local spec runs the experts as a
+    # loop unless the grouped_gemm package is installed; our kernels add SDPA attention.
+    configs = [("local", False, None, False), ("local", False, None, True)]
+    if grouped_gemm_available("local"):
+        configs.append(("local", True, None, False))
     if transformer_engine_available():
-        configs += [("transformer_engine", True, None), ("transformer_engine", True, "hybrid")]
+        configs += [("transformer_engine", True, None, False),
+                    ("transformer_engine", True, "hybrid", False)]
     results, notes = [], [f"device: {torch.cuda.get_device_name(0)}"]
     groups_cfg = model_config_from_preset("qwen3-30b-a3b", num_layers=layers, seq_length=seq)
     initialize_distributed(ParallelConfig(), groups_cfg, seed=0)
     try:
-        for impl, grouped, fp8 in configs:
-            label = f"{impl}{' grouped' if grouped else ' sequential'} experts{' fp8' if fp8 else ''}"
+        for impl, grouped, fp8, lk in configs:
+            label = (f"{impl}{' + our kernels' if lk else ''}"
+                     f"{' grouped' if grouped else ' sequential'} experts{' fp8' if fp8 else ''}")
             try:
-                r = time_slice(layers, seq, iters, impl, grouped, fp8)
+                r = time_slice(layers, seq, iters, impl, grouped, fp8, local_kernels=lk)
             except Exception as exc:  # noqa: BLE001 - record and go on with the others
                 notes.append(f"{label}: failed: {type(exc).__name__}: {exc}"[:300])
                 gc.collect()
@@ -228,11 +239,14 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
         rows.append(row(f"log-probs [{seq}, 151936] bf16 fwd+bwd, {name}: peak extra / logits",
                         m["peak_extra_x_logits"], "x"))
     ratios = {}
-    g = [r for r in results if r["impl"] == "local" and r["fp8"] is None]
-    if len(g) == 2:
-        ratios["grouped_vs_sequential_tokens_per_s"] = g[0]["tokens_per_s"] / g[1]["tokens_per_s"]
-        rows.append(row("grouped / sequential experts tokens/s",
-                        ratios["grouped_vs_sequential_tokens_per_s"], "x"))
+    base = [r for r in results if r["impl"] == "local" and not r["local_kernels"]
+            and not r["grouped_gemm"]]
+    ours = [r for r in results if r["local_kernels"]]
+    if base and ours:
+        ratios["our_kernels_vs_megatron_local_tokens_per_s"] = (
+            ours[0]["tokens_per_s"] / base[0]["tokens_per_s"])
+        rows.append(row("our local kernels / Megatron local spec tokens/s",
+                        ratios["our_kernels_vs_megatron_local_tokens_per_s"], "x"))
     return make_result("gpu_qwen3_slice", title, target, None, rows, ratios,
                        config={"layers": layers, "seq": seq, "iters": iters, "results": results,
                                "logprob_memory": lpm}, notes=notes)

@@ -51,6 +51,19 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def grouped_gemm_available(impl: str) -> bool:
+    """Whether Megatron can run its experts as one grouped GEMM for ``impl``: Transformer Engine's
+    ``TEGroupedMLP`` (TE spec) or the ``grouped_gemm`` package (local spec's ``GroupedMLP``), on
+    CUDA only. Otherwise the experts run as a loop (``SequentialMLP``)."""
+    if not torch.cuda.is_available():
+        return False
+    if impl == "transformer_engine":
+        return True
+    from megatron.core.transformer.moe.grouped_gemm_util import grouped_gemm_is_available
+
+    return bool(grouped_gemm_is_available())
+
+
 def resolve_transformer_impl(precision: PrecisionConfig) -> str:
     """'transformer_engine' or 'local', logging the choice once; raises if TE was demanded but absent."""
     te_ok = transformer_engine_available()
@@ -69,9 +82,10 @@ def resolve_transformer_impl(precision: PrecisionConfig) -> str:
 
 
 def build_transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, **overrides: Any
+    model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, *,
+    impl: str = "local", **overrides: Any
 ):
-    """Translate our configs into Megatron's ``TransformerConfig``."""
+    """Translate our configs into Megatron's ``TransformerConfig`` for layer spec ``impl``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
@@ -105,7 +119,10 @@ def build_transformer_config(
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
         moe_router_dtype=model.moe_router_dtype,
-        moe_grouped_gemm=on_gpu,  # CUDA-only kernels; sequential experts on CPU
+        # One grouped GEMM for all experts where a kernel exists (TE, or the grouped_gemm
+        # package with the local spec); else Megatron's SequentialMLP loop. Before this was
+        # decided per kernel, the local spec on CUDA asserted in GroupedMLP without that package.
+        moe_grouped_gemm=grouped_gemm_available(impl),
         # Parallelism
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -199,7 +216,8 @@ def build_gpt_model(
     # logs into it; a model with more layers built later in the same process would index past it.
     get_moe_layer_wise_logging_tracker().clear()
     impl = resolve_transformer_impl(precision)
-    config = build_transformer_config(model, parallel, precision, **(transformer_config_overrides or {}))
+    config = build_transformer_config(model, parallel, precision, impl=impl,
+                                      **(transformer_config_overrides or {}))
     local_kernels = (precision.local_kernels if precision.local_kernels is not None
                      else not torch.cuda.is_available())  # measured on CPU only so far
     spec = build_layer_spec(config, impl, pp_rank=pp_rank, local_kernels=local_kernels)

@@ -6,7 +6,12 @@ trainer updates; nothing is copied) with Megatron-Core's text-generation control
 * CPU (no CUDA): ``StaticInferenceEngine(legacy=True)`` + ``GPTInferenceWrapper`` +
   ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache.
 * GPU: ``DynamicInferenceEngine`` with a ``DynamicInferenceContext`` (paged KV cache, continuous
-  batching). Same interface; not exercised by the CPU test-suite.
+  batching; ``rollout.engine``). Same interface; it cannot run on CPU (its context allocates on
+  CUDA), so the CPU test-suite does not execute it. Without flash-attn its attention runs on
+  :mod:`gspo_megatron.compat.paged_attention` (PyTorch SDPA, tested on CPU).
+
+:meth:`RolloutEngine.with_sampling` gives a second sampling configuration (the greedy evaluator)
+over the same engine and KV cache.
 
 Sampling semantics (both paths)
 -------------------------------
@@ -43,6 +48,7 @@ data-parallel rank into ``seed`` if different DP ranks should draw independent s
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from typing import Any, Literal
 
@@ -200,6 +206,16 @@ class RolloutEngine:
         self.engine = DynamicInferenceEngine(controller=self.controller, context=context,
                                              random_seed=1234)
 
+    def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":
+        """The same engine (model, Megatron engine, KV cache) sampling with ``config``'s
+        temperature / top-k / top-p / max_new_tokens; e.g. a greedy evaluator beside the rollout
+        sampler, without a second KV cache (the dynamic engine's is gigabytes)."""
+        if config.max_batch_size != self.config.max_batch_size:
+            raise ValueError("with_sampling: max_batch_size is fixed when the engine is built")
+        view = copy.copy(self)
+        view.config = config
+        return view
+
     # ------------------------------------------------------------------ sampling params
     def _sampling(self):
         """Megatron ``SamplingParams`` (at temperature 1: our wrapper already divided by T) and the
@@ -214,7 +230,10 @@ class RolloutEngine:
             top_k=1 if greedy else int(c.top_k),
             top_p=0.0 if (greedy or c.top_p >= 1.0) else float(c.top_p),
             num_tokens_to_generate=int(c.max_new_tokens),
+            # The dynamic engine reports the sampled tokens' log-probs (not the prompt's); the
+            # static path records them itself (RolloutTextGenerationController).
             return_log_probs=self.backend == "dynamic",
+            skip_prompt_log_probs=self.backend == "dynamic",
             termination_id=self.eos_id,
         )
         return sp, score_t

@@ -1,0 +1,187 @@
+"""Pure-PyTorch stand-ins for flash-attn 2's paged-KV kernels, for megatron-core's dynamic engine.
+
+megatron-core 0.16's ``Attention.flash_decode_and_prefill`` (``DynamicInferenceContext``, paged KV
+cache) calls ``flash_attn_varlen_func(..., block_table=...)`` for prefill/mixed steps and
+``flash_attn_with_kvcache(..., block_table=...)`` for decode-only steps, and ``forward`` asserts
+``HAVE_FA3 or is_fa_min_version("2.7.3")``. :func:`install` points those module globals of
+``megatron.core.transformer.attention`` at the functions below when flash-attn is absent.
+
+Layouts (``H`` query heads, ``Hk`` kv heads, ``H % Hk == 0``; query head ``h`` reads kv head
+``h // (H // Hk)`` as in flash-attn): caches ``[num_blocks, block_size, Hk, D]``; block tables
+``[B, max_blocks]`` int (``-1`` = unused; padded requests have kv length 0). Kv lengths include
+the current query tokens (already appended). Causal masking is flash-attn's bottom-right
+alignment: query ``i`` of a request with ``q_len`` queries and ``kv_len`` keys sits at position
+``kv_len - q_len + i`` and sees keys ``j <= kv_len - q_len + i``. Queries with no visible key
+(padded requests / tokens) yield zeros.
+
+Cost versus flash-attn: every call gathers the used KV blocks densely (``2 * B * Lk * H * D``
+elements after the GQA head expansion, ``Lk`` = max kv length rounded up to a block), pads the
+queries to ``[B, Lq, H, D]`` (``Lq`` = longest query; decode requests in a mixed batch are padded
+to it too) and builds a ``[B, Lq, Lk]`` boolean mask; then SDPA (memory-efficient or math kernel,
+as a mask rules out the flash backend). Reading the max lengths syncs the host once per call, so
+it cannot be captured in CUDA graphs. Fine for RL rollouts of modest batch x length; flash-attn
+reads blocks in place and needs none of this memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_UNSUPPORTED: dict[str, Any] = {  # flash-attn options we do not implement, with their no-op value
+    "k": None, "v": None, "rotary_cos": None, "rotary_sin": None, "cache_batch_idx": None,
+    "cache_leftpad": None, "alibi_slopes": None, "dropout_p": 0.0, "window_size": (-1, -1),
+    "softcap": 0.0, "return_attn_probs": False, "return_softmax_lse": False,
+}
+
+
+def _reject_unsupported(fn: str, unused: dict[str, Any]) -> None:
+    for key, default in _UNSUPPORTED.items():
+        val = unused.get(key, default)
+        if isinstance(val, list):
+            val = tuple(val)
+        if not (val is default or (default is not None and not torch.is_tensor(val) and val == default)):
+            raise NotImplementedError(f"{fn} (PyTorch fallback for flash-attn): option {key!r} "
+                                      "is not supported; install flash-attn for it")
+
+
+def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, max_kv: int,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                softmax_scale: float | None, causal: bool) -> torch.Tensor:
+    """Attention of padded queries over paged keys/values, all requests at once.
+
+    q ``[B, Lq, H, D]`` (request ``b``'s queries in ``q[b, :q_lens[b]]``, the rest ignored);
+    q_lens, kv_lens ``[B]``; max_kv >= ``kv_lens.max()``; k_cache, v_cache
+    ``[num_blocks, block_size, Hk, D]``; block_table ``[B, max_blocks]``.
+    Returns ``[B, Lq, H, D]`` in q's dtype, zero where a query is padding or sees no key.
+    """
+    B, Lq, H, D = q.shape
+    block_size, Hk = k_cache.shape[1], k_cache.shape[2]
+    nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
+    blocks = block_table[:, :nb].long().clamp(min=0)  # [B, nb]; -1 (unused) reads block 0, masked
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hk, Lk, D]
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    if H != Hk:
+        k, v = k.repeat_interleave(H // Hk, dim=1), v.repeat_interleave(H // Hk, dim=1)
+    Lk = nb * block_size
+    i = torch.arange(Lq, device=q.device)
+    j = torch.arange(Lk, device=q.device)
+    q_lens, kv_lens = q_lens.to(q.device).long(), kv_lens.to(q.device).long()
+    mask = (j[None, None, :] < kv_lens[:, None, None]) & (i[None, :, None] < q_lens[:, None, None])
+    if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i
+        pos = (kv_lens - q_lens)[:, None] + i[None, :]  # [B, Lq]
+        mask = mask & (j[None, None, :] <= pos[:, :, None])
+    live = mask.any(dim=-1)  # [B, Lq]
+    mask[..., 0] |= ~live  # a fully masked row would give NaN; it is zeroed below
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                         scale=scale)  # [B, H, Lq, D]
+    return out.transpose(1, 2).masked_fill(~live[:, :, None, None], 0.0)
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
+                           causal: bool = False, block_table: torch.Tensor | None = None,
+                           **unused: Any) -> torch.Tensor:
+    """Paged varlen attention (flash-attn 2 signature; only the ``block_table`` form).
+
+    q ``[T, H, D]`` (tokens of request ``b`` at ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; tokens past
+    ``cu_seqlens_q[-1]`` are padding and get zeros); k, v ``[num_blocks, block_size, Hk, D]``;
+    cu_seqlens_q, cu_seqlens_k ``[B + 1]``; block_table ``[B, max_blocks]``. ``max_seqlen_*`` are
+    not used (Megatron passes loose bounds under CUDA graphs); the exact maxima are read from the
+    lengths. Returns ``[T, H, D]`` in q's dtype.
+    """
+    if block_table is None:
+        raise NotImplementedError("flash_attn_varlen_func (PyTorch fallback for flash-attn) "
+                                  "supports only the paged form (block_table=...)")
+    _reject_unsupported("flash_attn_varlen_func", unused)
+    T = q.shape[0]
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    q_lens, kv_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    out = torch.zeros_like(q)
+    if q_lens.numel() == 0 or T == 0:
+        return out
+    max_q, max_kv = torch.stack([q_lens.max(), kv_lens.max()]).tolist()  # one host sync
+    if max_q <= 0:
+        return out
+    idx = cu_q[:-1, None] + torch.arange(max_q, device=cu_q.device)  # [B, Lq] token index
+    valid = torch.arange(max_q, device=cu_q.device)[None, :] < q_lens[:, None]
+    q_pad = q[idx.clamp(0, T - 1)]  # [B, Lq, H, D]
+    o_pad = _paged_sdpa(q_pad, q_lens, kv_lens, max_kv, k, v, block_table, softmax_scale, causal)
+    out[idx[valid]] = o_pad[valid]
+    return out
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor | int | None = None, causal: bool = True,
+                            block_table: torch.Tensor | None = None, num_splits: int = 0,
+                            softmax_scale: float | None = None, **unused: Any) -> torch.Tensor:
+    """Paged decode attention (flash-attn 2 signature; only ``block_table`` with no new k/v).
+
+    q ``[B, Sq, H, D]``; k_cache, v_cache ``[num_blocks, block_size, Hk, D]``; cache_seqlens
+    ``[B]`` (includes the new token(s); rows with 0 get zeros); block_table ``[B, max_blocks]``.
+    Returns ``[B, Sq, H, D]`` in q's dtype. (flash-attn defaults ``causal=False``; Megatron always
+    passes ``causal=True``.)
+    """
+    if block_table is None or cache_seqlens is None:
+        raise NotImplementedError("flash_attn_with_kvcache (PyTorch fallback for flash-attn) "
+                                  "supports only the paged form (block_table=, cache_seqlens=)")
+    _reject_unsupported("flash_attn_with_kvcache", unused)
+    B, Sq = q.shape[0], q.shape[1]
+    if not torch.is_tensor(cache_seqlens):
+        cache_seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if cache_seqlens.shape[0] != B or block_table.shape[0] != B:
+        raise ValueError(f"flash_attn_with_kvcache: q has batch {B} but cache_seqlens "
+                         f"{tuple(cache_seqlens.shape)}, block_table {tuple(block_table.shape)}")
+    if B == 0:
+        return torch.zeros_like(q)
+    q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)
+    max_kv = int(cache_seqlens.max().item())  # one host sync
+    return _paged_sdpa(q, q_lens, cache_seqlens, max_kv, k_cache, v_cache, block_table,
+                       softmax_scale, causal)
+
+
+def _attention_module(attention_module: ModuleType | None) -> ModuleType:
+    return attention_module or importlib.import_module("megatron.core.transformer.attention")
+
+
+def installed(attention_module: ModuleType | None = None) -> bool:
+    """Whether our fallback is what Megatron's attention module calls."""
+    return getattr(_attention_module(attention_module), "flash_attn_varlen_func",
+                   None) is flash_attn_varlen_func
+
+
+def install(attention_module: ModuleType | None = None) -> bool:
+    """Use the fallback in ``megatron.core.transformer.attention`` when flash-attn is absent.
+
+    Sets its globals ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` and wraps its
+    ``is_fa_min_version`` so the dynamic engine's ``"2.7.3"`` check passes. Touches nothing when
+    flash-attn 2 or 3 is importable there. Idempotent: returns True only on the call that
+    installed (later calls, or with real flash-attn, return False; see :func:`installed`).
+    """
+    mod = _attention_module(attention_module)
+    if getattr(mod, "flash_attn_varlen_func", None) is not None or getattr(mod, "HAVE_FA3", False):
+        return False
+    original = mod.is_fa_min_version
+
+    @functools.wraps(original)
+    def is_fa_min_version(version: str, check_equality: bool = True) -> bool:
+        if version == "2.7.3" and mod.flash_attn_varlen_func is flash_attn_varlen_func:
+            return True
+        return original(version, check_equality)
+
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    mod.flash_attn_with_kvcache = flash_attn_with_kvcache
+    mod.is_fa_min_version = is_fa_min_version
+    logger.info("flash-attn is absent: the dynamic inference engine uses PyTorch SDPA paged "
+                "attention (gspo_megatron.compat.paged_attention)")
+    return True

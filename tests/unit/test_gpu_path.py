@@ -1,0 +1,101 @@
+"""Regression tests for the GPU path's failures that can be caught on CPU (issue 17).
+
+Each names what would have stopped a first run on an H100 without Transformer Engine, flash-attn or
+the grouped_gemm package (the image we are lent), reproduced here by pretending CUDA is present.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.config import TrainConfig
+from gspo_megatron.config.validation import ConfigError, validate_config
+
+
+def test_router_gemm_fix_does_not_depend_on_cuda(monkeypatch):
+    """megatron-core 0.16.1 reads ``te_general_gemm`` in the router whether or not TE imported.
+    The fix used to sit in the CPU-only shims, so with CUDA but without TE every MoE forward
+    would have raised NameError."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from gspo_megatron.compat import apply_missing_te_compat
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(NameError):
+        moe_utils.router_gating_linear(torch.randn(3, 4), torch.randn(2, 4), None, torch.float32)
+    assert apply_missing_te_compat() is True
+    assert apply_missing_te_compat() is False  # idempotent
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    out = moe_utils.router_gating_linear(x, w, None, torch.float64)
+    torch.testing.assert_close(out, x @ w.T)
+
+
+def test_grouped_experts_only_where_a_grouped_kernel_exists(monkeypatch):
+    """The local spec asked for ``moe_grouped_gemm`` on every GPU, which asserts in Megatron's
+    GroupedMLP unless the grouped_gemm package is installed; TE's spec has its own kernel."""
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    from gspo_megatron.backends.megatron.model import (build_transformer_config,
+                                                      grouped_gemm_available)
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+
+    assert grouped_gemm_available("local") is False  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert grouped_gemm_available("transformer_engine") is True
+    monkeypatch.setattr(grouped_gemm_util, "grouped_gemm_is_available", lambda: False)
+    assert grouped_gemm_available("local") is False
+    monkeypatch.setattr(grouped_gemm_util, "grouped_gemm_is_available", lambda: True)
+    assert grouped_gemm_available("local") is True
+    monkeypatch.setattr(grouped_gemm_util, "grouped_gemm_is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # build the config on CPU
+    cfg = build_transformer_config(model_config_from_preset("tiny"), ParallelConfig(),
+                                   PrecisionConfig(), impl="local")
+    assert cfg.moe_grouped_gemm is False
+
+
+def test_dynamic_engine_is_refused_without_cuda_before_anything_runs():
+    cfg = TrainConfig()
+    cfg.model.seq_length = 4096
+    cfg.rollout.engine = "dynamic"
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ConfigError, match=r"rollout.engine='dynamic' needs CUDA"):
+        validate_config(cfg)
+    cfg.rollout.engine = "static"
+    validate_config(cfg)
+
+
+def test_rollout_engine_fields_are_checked():
+    from gspo_megatron.config import RolloutConfig
+    from gspo_megatron.config.checks import FieldError
+
+    with pytest.raises(FieldError, match="rollout.dynamic_buffer_size_gb"):
+        RolloutConfig(dynamic_buffer_size_gb=0)
+
+
+def test_stage_timer_and_memory_metrics_on_cpu():
+    from gspo_megatron.metrics import Stopwatch, device_memory_metrics
+
+    watch = Stopwatch()
+    assert watch.lap("perf/a") >= 0 and set(watch.total("perf/step_s")) == {"perf/a", "perf/step_s"}
+    assert device_memory_metrics() == {}
+
+
+def test_gpu_check_reward_and_comparison(tmp_path):
+    """tools/gpu_check.py's pieces that run without a GPU: its benchmark reward and the
+    run-vs-resumed-run comparison."""
+    import json
+
+    from tools.gpu_check import compare_metrics, digit_share, stages
+
+    assert digit_share("12 ab", "") == pytest.approx(0.5) and digit_share("  ", "") == 0.0
+    for name, rows in (("a", [{"step": 0, "loss/policy": 1.0, "perf/step_s": 1.0}]),
+                       ("b", [{"step": 0, "loss/policy": 1.5, "perf/step_s": 9.0}])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cmp = compare_metrics(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert cmp["differ"] == 1 and cmp["max_abs_diff"] == pytest.approx(0.5)
+    names = [n for n, _, _ in stages(str(tmp_path), quick=True)]
+    assert names[:2] == ["env", "tiny_dynamic"] and "slice_mfu" in names
