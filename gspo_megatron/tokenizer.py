@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -120,7 +121,11 @@ class SentencePieceTokenizer(Tokenizer):
             if not path.is_file():
                 raise FileNotFoundError(f"SentencePiece model not found: {path}")
             model_proto = path.read_bytes()
-        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        except RuntimeError as e:  # a protobuf parse error that names no file
+            where = str(model_path) if model_path is not None else "model_proto"
+            raise ValueError(f"{where}: not a SentencePiece model ({str(e).strip()})") from None
         self._proto = bytes(model_proto)  # type: ignore[arg-type]
         if self._sp.eos_id() < 0:
             raise ValueError("SentencePiece model has no EOS piece (train it with eos_id >= 0)")
@@ -266,9 +271,18 @@ class HFTokenizer(Tokenizer):
                 "HFTokenizer needs the transformers package, which is not installed: "
                 "`pip install transformers`"
             ) from None
-        self._tok = AutoTokenizer.from_pretrained(
-            str(path), trust_remote_code=trust_remote_code, **from_pretrained_kwargs
-        )
+        text = str(path)
+        if not os.path.exists(os.path.expanduser(text)) and _looks_like_local_path(text):
+            raise FileNotFoundError(f"tokenizer directory not found: {text}")
+        try:
+            self._tok = AutoTokenizer.from_pretrained(
+                text, trust_remote_code=trust_remote_code, **from_pretrained_kwargs
+            )
+        except (OSError, ValueError) as e:  # not a tokenizer dir, or a Hub id that cannot load
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = "directory" if os.path.isdir(text) else "Hugging Face Hub id"
+            raise ValueError(f"tokenizer {text!r} ({where}): cannot load a Hugging Face "
+                             f"tokenizer: {first}") from None
         self.enable_thinking = enable_thinking
         self.chat_template_for_plain_prompts = chat_template_for_plain_prompts
         self.trust_remote_code = trust_remote_code
@@ -344,6 +358,13 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if kind == "hf":
         return HFTokenizer(directory, **cfg)
     raise ValueError(f"{cfg_path}: unknown tokenizer kind {kind!r}")
+
+
+def _looks_like_local_path(text: str) -> bool:
+    """A path a user means as local (absolute, ``./``, ``../``, ``~``, a trailing slash, or more
+    than one ``/``), as opposed to a Hub id such as ``Qwen/Qwen3-30B-A3B``."""
+    return (os.path.isabs(text) or text.startswith((".", "~")) or text.endswith("/")
+            or text.count("/") > 1)
 
 
 def build_tokenizer(kind: str, path: str | Path, **kwargs: Any) -> Tokenizer:

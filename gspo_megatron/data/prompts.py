@@ -175,12 +175,21 @@ def _row_to_example(
     return PromptExample(prompt=prompt, answer=answer, index=index, uid=uid, messages=messages, metadata=metadata)
 
 
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset "
+                           f"{e.start})") from None
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            line = _decode(raw, where)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
@@ -188,7 +197,12 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x})") from None
     if not text.lstrip().startswith("["):
         yield from _iter_jsonl(path)
         return
@@ -261,6 +275,9 @@ def load_prompt_dataset(
         raise DatasetError("load_prompt_dataset: no dataset path given")
     examples: list[PromptExample] = []
     for p in paths:
+        if p.is_dir():
+            raise DatasetError(f"{p}: is a directory; give a dataset file (.jsonl, .json or "
+                               ".parquet)")
         if not p.is_file():
             raise FileNotFoundError(f"Prompt dataset not found: {p}")
         for where, row in _iter_rows(p):

@@ -26,6 +26,8 @@ import importlib
 import importlib.util
 import logging
 import math
+import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
@@ -92,6 +94,32 @@ def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _import_user_module(path: str, module_name: str):
+    """Import the user's reward module, from ``sys.path`` or else the current directory (a
+    ``rewards.py`` next to the recipe is found without setting ``PYTHONPATH``: the ``gspo-train``
+    console script's ``sys.path`` does not hold the working directory, ``python -m`` does).
+
+    Every failure is one line naming the module and, for a syntax error, ``file:line``; an
+    exception raised while the module runs is reported with its type and message only."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and importlib.util.find_spec(module_name.split(".")[0]) is None
+    if added:
+        sys.path.append(cwd)  # after everything else: never shadows an installed package
+    try:
+        return importlib.import_module(module_name)
+    except SyntaxError as e:
+        raise ValueError(f"Reward '{path}': {e.filename}:{e.lineno}: syntax error in module "
+                         f"'{module_name}': {e.msg}") from None
+    except ImportError as e:
+        raise ValueError(f"Reward '{path}': cannot import module '{module_name}': {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module raised while being imported
+        raise ValueError(f"Reward '{path}': importing module '{module_name}' raised "
+                         f"{type(e).__name__}: {e}") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
 def _import_dotted(path: str) -> Callable[..., float]:
     if ":" in path:
         module_name, _, attr = path.partition(":")
@@ -99,10 +127,7 @@ def _import_dotted(path: str) -> Callable[..., float]:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"Reward '{path}' is not 'package.module:function' or 'package.module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"Reward '{path}': cannot import module '{module_name}': {e}") from e
+    module = _import_user_module(path, module_name)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
