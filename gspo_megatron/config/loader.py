@@ -10,6 +10,11 @@ A recipe is a YAML file whose top-level keys are the sections of ``TrainConfig``
     rollout:
       group_size: 16
 
+Training from a converted checkpoint (``checkpoint.init_weights: DIR`` with ``DIR/model_config.json``
+from ``gspo-convert-hf``), the model comes from that file: the recipe needs no model section, and
+an architecture field it does set must agree with the file (``model.ARCHITECTURE_FIELDS``);
+``seq_length`` and the other ``model.TRAINING_FIELDS`` are free. See :func:`load_config`.
+
 Command-line overrides are ``--section.field=value`` (or ``section.field=value``; ``parse_cli``
 also takes ``--section.field value``). Values are parsed as YAML scalars and coerced to the
 field's annotated type (``int``, ``float`` incl. ``3e-4``, ``bool``, ``str``, ``X | None`` with
@@ -47,7 +52,10 @@ import yaml
 from gspo_megatron.config.checks import FieldError
 from gspo_megatron.config.coerce import (NULL_WORDS, CoerceError, accepts_str, coerce, suggest,
                                          type_name)
-from gspo_megatron.config.model import MODEL_PRESETS
+from gspo_megatron.config.model import (ARCHITECTURE_FIELDS, MODEL_PRESETS, SHAPE_FIELDS,
+                                        ModelConfig, ModelFileError, model_config_file,
+                                        read_model_config_file, same_architecture_value,
+                                        show_value)
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.config.validation import ConfigError, ConfigWarning, validate_config
 
@@ -93,9 +101,9 @@ def _field_types(cls: type) -> dict[str, Any]:
 @dataclasses.dataclass
 class _Entry:
     value: Any
-    source: str  # "file.yaml:12", "override '--a.b=c'", "preset 'tiny'"
+    source: str  # "file.yaml:12", "override '--a.b=c'", "preset 'tiny'", ".../model_config.json"
     raw: str | None = None  # the override's text, used as-is for str fields
-    from_preset: bool = False  # filled in from model.preset, not written by the user
+    from_preset: bool = False  # filled in (model.preset, model_config.json), not written by the user
 
 
 def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
@@ -220,21 +228,92 @@ def _coerce_entry(path: str, entry: _Entry, tp: Any) -> Any:
         raise ConfigError(f"{entry.source}: {path}: {e}, got {value!r}{e.hint}") from None
 
 
-def _apply_preset(entries: dict[str, _Entry], errors: list[str]) -> None:
-    """Fill model fields from ``model.preset`` where the recipe or the overrides set none."""
-    if "preset" not in entries:
-        return
+def _init_weights_model_file(raw: dict[str, dict[str, _Entry]]) -> str | None:
+    """The model_config.json of ``checkpoint.init_weights`` (recipe or override), if it has one."""
+    entry = raw.get("checkpoint", {}).get("init_weights")
+    if entry is None:
+        return None
     try:
-        name = _coerce_entry("model.preset", entries["preset"], str)
-    except ConfigError as e:
+        value = _coerce_entry("checkpoint.init_weights", entry, str | None)
+    except ConfigError:
+        return None  # reported when the section is built
+    return model_config_file(value)
+
+
+def _said_by(entry: _Entry) -> str:
+    return "the override" if entry.raw is not None else "the recipe"
+
+
+def _apply_model_file(entries: dict[str, _Entry], path: str, preset: str | None,
+                      errors: list[str]) -> bool:
+    """Take the model from a converted checkpoint's ``model_config.json``: each architecture field
+    the recipe, an override or the known preset ``preset`` sets must equal the file's (one error
+    per field naming both values); every field still unset takes the file's value, and the label
+    ``model.preset`` the file's (or its directory's name). False when the file is malformed."""
+    try:
+        values = read_model_config_file(path)
+    except ModelFileError as e:
         errors.extend(e.errors)
-        return
-    if name not in MODEL_PRESETS:
-        errors.append(f"{entries['preset'].source}: model.preset: unknown preset {name!r}"
-                      f"{suggest(name, MODEL_PRESETS)} (presets: {', '.join(MODEL_PRESETS)})")
-        return
-    for key, value in MODEL_PRESETS[name].items():
-        entries.setdefault(key, _Entry(value, f"preset {name!r}", from_preset=True))
+        return False
+    reference = ModelConfig(**values)
+    ftypes = _field_types(ModelConfig)
+    preset_values = MODEL_PRESETS.get(preset, {}) if preset is not None else {}
+    for field in ARCHITECTURE_FIELDS:
+        if field in entries:
+            entry = entries[field]
+            try:
+                value = _coerce_entry(f"model.{field}", entry, ftypes[field])
+            except ConfigError:
+                continue  # reported when the section is built
+            source, who = entry.source, _said_by(entry)
+        elif field in preset_values:
+            value = preset_values[field]
+            source, who = entries["preset"].source, f"preset {preset!r}"
+        else:
+            continue
+        if not same_architecture_value(field, value, reference):
+            errors.append(f"{source}: model.{field}: {who} says {show_value(value)}, "
+                          f"{path} says {show_value(getattr(reference, field))}")
+            # Already refused: build the section with the file's value, so that the section's
+            # own checks do not add errors that follow only from this one.
+            entries[field] = _Entry(getattr(reference, field), path, from_preset=True)
+    for field, value in values.items():
+        if field != "preset":
+            entries.setdefault(field, _Entry(value, path, from_preset=True))
+    if "preset" not in entries:
+        label = values.get("preset") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+        entries["preset"] = _Entry(label, path, from_preset=True)
+    return True
+
+
+def _resolve_model(entries: dict[str, _Entry], model_file: str | None, errors: list[str]) -> None:
+    """Fill the model fields the recipe and the overrides leave out: from ``model_file``
+    (``checkpoint.init_weights/model_config.json``) when there is one, then from a known
+    ``model.preset``. A preset name that is not in ``MODEL_PRESETS`` is a free label: accepted when
+    the shape comes from ``model_file`` or every ``SHAPE_FIELDS`` entry is set, refused otherwise."""
+    name = None
+    if "preset" in entries:
+        try:
+            name = _coerce_entry("model.preset", entries["preset"], str)
+        except ConfigError as e:
+            errors.extend(e.errors)
+            return
+    if name is not None and name not in MODEL_PRESETS and model_file is None:
+        missing = [f for f in SHAPE_FIELDS if f not in entries]
+        if missing:
+            errors.append(
+                f"{entries['preset'].source}: model.preset: unknown preset {name!r}"
+                f"{suggest(name, MODEL_PRESETS)} (presets: {', '.join(MODEL_PRESETS)}; any other "
+                "name is a free label, which needs checkpoint.init_weights with a "
+                "model_config.json or every shape field set: missing "
+                f"{', '.join('model.' + f for f in missing)})")
+            return
+    if model_file is not None:
+        if not _apply_model_file(entries, model_file, name, errors):
+            return
+    if name in MODEL_PRESETS:
+        for key, value in MODEL_PRESETS[name].items():
+            entries.setdefault(key, _Entry(value, f"preset {name!r}", from_preset=True))
 
 
 def _source_of(fields: Iterable[str], entries: dict[str, _Entry]) -> str:
@@ -298,9 +377,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         overrides: ``"--section.field=value"`` / ``"section.field=value"`` strings, applied after
             the file (a ``model.preset`` override fills the model fields not set explicitly).
 
+    With ``checkpoint.init_weights`` pointing at a converted checkpoint that has a
+    ``model_config.json``, the model fields not set explicitly come from that file; an
+    architecture field (``model.ARCHITECTURE_FIELDS``) the recipe, an override or a known preset
+    sets must equal the file's, and each one that does not is an error naming the field and both
+    values. Training fields (``model.TRAINING_FIELDS``: ``seq_length`` ...) are free. Without
+    that file (e.g. ``sft_weights`` from gspo-train) nothing changes.
+
     Raises:
         ConfigError: unreadable/invalid YAML or a Python tag, unknown section or field (with a
-            suggestion), a value of the wrong type or outside a ``Literal`` (with a suggestion),
+            suggestion), a malformed model_config.json or one that disagrees with the recipe, a value of the wrong type or outside a ``Literal`` (with a suggestion),
             or a value its section refuses (``rollout.top_p: must be in (0, 1], got 1.5``); each
             line starts with ``file:line`` or the override that set the field.
 
@@ -315,8 +401,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     if path is not None:
         raw, errors = _read_yaml(os.fspath(path))
     _apply_overrides(raw, overrides, errors)
+    model_file = _init_weights_model_file(raw)
+    if model_file is not None:
+        raw.setdefault("model", {})
     if "model" in raw:
-        _apply_preset(raw["model"], errors)
+        _resolve_model(raw["model"], model_file, errors)
     defaults = TrainConfig()
     built: dict[str, Any] = {}
     for section, cls in section_types().items():
@@ -409,7 +498,11 @@ usage: gspo-train [--config RECIPE.yaml] [--section.field=VALUE | --section.fiel
 Without --config, gspo-train runs the CPU demo recipe (gspo_megatron/config/recipes/demo.yaml).
 Every field of the recipe can be overridden; values are YAML scalars (3e-4, true, null, [1,0,1]).
 A field a recipe leaves out takes the default listed below (the paper's and production's).
-A 'model.preset' (tiny, qwen3-30b-a3b, qwen3-235b-a22b) fills the model fields not set explicitly.
+A 'model.preset' (tiny, qwen3-30b-a3b, qwen3-235b-a22b) fills the model fields not set explicitly;
+any other preset name is a free label. With --checkpoint.init_weights=DIR holding a converted
+model's model_config.json (gspo-convert-hf), the model comes from that file: a model field given
+here that is architecture (not seq_length, the aux-loss, dispatcher, router-dtype or init settings)
+must agree with it.
 """
 
 

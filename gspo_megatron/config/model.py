@@ -3,15 +3,28 @@
 Field names follow Megatron-Core's ``TransformerConfig`` where a field is a Megatron knob
 (``num_moe_experts``, ``moe_router_topk``, ``tensor_model_parallel_size`` ...), so a Megatron user
 reads them without a glossary.
+
+A converted checkpoint (``gspo-convert-hf``) carries ``model_config.json``, the ModelConfig it was
+built with: with ``checkpoint.init_weights`` pointing at it, the loader takes the model from that
+file (:func:`read_model_config_file`). Its *architecture* fields (``ARCHITECTURE_FIELDS``: what
+the weights' shapes or the function they compute depend on) may be restated by a recipe only with
+the same value; the others (``TRAINING_FIELDS``: ``seq_length``, the aux-loss settings, the
+dispatcher, the router's dtype, the init std, the ``preset`` label) are training choices a recipe
+sets freely, defaulting to the file's values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
+import typing
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 
-from gspo_megatron.config.checks import Problem, Section
+from gspo_megatron.config.checks import FieldError, Problem, Section
+from gspo_megatron.config.coerce import CoerceError, coerce, suggest
 
 
 def moe_layer_pattern(moe_layer_freq: int | list[int], num_layers: int) -> list[int]:
@@ -31,7 +44,17 @@ class ModelConfig(Section, name="model"):
     """
 
     preset: str = "tiny"
-    """Name of the preset these values came from (informational; see ``MODEL_PRESETS``)."""
+    """The model's name. A ``MODEL_PRESETS`` name (tiny, qwen3-30b-a3b, qwen3-235b-a22b) fills
+    every model field the recipe leaves out. Any other string is a free label (e.g. the converted
+    model's name) and fills nothing, so the shape must come from elsewhere: from
+    checkpoint.init_weights' model_config.json (whose own name is the default label), or from the
+    recipe setting every shape field (num_layers, hidden_size, num_attention_heads,
+    num_query_groups, kv_channels, ffn_hidden_size, num_moe_experts, moe_router_topk,
+    moe_ffn_hidden_size, vocab_size); otherwise it is refused as an unknown preset.
+    With a model_config.json, the architecture fields (all but seq_length, moe_aux_loss_coeff,
+    moe_router_load_balancing_type, moe_token_dispatcher_type, moe_router_dtype, init_method_std
+    and preset) come from the file; a recipe (or a known preset) that states one with another
+    value is refused, naming the field and both values."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 64
@@ -243,6 +266,138 @@ MODEL_PRESETS: dict[str, dict] = {
                             num_attention_heads=64, ffn_hidden_size=12288,
                             moe_ffn_hidden_size=1536),
 }
+
+
+SHAPE_FIELDS: tuple[str, ...] = tuple(k for k in MODEL_PRESETS["tiny"] if k != "seq_length")
+"""The fields whose defaults are the tiny preset's: a free ``model.preset`` label without a
+model_config.json needs every one of them set explicitly."""
+
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "ffn_hidden_size", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_layer_freq", "moe_router_pre_softmax", "vocab_size", "rotary_base", "norm_epsilon",
+    "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
+)
+"""ModelConfig fields that define the model a checkpoint holds: the tensors' shapes (including the
+padded vocabulary, hence ``make_vocab_size_divisible_by``), or the function the weights compute
+(routing: ``moe_router_topk``, ``moe_router_pre_softmax``; RoPE theta; RMSNorm epsilon; tied or
+untied head). A recipe training from a converted checkpoint must agree with its
+model_config.json on every one of them."""
+
+TRAINING_FIELDS: tuple[str, ...] = (
+    "preset", "seq_length", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+    "moe_token_dispatcher_type", "moe_router_dtype", "init_method_std",
+)
+"""ModelConfig fields that are training choices (a label, the context fed, the load-balancing loss,
+communication, router numerics, the init of weights that are loaded anyway): a recipe may set them
+to anything; left out, they take the converted checkpoint's values."""
+
+MODEL_CONFIG_FILE = "model_config.json"
+"""What ``gspo-convert-hf`` writes next to the weights: the ModelConfig (``dataclasses.asdict``)."""
+
+MODEL_CONFIG_METADATA_KEYS = frozenset({"checkpoint_dtype"})
+"""Keys of model_config.json that are not ModelConfig fields (written by the converter)."""
+
+
+class ModelFileError(ValueError):
+    """A malformed model_config.json; ``errors`` has one line per problem, each naming the file."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def model_config_file(init_weights: str | None) -> str | None:
+    """``init_weights/model_config.json`` when ``init_weights`` is a directory that has one
+    (a converted checkpoint), else ``None`` (e.g. ``sft_weights`` saved by gspo-train)."""
+    if not init_weights:
+        return None
+    path = os.path.join(init_weights, MODEL_CONFIG_FILE)
+    return path if os.path.isfile(path) else None
+
+
+def read_model_config_file(path: str) -> dict[str, Any]:
+    """``{field: value}`` of a model_config.json, each value coerced to its ModelConfig type.
+
+    Every architecture field must be there; training fields may be missing (not returned).
+    Metadata keys (``MODEL_CONFIG_METADATA_KEYS``) are ignored. Raises :class:`ModelFileError`
+    (lines ``path: ...``) for unreadable or invalid JSON, a non-object, an unknown field, a value
+    of the wrong type, a missing architecture field, or values ModelConfig refuses.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ModelFileError([f"{path}: cannot read: {e}"]) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ModelFileError([f"{path}:{e.lineno}: invalid JSON: {e.msg}"]) from None
+    if not isinstance(data, dict):
+        raise ModelFileError([f"{path}: must be a JSON object of ModelConfig fields, "
+                              f"got {type(data).__name__}"])
+    hints = typing.get_type_hints(ModelConfig)
+    errors: list[str] = []
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in MODEL_CONFIG_METADATA_KEYS:
+            continue
+        if key not in hints:
+            errors.append(f"{path}: {key}: unknown ModelConfig field{suggest(key, hints)}")
+            continue
+        try:
+            values[key] = coerce(value, hints[key])
+        except CoerceError as e:
+            errors.append(f"{path}: {key}: {e}, got {value!r}{e.hint}")
+    missing = [k for k in ARCHITECTURE_FIELDS if k not in data]
+    if missing:
+        errors.append(f"{path}: missing architecture field(s) {', '.join(missing)}")
+    if not errors:
+        try:
+            ModelConfig(**values)
+        except FieldError as e:
+            errors.extend(f"{path}: {line}" for line in e.messages)
+        except (TypeError, ValueError) as e:
+            errors.append(f"{path}: {e}")
+    if errors:
+        raise ModelFileError(errors)
+    return values
+
+
+def _canonical(field: str, value: Any, reference: ModelConfig) -> Any:
+    """``value`` of ``field`` in a form where equal models compare equal (``moe_layer_freq`` 1 ==
+    [1, 1]; ``kv_channels`` null == hidden / heads)."""
+    if field == "moe_layer_freq":
+        return moe_layer_pattern(value, reference.num_layers)
+    if field == "kv_channels" and value is None:
+        return reference.hidden_size // reference.num_attention_heads
+    return value
+
+
+def same_architecture_value(field: str, value: Any, reference: ModelConfig) -> bool:
+    """Whether ``value`` for ``field`` describes the same model as ``reference``'s."""
+    a = _canonical(field, value, reference)
+    b = _canonical(field, getattr(reference, field), reference)
+    if isinstance(a, float) or isinstance(b, float):
+        return (not isinstance(a, bool) and not isinstance(b, bool)
+                and isinstance(a, (int, float)) and isinstance(b, (int, float))
+                and math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0))
+    return a == b
+
+
+def show_value(value: Any) -> str:
+    """A value as a recipe writes it (``true``, ``null``, ``[1, 0]``, ``1000000.0``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def architecture_differences(model: ModelConfig, reference: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """``(field, model's value, reference's value)`` for each architecture field that differs."""
+    return [(f, getattr(model, f), getattr(reference, f)) for f in ARCHITECTURE_FIELDS
+            if not same_architecture_value(f, getattr(model, f), reference)]
 
 
 def model_config_from_preset(name: str, **overrides) -> ModelConfig:

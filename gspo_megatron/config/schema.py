@@ -144,7 +144,9 @@ class RolloutConfig(Section, name="rollout"):
     """Sequences the engine decodes at once."""
     engine: Literal["auto", "static", "dynamic"] = "auto"
     """Megatron-Core inference engine: ``dynamic`` (paged KV cache, continuous batching; CUDA only)
-    or ``static`` (fixed batches; the CPU path). ``auto`` = dynamic with CUDA, else static."""
+    or ``static`` (fixed batches; the CPU path). ``auto`` = dynamic with CUDA and
+    ``expert_model_parallel_size`` 1, else static (the dynamic engine does not yet keep EP ranks in
+    lock-step)."""
     dynamic_buffer_size_gb: float = 20.0
     """GPU memory the dynamic engine reserves for its paged KV cache (Megatron's
     ``inference_dynamic_batching_buffer_size_gb``); held for the whole run, so size it to
@@ -280,7 +282,10 @@ class CheckpointConfig(Section, name="checkpoint"):
     keep_last: int = 2
     """Older checkpoints beyond this many are deleted."""
     init_weights: str | None = None
-    """Initial policy weights (a dist checkpoint, e.g. converted from HF) when not resuming."""
+    """Initial policy weights when not resuming: a ``gspo-convert-hf`` output directory or a run's
+    ``sft_weights``. A converted directory's ``model_config.json`` then defines the model's
+    architecture: the recipe need not restate it, and any architecture field it does set must
+    agree (refused before anything runs, naming the field and both values)."""
 
     def _problems(self) -> Iterator[Problem]:
         yield from self._at_least(0, "save_interval", note=" (0 = only at the end)")

@@ -3,7 +3,7 @@
 Each section checks its own fields when it is built (:mod:`gspo_megatron.config.checks`);
 :func:`validate_config` checks what involves several sections or the outside world (layout vs
 world size, batch divisibility, lengths, routing vs the model, the KL penalty vs the reference
-model, paths, the reward function) and collects every problem into one :class:`ConfigError`
+model, the model vs the converted checkpoint's model_config.json, paths, the reward function) and collects every problem into one :class:`ConfigError`
 whose lines name the fields.
 """
 
@@ -15,6 +15,8 @@ import warnings
 from typing import Sequence
 
 from gspo_megatron.config.checks import FieldError, Section
+from gspo_megatron.config.model import (ModelConfig, ModelFileError, architecture_differences,
+                                        model_config_file, read_model_config_file, show_value)
 from gspo_megatron.config.schema import TrainConfig
 
 
@@ -111,6 +113,10 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
         if not torch.cuda.is_available():
             errors.append("rollout.engine='dynamic' needs CUDA (Megatron-Core's dynamic inference "
                           "context allocates on the GPU); use 'static' or 'auto' on CPU")
+        if par.expert_model_parallel_size > 1:
+            errors.append(f"rollout.engine='dynamic' with parallel.expert_model_parallel_size="
+                          f"{par.expert_model_parallel_size}: the dynamic engine does not keep "
+                          "expert-parallel ranks in lock-step; use 'static' or 'auto'")
 
     # MoE routing replay and diagnostics.
     if rt.replay == "r3":
@@ -140,6 +146,19 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
         warnings.warn("trainer.reference_model is true but loss.kl_coef is 0: the reference "
                       "copy costs memory and a forward pass per step for nothing",
                       ConfigWarning, stacklevel=2)
+
+    # The model against the converted checkpoint it starts from (load_config took the model from
+    # its model_config.json; this catches a config built in Python or changed in place).
+    model_file = model_config_file(ck.init_weights)
+    if model_file is not None:
+        try:
+            reference = ModelConfig(**read_model_config_file(model_file))
+        except ModelFileError as e:
+            errors.extend(e.errors)
+        else:
+            errors.extend(f"model.{field}: the config says {show_value(mine)}, {model_file} says "
+                          f"{show_value(theirs)}"
+                          for field, mine, theirs in architecture_differences(m, reference))
 
     # Files and the reward function (imported lazily: resolving may import the user's module).
     if check_paths:

@@ -41,6 +41,53 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
                       "F64": torch.float64}
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_CONFIG_FILE, MODEL_CONFIG_FILE = "hf_config.json", "model_config.json"
+# {"dtype": the source config.json's torch_dtype/dtype, "hf_dir": absolute source path}
+HF_SOURCE_FILE = "hf_source.json"
+# Non-weight files of the HF directory copied into <converted>/hf_files (tokenizer, generation
+# defaults) so that export can carry them even when the source directory has moved.
+HF_FILES_DIR = "hf_files"
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+              "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+              "chat_template.jinja", "chat_template.json", "tokenizer.model")
+
+
+class ConversionError(ValueError):
+    """Bad input for gspo-convert-hf / gspo-export-hf; the message names the file or directory."""
+
+
+def hf_config_dtype(config: dict) -> str | None:
+    """The dtype name a HF config.json declares (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None
+
+
+def check_safetensors_file(path: str) -> None:
+    """Raise :class:`ConversionError` naming ``path`` if it is not a complete safetensors file
+    (header unreadable, or data shorter than the header says: a truncated download/copy)."""
+    import struct
+
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
+        raise ConversionError(f"safetensors shard {name} in {os.path.dirname(path)} is not readable "
+                              f"({exc})") from exc
+    if 8 + n + end > size:
+        raise ConversionError(f"safetensors shard {name} in {os.path.dirname(path)} is truncated: "
+                              f"{size} bytes, its header needs {8 + n + end}")
 
 
 @dataclass
@@ -77,8 +124,12 @@ def read_hf_checkpoint(directory: str) -> HFCheckpoint:
     config = load_hf_config(directory)
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError) as exc:
+            raise ConversionError(f"{index} is not a valid safetensors index ({exc!r})") from exc
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(directory, "model.safetensors")):
         weight_map, files = None, ["model.safetensors"]
@@ -90,6 +141,8 @@ def read_hf_checkpoint(directory: str) -> HFCheckpoint:
         raise FileNotFoundError(
             f"shard {missing[0]} named by model.safetensors.index.json is missing from {directory}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for file in files:
+        check_safetensors_file(os.path.join(directory, file))
     tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for file in files:
         with safe_open(os.path.join(directory, file), framework="pt") as st:
@@ -286,6 +339,10 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
             meta["checkpoint_dtype"] = str(dtype).removeprefix("torch.")
             with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True)
+            with open(os.path.join(tmp, HF_SOURCE_FILE), "w") as f:
+                json.dump({"dtype": hf_config_dtype(ckpt.config) or str(ckpt.dtype()).removeprefix("torch."),
+                           "hf_dir": os.path.abspath(hf_dir)}, f, indent=2, sort_keys=True)
+            copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
             _commit(tmp, out)
             tmp = None
         if groups.world_size > 1:
@@ -296,6 +353,35 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
         if owns_dist:
             destroy_distributed()
     return cfg
+
+
+def copy_side_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copy the ``SIDE_FILES`` that exist in ``src_dir`` into ``dst_dir``; returns their names."""
+    names = [n for n in SIDE_FILES if os.path.isfile(os.path.join(src_dir, n))]
+    if names:
+        os.makedirs(dst_dir, exist_ok=True)
+    for name in names:
+        shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    return names
+
+
+# Errors the command-line tools report as one line (exit 2) instead of a traceback.
+USER_ERRORS = (ConversionError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+               PermissionError)
+
+
+def run_cli(prog: str, fn) -> int:
+    """Run ``fn()``; a user error (bad input, missing/non-checkpoint directory, shape mismatch)
+    becomes one line ``<prog>: error: <message>`` on stderr and exit code 2."""
+    from gspo_megatron.backends.megatron.checkpoint import CheckpointError
+
+    try:
+        fn()
+    except (*USER_ERRORS, CheckpointError) as exc:
+        msg = " ".join(str(exc).split()) if str(exc) else type(exc).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def release_freed_memory_eagerly(threshold: int = 1 << 16) -> bool:
@@ -332,12 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     release_freed_memory_eagerly()
     overrides = {"seq_length": args.seq_length} if args.seq_length else {}
-    cfg = convert_hf_to_mcore(args.hf_dir, args.out, expert_model_parallel_size=args.ep,
-                              pipeline_model_parallel_size=args.pp, dtype=args.dtype,
-                              overwrite=args.overwrite, **overrides)
-    if int(os.environ.get("RANK", "0")) == 0:
-        logger.info("wrote %s (%d layers, %d experts)", args.out, cfg.num_layers, cfg.num_moe_experts)
-    return 0
+
+    def convert():
+        cfg = convert_hf_to_mcore(args.hf_dir, args.out, expert_model_parallel_size=args.ep,
+                                  pipeline_model_parallel_size=args.pp, dtype=args.dtype,
+                                  overwrite=args.overwrite, **overrides)
+        if int(os.environ.get("RANK", "0")) == 0:
+            logger.info("wrote %s (%d layers, %d experts)", args.out, cfg.num_layers,
+                        cfg.num_moe_experts)
+
+    return run_cli("gspo-convert-hf", convert)
 
 
 if __name__ == "__main__":

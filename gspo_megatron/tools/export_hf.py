@@ -1,7 +1,12 @@
 """Convert a Megatron ``dist_checkpointing`` directory of the Qwen3-MoE policy back to Hugging Face.
 
-    gspo-export-hf --mcore-dir /ckpt/qwen3-30b-mcore --out /models/qwen3-30b-rl \
-        --max-shard-size 5GB
+    gspo-export-hf --mcore-dir run/checkpoints --out /models/qwen3-30b-rl --max-shard-size 5GB
+
+``--mcore-dir`` may be any checkpoint gspo-train or gspo-convert-hf writes: a training checkpoint
+(``run/checkpoints/iter_XXXXXXX``; only the model weights are read), the checkpoints directory
+(its latest iteration), a run's ``sft_weights`` or a converted directory. For a run, the converted
+directory it started from is found through ``checkpoint.init_weights`` in ``run/config.yaml``; it
+supplies the model config, the source dtype (the default output dtype) and the tokenizer files.
 
 Writes ``config.json`` (``Qwen3MoeForCausalLM``; the source ``hf_config.json`` kept by
 ``gspo-convert-hf`` supplies token ids and other fields the ModelConfig does not carry) and
@@ -30,9 +35,11 @@ import torch
 from gspo_megatron.backends.megatron.hf_config import hf_config_from_model_config, model_config_from_hf
 from gspo_megatron.backends.megatron.hf_weights import conversion_plan, extract, hf_expected_shapes
 from gspo_megatron.config.model import ModelConfig
-from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, MODEL_CONFIG_FILE,
-                                            _check_destination, _commit, _fresh_temp_dir, hide_gpus,
-                                            release_freed_memory_eagerly)
+from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, HF_FILES_DIR, HF_SOURCE_FILE,
+                                            MODEL_CONFIG_FILE, SIDE_FILES, ConversionError,
+                                            _check_destination, _commit, _fresh_temp_dir,
+                                            copy_side_files, hf_config_dtype, hide_gpus,
+                                            release_freed_memory_eagerly, run_cli)
 
 logger = logging.getLogger("gspo-export-hf")
 
@@ -114,38 +121,98 @@ def write_hf_from_model(gpt_model, cfg: ModelConfig, directory: str, dtype: torc
     return files
 
 
-# Non-weight files of an HF model directory worth carrying over (tokenizer, generation defaults).
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-              "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-              "chat_template.jinja", "chat_template.json")
+def _run_config_init_weights(run_dir: str) -> str | None:
+    """``checkpoint.init_weights`` of the run in ``run_dir`` (its saved ``config.yaml``)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return None
+    import yaml
+
+    try:
+        with open(path) as f:
+            saved = yaml.safe_load(f) or {}
+        init = (saved.get("checkpoint") or {}).get("init_weights")
+    except (yaml.YAMLError, AttributeError):
+        return None
+    if not init:
+        return None
+    return init if os.path.isabs(init) or os.path.isdir(init) else os.path.join(run_dir, init)
+
+
+def find_converted_dir(mcore_dir: str) -> str | None:
+    """The ``gspo-convert-hf`` directory behind ``mcore_dir``: itself, or for a run's checkpoint /
+    checkpoints dir / ``sft_weights`` the run's ``checkpoint.init_weights`` (followed through runs
+    that started from another run's weights). None when there is none."""
+    seen: set[str] = set()
+    todo = [os.path.abspath(mcore_dir)]
+    while todo:
+        d = todo.pop(0)
+        if d in seen or len(seen) > 16:
+            continue
+        seen.add(d)
+        if os.path.isfile(os.path.join(d, MODEL_CONFIG_FILE)):
+            return d
+        # run/checkpoints/iter_X -> run; run/checkpoints -> run; run/sft_weights -> run
+        for up in (os.path.dirname(d), os.path.dirname(os.path.dirname(d))):
+            init = _run_config_init_weights(up)
+            if init:
+                todo.append(os.path.abspath(init))
+    return None
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as exc:
+        raise ConversionError(f"{path} is not valid JSON ({exc})") from exc
 
 
 def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str = "5GB",
                         dtype: str | None = None, hf_config: str | dict | None = None,
-                        copy_side_files_from: str | None = None,
+                        hf_dir: str | None = None, copy_side_files_from: str | None = None,
                         overwrite: bool = False) -> ModelConfig:
-    """Convert the dist checkpoint ``mcore_dir`` into an HF directory ``out`` (one process).
+    """Convert the checkpoint ``mcore_dir`` into an HF directory ``out`` (one process).
 
-    ``copy_side_files_from``: an HF directory whose tokenizer / generation-config files
-    (``SIDE_FILES``) are copied along.
+    ``mcore_dir``: any directory :func:`~gspo_megatron.backends.megatron.checkpoint.resolve_weights_dir`
+    accepts (training checkpoint, checkpoints dir, ``sft_weights``, converted dir).
+    ``hf_dir``: the source HF directory (its config.json is the base config and dtype, its tokenizer
+    / generation-config files are carried); default: what the converted directory recorded.
+    ``hf_config``: only a config.json (or dict) describing the model.
+    ``copy_side_files_from``: an HF directory whose ``SIDE_FILES`` are copied (overrides ``hf_dir``'s).
+    ``dtype``: output dtype; default the source HF dtype, else the checkpoint's.
     """
     import torch.distributed as dist
 
-    from gspo_megatron.backends.megatron.checkpoint import load_model_weights
+    from gspo_megatron.backends.megatron.checkpoint import (checkpoint_tensor_dtype,
+                                                            load_model_weights, resolve_weights_dir)
     from gspo_megatron.backends.megatron.hf_config import load_hf_config
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
 
+    # Validate everything before a process group, a weight or a file exists.
     _check_destination(out, overwrite)
-    if not os.path.isdir(mcore_dir):
-        raise FileNotFoundError(f"checkpoint directory not found: {mcore_dir}")
-    if hf_config is not None:
-        base = load_hf_config(hf_config) if isinstance(hf_config, str) else hf_config
-        cfg, saved_dtype = model_config_from_hf(base), None
+    weights_dir = resolve_weights_dir(mcore_dir)  # CheckpointError: missing / not a checkpoint
+    for opt, path in (("--hf-dir", hf_dir), ("--copy-side-files-from", copy_side_files_from)):
+        if path is not None and not os.path.isdir(path):
+            raise FileNotFoundError(f"{opt} directory not found: {path}")
+    converted = find_converted_dir(mcore_dir)
+    source = (_read_json(os.path.join(converted, HF_SOURCE_FILE)) or {}) if converted else {}
+    saved_dtype = None
+    if hf_config is not None or hf_dir is not None:
+        base = hf_config if isinstance(hf_config, dict) else load_hf_config(hf_config or hf_dir)
+        cfg = model_config_from_hf(base)
+    elif converted is not None:
+        cfg, base, saved_dtype = read_mcore_configs(converted)
     else:
-        cfg, base, saved_dtype = read_mcore_configs(mcore_dir)
-    dtype_name = dtype or saved_dtype or "float32"
+        raise ConversionError(f"{mcore_dir}: cannot tell which model this is (no {MODEL_CONFIG_FILE} "
+                              "here or in the converted directory the run started from); pass "
+                              "--hf-dir or --hf-config")
+    dtype_name = (dtype or (hf_config_dtype(base) if base else None) or source.get("dtype")
+                  or saved_dtype or "float32")
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype_name!r}")
     torch_dtype = DTYPE_NAMES[dtype_name]
@@ -153,6 +220,18 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
     hf_out = hf_config_from_model_config(cfg, base=base, dtype=dtype_name)
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise RuntimeError("convert_mcore_to_hf runs in a single process (WORLD_SIZE=1)")
+    side_dirs = [d for d in (copy_side_files_from, hf_dir) if d]
+    if not side_dirs and converted is not None:
+        side_dirs = [os.path.join(converted, HF_FILES_DIR)]
+        if source.get("hf_dir"):
+            side_dirs.append(source["hf_dir"])
+    side_dir = next((d for d in side_dirs
+                     if os.path.isdir(d) and any(os.path.isfile(os.path.join(d, n)) for n in SIDE_FILES)),
+                    None)
+    # Build the model in the dtype the weights are stored in (a training checkpoint holds the
+    # training dtype, a converted one the source dtype): loading is exact, memory is the model once.
+    load_dtype = checkpoint_tensor_dtype(weights_dir) or (DTYPE_NAMES.get(saved_dtype) if saved_dtype
+                                                          else torch_dtype)
 
     owns_dist = not dist.is_initialized()
     parallel = ParallelConfig(sequence_parallel=False)
@@ -162,21 +241,19 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
         gpt = build_gpt_model(
             cfg, parallel, PrecisionConfig(transformer_impl="local"), pre_process=True,
             post_process=True, transformer_config_overrides=dict(
-                params_dtype=DTYPE_NAMES[saved_dtype] if saved_dtype else torch_dtype,
-                perform_initialization=False, use_cpu_initialization=True))
+                params_dtype=load_dtype, perform_initialization=False,
+                use_cpu_initialization=True))
         gpt.to("cpu")
-        load_model_weights(gpt, mcore_dir)
+        load_model_weights(gpt, weights_dir)
         os.makedirs(tmp)
         files = write_hf_from_model(gpt, cfg, tmp, torch_dtype, max_bytes)
         del gpt
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_out, f, indent=2, sort_keys=True)
-        for name in SIDE_FILES if copy_side_files_from else ():
-            path = os.path.join(copy_side_files_from, name)
-            if os.path.isfile(path):
-                shutil.copy2(path, os.path.join(tmp, name))
+        carried = copy_side_files(side_dir, tmp) if side_dir else []
         _commit(tmp, out)
-        logger.info("wrote %s (%d safetensors file(s))", out, len(files))
+        logger.info("wrote %s from %s (%d safetensors file(s), %s; carried: %s)", out, weights_dir,
+                    len(files), dtype_name, ", ".join(carried) or "nothing")
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -188,24 +265,29 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
 def main(argv: list[str] | None = None) -> int:
     hide_gpus()
     ap = argparse.ArgumentParser(prog="gspo-export-hf", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mcore-dir", required=True, help="dist checkpoint directory")
+    ap.add_argument("--mcore-dir", required=True,
+                    help="a training checkpoint (run/checkpoints/iter_N), a checkpoints dir (its "
+                         "latest), run/sft_weights or a gspo-convert-hf directory")
     ap.add_argument("--out", required=True, help="destination HF directory")
     ap.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
     ap.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
-                    help="safetensors dtype (default: the checkpoint's)")
+                    help="safetensors dtype (default: the source HF model's, else the checkpoint's)")
     ap.add_argument("--hf-config", default=None,
                     help="config.json (or HF dir) describing the model, for checkpoints not made "
                          "by gspo-convert-hf")
+    ap.add_argument("--hf-dir", default=None,
+                    help="the source HF directory: base config.json, dtype, tokenizer files "
+                         "(default: what gspo-convert-hf recorded)")
     ap.add_argument("--copy-side-files-from", default=None, metavar="HF_DIR",
                     help="copy tokenizer / generation_config files from this HF directory")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     release_freed_memory_eagerly()
-    convert_mcore_to_hf(args.mcore_dir, args.out, max_shard_size=args.max_shard_size,
-                        dtype=args.dtype, hf_config=args.hf_config,
-                        copy_side_files_from=args.copy_side_files_from, overwrite=args.overwrite)
-    return 0
+    return run_cli("gspo-export-hf", lambda: convert_mcore_to_hf(
+        args.mcore_dir, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
+        hf_config=args.hf_config, hf_dir=args.hf_dir, copy_side_files_from=args.copy_side_files_from,
+        overwrite=args.overwrite))
 
 
 if __name__ == "__main__":

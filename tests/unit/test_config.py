@@ -329,6 +329,13 @@ def test_unknown_preset_suggests(tmp_path: Path) -> None:
     msg = error_of(load_config, write(tmp_path, "model:\n  preset: qwen3-30b-a3\n"))
     assert "recipe.yaml:2: model.preset: unknown preset 'qwen3-30b-a3'" in msg
     assert "did you mean 'qwen3-30b-a3b'" in msg
+    # Any other name is a free label, once the shape comes from elsewhere (here: every shape
+    # field; or checkpoint.init_weights' model_config.json, tests/unit/test_init_from_converted.py).
+    assert "free label" in msg and "missing model.num_layers" in msg
+    shape = {k: v for k, v in MODEL_PRESETS["tiny"].items() if k != "seq_length"}
+    cfg = load_config(None, ["--model.preset=my-tiny-moe",
+                             *(f"--model.{k}={v}" for k, v in shape.items())])
+    assert cfg.model == ModelConfig(preset="my-tiny-moe")
 
 
 # -------------------------------------------------------------------------------- load errors

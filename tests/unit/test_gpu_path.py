@@ -99,3 +99,18 @@ def test_gpu_check_reward_and_comparison(tmp_path):
     assert cmp["differ"] == 1 and cmp["max_abs_diff"] == pytest.approx(0.5)
     names = [n for n, _, _ in stages(str(tmp_path), quick=True)]
     assert names[:2] == ["env", "tiny_dynamic"] and "slice_mfu" in names
+
+
+def test_engine_choice_keeps_expert_parallel_ranks_off_the_dynamic_engine():
+    """Megatron's dynamic engine steps only while its own rank has work; with EP > 1 a rank that
+    finishes first leaves the others in the MoE all-to-all (seen on CPU/gloo; a hang on NCCL)."""
+    from gspo_megatron.backends.megatron.rollout import choose_backend
+
+    assert choose_backend("auto", cuda=True, ep_size=1) == "dynamic"
+    assert choose_backend("auto", cuda=True, ep_size=8) == "static"
+    assert choose_backend("auto", cuda=False, ep_size=1) == "static"
+    assert choose_backend("static", cuda=True, ep_size=1) == "static"
+    with pytest.raises(NotImplementedError, match="expert_model_parallel_size=2"):
+        choose_backend("dynamic", cuda=True, ep_size=2)
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        choose_backend("dynamic", cuda=False, ep_size=1)

@@ -508,3 +508,170 @@ def test_peak_memory_is_about_one_model_plus_one_shard(tmp_path):
     # ~1x model + one shard; holding the model and all shards (or Megatron's plain save, which
     # clones every SwiGLU fc1) would be 2x / 1.6x
     assert extra < big + 2 * shard, (extra, big)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exporting what gspo-train writes; command-line errors (one line, exit 2, nothing written)
+
+
+def _fake_training_run(mcore_dir, run_dir, step=2, scale=None):
+    """A run directory as gspo-train leaves it: ``config.yaml`` naming ``mcore_dir`` as
+    ``checkpoint.init_weights`` and ``checkpoints/iter_<step>`` in save_checkpoint's layout
+    (model nested under "model", plus scheduler / step / extra / has_optimizer_state). Returns
+    the Megatron state dict that was saved (weights optionally scaled, to tell them apart)."""
+    import yaml
+    from megatron.core import dist_checkpointing
+
+    from gspo_megatron.backends.megatron.checkpoint import (TRACKER_FILE, iteration_dir,
+                                                            load_model_weights)
+    from gspo_megatron.backends.megatron.model import build_gpt_model
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
+    from gspo_megatron.tools.export_hf import read_mcore_configs
+
+    cfg, _, _ = read_mcore_configs(mcore_dir)
+    os.makedirs(os.path.join(run_dir, "checkpoints"))
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump({"checkpoint": {"init_weights": mcore_dir}}, f)
+    initialize_distributed(ParallelConfig(), cfg, seed=0)
+    try:
+        gpt = build_gpt_model(cfg, ParallelConfig(), PrecisionConfig(transformer_impl="local"),
+                              pre_process=True, post_process=True)
+        load_model_weights(gpt, mcore_dir)
+        if scale is not None:
+            with torch.no_grad():
+                for p in gpt.parameters():
+                    p.mul_(scale)
+        target = iteration_dir(os.path.join(run_dir, "checkpoints"), step)
+        os.makedirs(target)
+        dist_checkpointing.save({"model": gpt.sharded_state_dict(),
+                                 "scheduler": {"num_steps": step, "max_lr": 1e-3},
+                                 "step": step, "extra": {"sampler": 5},
+                                 "has_optimizer_state": False}, target)
+        state = {k: v.detach().clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v)}
+    finally:
+        destroy_distributed()
+    with open(os.path.join(run_dir, "checkpoints", TRACKER_FILE), "w") as f:
+        f.write(str(step))
+    return cfg, state
+
+
+def test_training_checkpoint_exports_model_weights_only(converted, tmp_path):
+    """The issue: a training checkpoint (model + scheduler + step + extra) exports; through the
+    checkpoints dir too (latest iteration); config and dtype come from the converted dir."""
+    from gspo_megatron.tools.export_hf import convert_mcore_to_hf, main
+
+    model, hf_dir, mcore_dir = converted["gqa2_hd12_mlponly"]
+    run = str(tmp_path / "run")
+    cfg, state = _fake_training_run(mcore_dir, run, scale=1.5)
+    expect = hf_state_dict_from_mcore(state, cfg)
+    out = tmp_path / "out"
+    assert main(["--mcore-dir", os.path.join(run, "checkpoints", "iter_0000002"),
+                 "--out", str(out)]) == 0
+    got = read_safetensors(str(out))
+    assert got.keys() == expect.keys()
+    assert all(torch.equal(got[k], expect[k]) for k in got)
+    src = read_safetensors(hf_dir)
+    assert not torch.equal(got["model.norm.weight"], src["model.norm.weight"])
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert (out / "generation_config.json").is_file()  # carried from the converted dir
+
+    latest = tmp_path / "latest"
+    convert_mcore_to_hf(os.path.join(run, "checkpoints"), str(latest), dtype="bfloat16")
+    got16 = read_safetensors(str(latest))
+    assert all(got16[k].dtype == torch.bfloat16 and torch.equal(got16[k], expect[k].bfloat16())
+               for k in got16)
+    assert json.loads((latest / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_convert_records_source_dtype_and_side_files(converted):
+    _, hf_dir, mcore_dir = converted["gqa4_hd8_sparsestep2"]
+    source = json.loads(open(os.path.join(mcore_dir, "hf_source.json")).read())
+    assert source == {"dtype": "float32", "hf_dir": os.path.abspath(hf_dir)}
+    assert os.listdir(os.path.join(mcore_dir, "hf_files")) == ["generation_config.json"]
+
+
+def _cli_fails(capsys, tool, argv, match, dst):
+    import re
+
+    if tool == "convert":
+        from gspo_megatron.tools.convert_hf import main
+    else:
+        from gspo_megatron.tools.export_hf import main
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1 and re.search(match, lines[0]), err
+    assert not os.path.exists(dst)
+    assert leftovers(os.path.dirname(str(dst))) == []
+    return lines[0]
+
+
+def test_cli_truncated_shard_is_named(sharded_copy, tmp_path, capsys):
+    files = sorted(glob.glob(str(sharded_copy / "model-*.safetensors")))
+    victim = files[2]
+    data = open(victim, "rb").read()
+    with open(victim, "wb") as f:
+        f.write(data[:len(data) - 100])
+    dst = tmp_path / "out"
+    _cli_fails(capsys, "convert", ["--hf-dir", str(sharded_copy), "--out", str(dst)],
+               f"gspo-convert-hf: error: .*{os.path.basename(victim)}.* truncated", dst)
+    with open(victim, "wb") as f:  # not even a header
+        f.write(b"\x05")
+    _cli_fails(capsys, "convert", ["--hf-dir", str(sharded_copy), "--out", str(dst)],
+               f"{os.path.basename(victim)}.* not readable", dst)
+
+
+def test_cli_convert_missing_dir_and_bad_shape(sharded_copy, tmp_path, capsys):
+    dst = tmp_path / "out"
+    _cli_fails(capsys, "convert", ["--hf-dir", str(tmp_path / "nope"), "--out", str(dst)],
+               "HF model directory not found: .*nope", dst)
+    cfg = json.loads((sharded_copy / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 32
+    (sharded_copy / "config.json").write_text(json.dumps(cfg))
+    _cli_fails(capsys, "convert", ["--hf-dir", str(sharded_copy), "--out", str(dst)],
+               r"experts\.0\.gate_proj\.weight .*\[24, 48\].*\[32, 48\]", dst)
+
+
+def test_cli_export_missing_and_non_checkpoint_dirs(converted, tmp_path, capsys):
+    dst = tmp_path / "out"
+    _cli_fails(capsys, "export", ["--mcore-dir", str(tmp_path / "nope"), "--out", str(dst)],
+               "gspo-export-hf: error: checkpoint directory not found: .*nope", dst)
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("x")
+    _cli_fails(capsys, "export", ["--mcore-dir", str(junk), "--out", str(dst)],
+               f"not a checkpoint directory: {junk}", dst)
+    ckpts = tmp_path / "checkpoints"  # a pointer to an iteration that is gone
+    ckpts.mkdir()
+    (ckpts / "latest_checkpointed_iteration.txt").write_text("7")
+    _cli_fails(capsys, "export", ["--mcore-dir", str(ckpts), "--out", str(dst)],
+               "iteration 7 .*iter_0000007 is missing", dst)
+    # a checkpoint but no way to tell the model (no converted dir behind it, no --hf-config)
+    _, hf_dir, mcore_dir = converted["gqa2_hd12_mlponly"]
+    bare = tmp_path / "bare"
+    shutil.copytree(mcore_dir, bare)
+    os.remove(bare / "model_config.json")
+    _cli_fails(capsys, "export", ["--mcore-dir", str(bare), "--out", str(dst)],
+               "cannot tell which model.*--hf-dir", dst)
+
+
+def test_cli_export_shape_mismatch_and_missing_key(converted, tmp_path, capsys):
+    _, hf_dir, mcore_dir = converted["gqa2_hd12_mlponly"]
+    dst = tmp_path / "out"
+    cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    cfg["moe_intermediate_size"] = 24
+    (tmp_path / "other.json").write_text(json.dumps(cfg))
+    _cli_fails(capsys, "export", ["--mcore-dir", mcore_dir, "--out", str(dst),
+                                  "--hf-config", str(tmp_path / "other.json")],
+               rf"{mcore_dir}: model tensor \S*experts\S* has shape \[[\d, ]+\] in the "
+               r"checkpoint, the model expects \[[\d, ]+\]", dst)
+    cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    cfg["num_hidden_layers"] = 4
+    cfg["mlp_only_layers"] = [1]
+    (tmp_path / "deeper.json").write_text(json.dumps(cfg))
+    _cli_fails(capsys, "export", ["--mcore-dir", mcore_dir, "--out", str(dst),
+                                  "--hf-config", str(tmp_path / "deeper.json")],
+               rf"{mcore_dir}: model tensor .*layers\.3.* is missing", dst)

@@ -236,14 +236,118 @@ def save_model_weights(gpt_model, directory: str) -> None:
     dist_checkpointing.save(gpt_model.sharded_state_dict(), directory)
 
 
-def load_model_weights(gpt_model, directory: str) -> None:
-    """Load ``directory`` into ``gpt_model`` whatever layout saved it (collective); strict."""
+# Written by dist_checkpointing.save into every checkpoint directory.
+_DIST_METADATA = "metadata.json"
+# The key under which save_checkpoint nests the model's sharded state dict. Nesting does not change
+# the ShardedTensor keys (the model's own, no prefix), only where the loaded tensors come back.
+TRAINING_MODEL_KEY = "model"
+
+
+def resolve_weights_dir(directory: str) -> str:
+    """The dist-checkpoint directory holding model weights for ``directory``.
+
+    Accepts a model-weights directory (``save_model_weights``, ``gspo-convert-hf``, a run's
+    ``sft_weights``), one training checkpoint (``.../checkpoints/iter_XXXXXXX``) or a training
+    checkpoints directory (the iteration named by ``latest_checkpointed_iteration.txt``).
+    Raises :class:`CheckpointError` naming the directory when it is none of these."""
+    if not os.path.exists(directory):
+        raise CheckpointError(f"checkpoint directory not found: {directory}")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"not a directory: {directory}")
+    if os.path.isfile(os.path.join(directory, _DIST_METADATA)):
+        return directory
+    if os.path.isfile(os.path.join(directory, TRACKER_FILE)):
+        step = read_latest(directory)
+        it = iteration_dir(directory, step)
+        if not os.path.isfile(os.path.join(it, _DIST_METADATA)):
+            raise CheckpointError(f"{directory}: {TRACKER_FILE} names iteration {step} but {it} "
+                                  "is missing or not a checkpoint")
+        return it
+    raise CheckpointError(f"not a checkpoint directory: {directory} (no {_DIST_METADATA} and no "
+                          f"{TRACKER_FILE})")
+
+
+def is_training_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` (a dist checkpoint) was written by :func:`save_checkpoint`."""
     from megatron.core import dist_checkpointing
 
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
-    state = dist_checkpointing.load(gpt_model.sharded_state_dict(), directory)
-    gpt_model.load_state_dict(state, strict=True)
+    common = dist_checkpointing.load_common_state_dict(directory)
+    return isinstance(common, dict) and "has_optimizer_state" in common and "step" in common
+
+
+def checkpoint_tensor_dtype(directory: str) -> torch.dtype | None:
+    """The most common dtype among the stored model tensors of a weights/training checkpoint
+    (optimizer state excluded), or None when the metadata says nothing."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(resolve_weights_dir(directory))
+    counts: dict[torch.dtype, int] = {}
+    for key, item in meta.items():
+        if key.startswith("optimizer.") or not hasattr(item, "dtype") or item.dtype is None:
+            continue
+        counts[item.dtype] = counts.get(item.dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def _check_model_keys(sharded_state_dict, directory: str) -> None:
+    """Every model ShardedTensor stored in ``directory`` with its global shape, else raise."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    stored = dist_checkpointing.load_tensors_metadata(directory)
+    expected = []
+    for item in nested_values(sharded_state_dict):
+        if isinstance(item, ShardedTensorFactory):
+            built = item.build()
+            expected.extend(v for v in nested_values(built if isinstance(built, dict) else [built])
+                            if isinstance(v, ShardedTensor))
+        elif isinstance(item, ShardedTensor):
+            expected.append(item)
+    for st in expected:
+        found = stored.get(st.key)
+        if found is None:
+            raise CheckpointError(f"{directory}: model tensor {st.key} is missing from the checkpoint")
+        if tuple(found.global_shape) != tuple(st.global_shape):
+            raise CheckpointError(
+                f"{directory}: model tensor {st.key} has shape {list(found.global_shape)} in the "
+                f"checkpoint, the model expects {list(st.global_shape)}")
+
+
+def load_model_weights(gpt_model, directory: str) -> str:
+    """Load the model weights of ``directory`` into ``gpt_model`` whatever layout saved them
+    (collective); strict on the model's own tensors, everything else in a training checkpoint
+    (optimizer, scheduler, step, extra state) is ignored.
+
+    ``directory``: anything :func:`resolve_weights_dir` accepts. Returns the directory actually
+    read. Raises :class:`CheckpointError` naming the directory (and the tensor) when it is not a
+    checkpoint, a model tensor is missing or its shape differs."""
+    from megatron.core import dist_checkpointing
+
+    directory = resolve_weights_dir(directory)
+    _check_model_keys(gpt_model.sharded_state_dict(), directory)
+    training = is_training_checkpoint(directory)
+    model_sd = gpt_model.sharded_state_dict()
+    try:
+        if training:
+            loaded = dist_checkpointing.load({TRAINING_MODEL_KEY: model_sd}, directory)
+            state = loaded[TRAINING_MODEL_KEY]
+        else:
+            state = dist_checkpointing.load(model_sd, directory)
+    except CheckpointError:
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"{directory}: cannot load model weights: {_describe(exc)}") from exc
+    own = set(gpt_model.state_dict())
+    state = {k: v for k, v in state.items() if k in own or not training}
+    try:
+        gpt_model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()
+        raise CheckpointError(f"{directory}: {' '.join(line.strip() for line in first[:3])}") from exc
+    return directory
 
 
 @torch.no_grad()

@@ -54,7 +54,13 @@ def load_hf_config(path: str) -> dict:
     if not os.path.isfile(file):
         raise FileNotFoundError(f"HF config not found: {file}")
     with open(file) as f:
-        return json.load(f)
+        try:
+            config = json.load(f)
+        except ValueError as exc:
+            raise ValueError(f"{file} is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return config
 
 
 def _get(hf: dict, name: str, default: Any = None, required: bool = False) -> Any:

@@ -93,6 +93,26 @@ def _sequence_parallel_off(model):
             setattr(m, a, v)
 
 
+def choose_backend(requested: str, cuda: bool, ep_size: int) -> str:
+    """The engine to build: ``auto`` = dynamic with CUDA and no expert parallelism, else static.
+
+    Megatron's ``DynamicInferenceEngine.generate`` steps only while its own rank has requests;
+    under EP > 1 the MoE all-to-all couples ranks with different amounts of work, so a rank that
+    finishes first leaves the others waiting in a collective (found on CPU with gloo; a hang
+    with NCCL). Until our engine keeps EP ranks in lock-step on that path, EP > 1 uses the static
+    engine, which does (``dummy_forward`` padding)."""
+    if requested == "auto":
+        return "dynamic" if cuda and ep_size == 1 else "static"
+    if requested == "dynamic" and not cuda:
+        raise RuntimeError("the dynamic inference engine needs CUDA")
+    if requested == "dynamic" and ep_size > 1:
+        raise NotImplementedError(
+            f"rollout.engine='dynamic' with expert_model_parallel_size={ep_size}: Megatron's "
+            "dynamic engine does not keep expert-parallel ranks in lock-step; use 'static' or "
+            "'auto'")
+    return requested
+
+
 class RolloutEngine:
     """Generate responses with Megatron-Core's inference engine from the live policy model.
 
@@ -107,7 +127,7 @@ class RolloutEngine:
             max_new_tokens, max_batch_size, group_size).
         tokenizer: optional gspo tokenizer, only so Megatron can fill its ``text`` fields.
         max_sequence_length: KV-cache length (prompt + response); default the model's.
-        backend: ``"auto"`` (dynamic on CUDA, static otherwise), ``"static"`` or ``"dynamic"``.
+        backend: ``"auto"``, ``"static"`` or ``"dynamic"`` (:func:`choose_backend`).
     """
 
     def __init__(self, model, groups: ParallelGroups, *, eos_id: int, pad_id: int,
@@ -124,10 +144,7 @@ class RolloutEngine:
             raise ValueError(f"vocab_size ({vocab_size}) must be in (0, padded vocab {padded}]")
         if not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"eos_id ({eos_id}) outside the vocabulary [0, {vocab_size})")
-        if backend == "auto":
-            backend = "dynamic" if torch.cuda.is_available() else "static"
-        if backend == "dynamic" and not torch.cuda.is_available():
-            raise RuntimeError("the dynamic inference engine needs CUDA")
+        backend = choose_backend(backend, torch.cuda.is_available(), groups.ep_size)
         if backend == "static" and groups.pp_size > 1 and groups.ep_size > 1:
             raise NotImplementedError(
                 f"parallel.pipeline_model_parallel_size={groups.pp_size} with "
