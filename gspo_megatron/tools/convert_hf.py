@@ -33,14 +33,14 @@ import torch
 
 from gspo_megatron.backends.megatron.hf_config import load_hf_config, model_config_from_hf
 from gspo_megatron.backends.megatron.hf_weights import hf_expected_shapes, place, uses_fused_experts
-from gspo_megatron.config.model import ModelConfig
+from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig
 
 logger = logging.getLogger("gspo-convert-hf")
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "F64": torch.float64}
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_CONFIG_FILE, MODEL_CONFIG_FILE = "hf_config.json", "model_config.json"
+HF_CONFIG_FILE = "hf_config.json"
 # {"dtype": the source config.json's torch_dtype/dtype, "hf_dir": absolute source path}
 HF_SOURCE_FILE = "hf_source.json"
 # Non-weight files of the HF directory copied into <converted>/hf_files (tokenizer, generation

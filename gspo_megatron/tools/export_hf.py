@@ -34,9 +34,9 @@ import torch
 
 from gspo_megatron.backends.megatron.hf_config import hf_config_from_model_config, model_config_from_hf
 from gspo_megatron.backends.megatron.hf_weights import conversion_plan, extract, hf_expected_shapes
-from gspo_megatron.config.model import ModelConfig
+from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig
 from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, HF_FILES_DIR, HF_SOURCE_FILE,
-                                            MODEL_CONFIG_FILE, SIDE_FILES, ConversionError,
+                                            SIDE_FILES, ConversionError,
                                             _check_destination, _commit, _fresh_temp_dir,
                                             copy_side_files, hf_config_dtype, hide_gpus,
                                             release_freed_memory_eagerly, run_cli)

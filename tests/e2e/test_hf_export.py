@@ -17,6 +17,8 @@ import tempfile
 import pytest
 import torch
 
+from tests.helpers.hf import sharpen_random_init
+
 pytestmark = pytest.mark.slow
 
 transformers = pytest.importorskip("transformers")
@@ -65,12 +67,7 @@ def make_hf_dir(directory):
 
     torch.manual_seed(7)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_KWARGS)).eval()
-    with torch.no_grad():  # larger than the default init so routing and norms matter
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif n.endswith("gate.weight"):
-                p.normal_(0, 0.5)
+    sharpen_random_init(model)
     model = model.to(torch.bfloat16)
     model.save_pretrained(directory, max_shard_size="60KB")
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, 128)}}

@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 
+from tests.helpers.hf import sharpen_random_init
+
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
@@ -58,12 +60,7 @@ def make_hf_model(name, seed=0):
                   **kwargs)
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs)).float().eval()
-    with torch.no_grad():  # larger than the default init so routing and norms matter
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif n.endswith("gate.weight"):
-                p.normal_(0, 0.5)
+    sharpen_random_init(model)
     return model
 
 

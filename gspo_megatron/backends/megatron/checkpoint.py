@@ -31,6 +31,9 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+# The key under which save_checkpoint nests the model's sharded state dict. Nesting does not change
+# the ShardedTensor keys (the model's own, no prefix), only where the loaded tensors come back.
+TRAINING_MODEL_KEY = "model"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
@@ -151,7 +154,7 @@ def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int 
     # A fresh optimizer (no step taken yet) has no Adam state to save; loading then skips it.
     with_optimizer = _optimizer_has_state(policy.optimizer)
     sharded = {
-        "model": model_sd,
+        TRAINING_MODEL_KEY: model_sd,
         "scheduler": policy.scheduler.state_dict(),
         "step": state.step,
         "extra": state.extra,
@@ -209,12 +212,12 @@ def _load_one(policy, directory: str) -> TrainingState:
     gpt = policy.unwrapped()
     common = dist_checkpointing.load_common_state_dict(directory)
     model_sd = gpt.sharded_state_dict()
-    sharded = {"model": model_sd}
+    sharded = {TRAINING_MODEL_KEY: model_sd}
     if common.get("has_optimizer_state", True):
         sharded["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=True)
     loaded = dist_checkpointing.load(sharded, directory)
     loaded = {**common, **loaded}
-    gpt.load_state_dict(loaded["model"], strict=True)
+    gpt.load_state_dict(loaded[TRAINING_MODEL_KEY], strict=True)
     if "optimizer" in loaded:
         policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(loaded["scheduler"])
@@ -238,9 +241,6 @@ def save_model_weights(gpt_model, directory: str) -> None:
 
 # Written by dist_checkpointing.save into every checkpoint directory.
 _DIST_METADATA = "metadata.json"
-# The key under which save_checkpoint nests the model's sharded state dict. Nesting does not change
-# the ShardedTensor keys (the model's own, no prefix), only where the loaded tensors come back.
-TRAINING_MODEL_KEY = "model"
 
 
 def resolve_weights_dir(directory: str) -> str:
@@ -325,9 +325,9 @@ def load_model_weights(gpt_model, directory: str) -> str:
     from megatron.core import dist_checkpointing
 
     directory = resolve_weights_dir(directory)
-    _check_model_keys(gpt_model.sharded_state_dict(), directory)
-    training = is_training_checkpoint(directory)
     model_sd = gpt_model.sharded_state_dict()
+    _check_model_keys(model_sd, directory)
+    training = is_training_checkpoint(directory)
     try:
         if training:
             loaded = dist_checkpointing.load({TRAINING_MODEL_KEY: model_sd}, directory)
