@@ -8,10 +8,12 @@ model or file exists; :func:`build` makes the components; :meth:`Trainer.fit` ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
+import warnings
 from typing import NamedTuple
 
 from gspo_megatron.config import TrainConfig
@@ -35,9 +37,7 @@ def load_data(cfg: TrainConfig):
     from gspo_megatron.tokenizer import build_tokenizer, train_sentencepiece
 
     if cfg.data.source == "arithmetic":
-        train, heldout = data_lib.make_arithmetic_splits(
-            cfg.data.num_train_examples, cfg.data.num_eval_examples, seed=cfg.trainer.seed,
-            max_operand=cfg.data.max_operand, heldout_fraction=cfg.data.heldout_fraction)
+        train, heldout = _arithmetic_splits(cfg)
     else:
         keys = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
         train = data_lib.load_prompt_dataset(cfg.data.train_path, **keys)
@@ -54,28 +54,111 @@ def load_data(cfg: TrainConfig):
         for ex in examples:
             n = len(tokenizer.encode(tokenizer.apply_chat_template(ex.model_input)))
             if n > cfg.data.max_prompt_length:
-                source = cfg.data.train_path if split == "train" else cfg.data.eval_path
-                raise ValueError(
-                    f"{source or 'data.source=' + cfg.data.source}: {split} example {ex.index}: "
-                    f"prompt has {n} tokens, more than data.max_prompt_length="
-                    f"{cfg.data.max_prompt_length}")
+                # A file's example is named as its load errors name it (file:line); a generated
+                # one by its 1-based number and its text.
+                where = ex.where or (f"data.source={cfg.data.source}: {split} example "
+                                     f"{ex.index + 1} ({ex.prompt!r})")
+                raise ValueError(f"{where}: prompt has {n} tokens, more than "
+                                 f"data.max_prompt_length={cfg.data.max_prompt_length}")
     return tokenizer, train, heldout
 
 
-def prepare(cfg: TrainConfig) -> Prepared:
+def _arithmetic_splits(cfg: TrainConfig) -> tuple[list, list]:
+    """The built-in task's training and held-out sets; a size the task cannot draw is refused
+    naming the field that asked for it."""
+    from gspo_megatron import data as data_lib
+
+    d = cfg.data
+    splits = []
+    for field, split, count in (("data.num_train_examples", "train", d.num_train_examples),
+                                ("data.num_eval_examples", "heldout", d.num_eval_examples)):
+        try:
+            splits.append(data_lib.make_arithmetic_dataset(
+                count, seed=cfg.trainer.seed, split=split, max_operand=d.max_operand,
+                heldout_fraction=d.heldout_fraction))
+        except ValueError as e:  # "... has only N; <advice for Python callers>"
+            raise ValueError(f"{field}={count}: {str(e).split(';')[0]} (data.max_operand="
+                             f"{d.max_operand}, data.heldout_fraction={d.heldout_fraction}); "
+                             f"lower {field} or raise data.max_operand") from None
+    return splits[0], splits[1]
+
+
+def check_data_sizes(cfg: TrainConfig, train: list, heldout: list, dp_size: int) -> None:
+    """One RL step draws ``rollout.prompts_per_step`` prompts on each of ``dp_size`` data-parallel
+    ranks, and evaluation gives every rank a share of the held-out set: refuse datasets too small
+    for that here, rather than when the sampler or the evaluator is built after the run directory
+    has been written."""
+    d, per_step = cfg.data, cfg.rollout.prompts_per_step
+    if d.source == "file":
+        train_name = f"data.train_path: {d.train_path} has"
+        eval_name = f"data.eval_path: {d.eval_path} has"
+    else:
+        train_name, eval_name = "data.num_train_examples:", "data.num_eval_examples:"
+    need = per_step * dp_size
+    if len(train) < need:
+        raise ValueError(f"{train_name} {len(train)} prompts, fewer than one RL step needs "
+                         f"(rollout.prompts_per_step x data-parallel size = {per_step} x "
+                         f"{dp_size} = {need})")
+    if 0 < len(heldout) < dp_size:
+        raise ValueError(f"{eval_name} {len(heldout)} held-out prompts, fewer than the "
+                         f"data-parallel size {dp_size} (each data-parallel rank evaluates a "
+                         "share of them)")
+
+
+def check_start_weights(cfg: TrainConfig) -> None:
+    """The weights the run will start from fit the model: the checkpoint it resumes (the load
+    directory's tracker must name a loadable iteration), else ``checkpoint.init_weights`` (it must
+    be a checkpoint with the model's shapes). Read-only: tracker file and tensor metadata only, so
+    a bad one is refused before the run directory is written (it used to fail after, behind a page
+    of warnings)."""
+    from gspo_megatron.backends.megatron import checkpoint as ckpt
+    from gspo_megatron.config.paths import resume_dir_of
+
+    field, load_dir = resume_dir_of(cfg)
+    try:
+        resume = ckpt.resume_dir(load_dir)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"cannot resume ({field}): {e}") from None
+    if resume is not None:
+        try:
+            problem = ckpt.weights_mismatch(resume, cfg.model)
+        except ckpt.CheckpointError:
+            return  # unreadable: the resume falls back to an older checkpoint, or says why not
+        if problem:
+            raise ckpt.CheckpointError(f"cannot resume ({field}): {problem}")
+    elif cfg.checkpoint.init_weights:
+        try:
+            problem = ckpt.weights_mismatch(cfg.checkpoint.init_weights, cfg.model)
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+        if problem:
+            raise ckpt.CheckpointError(f"checkpoint.init_weights: {problem}")
+
+
+def prepare(cfg: TrainConfig, recipe_dir: str | None = None) -> Prepared:
     """Everything that can reject user input, before any compute and without writing anything:
-    the megatron-core version, config validation, reward function, datasets, tokenizer."""
+    the megatron-core version, config validation, the directories the run writes, reward
+    function, datasets (and their sizes against the batch), tokenizer, and the checkpoint the run
+    starts from."""
     from gspo_megatron.compat import check_megatron_version
-    from gspo_megatron.config.validation import validate_config
+    from gspo_megatron.config.paths import output_dir_problems
+    from gspo_megatron.config.validation import ConfigError, validate_config
     from gspo_megatron.rewards import get_reward_fn
 
     check_megatron_version()
-    validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    reward_fn = get_reward_fn(cfg.reward.fn)
+    search = [recipe_dir] if recipe_dir else []  # a reward module next to the recipe
+    dp_size = validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                              reward_search_dirs=search)
+    problems = output_dir_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    reward_fn = get_reward_fn(cfg.reward.fn, search)
     tokenizer, train, heldout = load_data(cfg)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                          f"tokenizer's vocabulary ({tokenizer.vocab_size})")
+    check_data_sizes(cfg, train, heldout, dp_size)
+    check_start_weights(cfg)
     return Prepared(reward_fn, tokenizer, train, heldout)
 
 
@@ -109,7 +192,9 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     sampling = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
                              pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
                              config=cfg.rollout, tokenizer=tokenizer, backend=cfg.rollout.engine,
-                             dynamic_buffer_size_gb=cfg.rollout.dynamic_buffer_size_gb)
+                             dynamic_buffer_size_gb=cfg.rollout.dynamic_buffer_size_gb,
+                             # R3 replays the engine's routes; the diagnostics compare them
+                             record_routes=cfg.routing.replay == "r3" or cfg.routing.diagnostics)
     # Greedy evaluation shares the engine and its KV cache.
     greedy = sampling.with_sampling(
         dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0))
@@ -118,36 +203,89 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
                    sampling, greedy, reference=reference, faults=faults)
 
 
+@contextlib.contextmanager
+def third_party_warnings(verbose: bool):
+    """Hide, for the ``with`` block, the Python warnings and the Megatron / Apex /
+    Transformer Engine log records below ERROR that are not gspo_megatron's own: the fallback
+    notices every start-up prints would drown the one line a refused input gets. ``--verbose``
+    (or any ``-W`` / ``PYTHONWARNINGS`` setting, which the user chose) shows them. Filters and
+    levels are restored on exit, so calling :func:`main` in-process leaves no trace."""
+    loggers = [logging.getLogger(name) for name in ("megatron", "apex", "transformer_engine")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        if not verbose and not sys.warnoptions:
+            from gspo_megatron.config.validation import ConfigWarning
+
+            warnings.filterwarnings("ignore")
+            warnings.filterwarnings("default", module=r"gspo_megatron(\.|$)")
+            warnings.filterwarnings("default", category=ConfigWarning)
+            for lg in loggers:
+                lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
+def _user_error(exc: BaseException) -> int:
+    print(f"gspo-train: error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry. User errors (config, data, reward, checkpoint) exit 2 with one line on stderr and
-    no traceback; nothing has been written when they are detected."""
-    from gspo_megatron.backends.megatron.checkpoint import CheckpointError
-    from gspo_megatron.backends.megatron.parallel import destroy_distributed
-    from gspo_megatron.compat import UnsupportedMegatronError
-    from gspo_megatron.config import DEMO_RECIPE
-    from gspo_megatron.config.loader import load_config, parse_cli
-    from gspo_megatron.faults import FaultInjector
-    from gspo_megatron.trainer import NonFiniteError
+    no traceback; nothing has been written when they are detected. Third-party warnings are shown
+    only with ``--verbose``."""
+    from gspo_megatron.config.loader import parse_command_line
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # Megatron's static engine draws a progress bar per call
     logging.basicConfig(level=os.environ.get("GSPO_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
-        config_path, overrides = parse_cli(sys.argv[1:] if argv is None else argv)
-        cfg = load_config(config_path or DEMO_RECIPE, overrides)
+        args = parse_command_line(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        return _user_error(exc)
+    with third_party_warnings(args.verbose):
+        return _run(args)
+
+
+def _run(args) -> int:
+    """Load, prepare, build and fit the run ``args`` (a ``CommandLine``) describes."""
+    from gspo_megatron.backends.megatron.checkpoint import CheckpointError
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed
+    from gspo_megatron.compat import UnsupportedMegatronError
+    from gspo_megatron.config import DEMO_RECIPE
+    from gspo_megatron.config.loader import load_config
+    from gspo_megatron.faults import FaultInjector
+    from gspo_megatron.trainer import NonFiniteError
+
+    try:
+        cfg = load_config(args.config or DEMO_RECIPE, args.overrides)
         faults = FaultInjector.from_env()
-        prepared = prepare(cfg)
-    except (ValueError, FileNotFoundError, ImportError, UnsupportedMegatronError) as exc:
-        print(f"gspo-train: error: {exc}", file=sys.stderr)
-        return 2
+        prepared = prepare(cfg, os.path.dirname(os.path.abspath(args.config))
+                           if args.config else None)
+    except (ValueError, FileNotFoundError, ImportError, UnsupportedMegatronError,
+            CheckpointError) as exc:
+        return _user_error(exc)
     try:
         summary = build(cfg, prepared, faults).fit()
     except (CheckpointError, NonFiniteError) as exc:
-        print(f"gspo-train: error: {exc}", file=sys.stderr)
-        return 2
+        return _user_error(exc)
     finally:
         destroy_distributed()
-    return int(summary.get("exit_code", 0))
+    exit_code = int(summary.get("exit_code", 0))
+    if cfg.checkpoint.export_hf and exit_code == 0 and int(os.environ.get("RANK", "0")) == 0:
+        from gspo_megatron.tools.export_hf import export_in_subprocess
+
+        save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
+        try:
+            export_in_subprocess(save_dir, cfg.checkpoint.export_hf)
+        except RuntimeError as exc:  # the run itself succeeded: its checkpoint is intact
+            print(f"gspo-train: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"exported the final policy to {cfg.checkpoint.export_hf}", flush=True)
+    return exit_code
 
 
 if __name__ == "__main__":

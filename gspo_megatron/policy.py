@@ -156,9 +156,18 @@ class Policy(Protocol):
 
     # MoE routing: record/replay hooks and the statistics computed from them.
     def record_routes(self) -> RouteHooks: ...
-    def replay_routes(self, routes, capture_natural: bool = False) -> RouteHooks: ...
+    def replay_routes(self, routes, capture_natural: bool = False) -> RouteHooks:
+        """Hooks forcing ``routes`` (positions without a route route freely); afterwards
+        ``.replayed_store()`` holds the routes used and, with ``capture_natural``,
+        ``.natural_store()`` the routers' own top-k."""
     def route_drift(self, old_routes, new_routes, response_mask: torch.Tensor
                     ) -> tuple[float, list[float]]: ...
+    def rollout_routes(self, samples: list[RolloutSample], seq_length: int):
+        """The routes the rollout engine recorded for ``samples`` (R3), aligned with their
+        ``[B, seq_length]`` training batch; positions it did not forward are left to free routing."""
+    def rollout_disagreement(self, rollout_routes, trainer_routes, batch: PolicyBatch,
+                             train_lp: torch.Tensor | None) -> dict[str, float]:
+        """``routing/rollout/*``: where the rollout engine and the trainer routed differently."""
     def routing_diagnostics(self, batch: PolicyBatch, old_routes, loss_cfg, temperature: float,
                             replay_gap: bool = True) -> dict[str, float]: ...
 

@@ -96,7 +96,8 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
     optimiser step each. Returns metrics averaged over the minibatches.
 
     MoE routing (``old_routes``: the batch's routes from the old-policy pass, or None): with
-    ``routing.replay='r2'`` every update forward replays the old routes; on a diagnosed step
+    ``routing.replay`` 'r2' or 'r3' every update forward replays the old routes (under R3 those
+    are the rollout engine's); on a diagnosed step
     (``routing.diagnostics`` every ``diagnostics_interval`` steps) each optimiser step is followed
     by the ``routing/*`` statistics on the minibatch it was computed on. Whenever ``old_routes``
     are given, the update forwards also record the routes free routing takes, at no extra forward,
@@ -106,12 +107,13 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
     ``i >= 1``. Under R2 the recorded routes are each router's own top-k on the hidden states that
     replay produced (the share of routes replay overrides)."""
     faults = faults or FaultInjector()
-    objective = PolicyGradientObjective(cfg.loss, cfg.rollout.temperature, faults.corrupt)
+    objective = PolicyGradientObjective(cfg.loss, cfg.rollout.temperature, faults.corrupt,
+                                        correction=cfg.rollout_correction)
     order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
     shuffled = batch.select(order)
     per_minibatch = batch.size // cfg.trainer.num_minibatches
     drift = old_routes is not None
-    replay = drift and cfg.routing.replay == "r2"
+    replay = drift and cfg.routing.replay in ("r2", "r3")
     diagnose = drift and diagnoses_routing(cfg, step)
     history: list[dict[str, float]] = []
     diag_s = 0.0
@@ -210,6 +212,9 @@ class Trainer:
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
         self.routes_on = cfg.routing.replay != "none" or cfg.routing.diagnostics
+        # The rollout engine records routes for R3 and for the diagnostics' rollout-vs-trainer
+        # disagreement (routing/rollout/*).
+        self.rollout_routes_on = cfg.routing.replay == "r3" or cfg.routing.diagnostics
         self.save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
         self.load_dir = cfg.checkpoint.load_dir or self.save_dir
 
@@ -321,16 +326,28 @@ class Trainer:
             return self._skip_step("faults/nonfinite_advantages", reward_metrics, watch)
         batch = batch_stage(samples, advantages, self.pack)
 
-        # With R2 or routing diagnostics, this pass also records the old policy's MoE routes (for
-        # the replay, the free routing/drift/* metrics and, on diagnosed steps, the diagnostics).
-        recorder = self.policy.record_routes() if self.routes_on else None
-        train_lp = self.policy.logprobs(batch, temperature=cfg.rollout.temperature, routing=recorder)
+        # Old policy's MoE routes (for the replay, the free routing/drift/* metrics and the
+        # diagnostics): with R3 this pass replays the rollout engine's routes (the routers' own
+        # choice captured beside them), with R2 or diagnostics it records its own.
+        rollout_routes = (self.policy.rollout_routes(samples, batch.seq_length)
+                          if self.rollout_routes_on else None)
+        if cfg.routing.replay == "r3":
+            hooks = self.policy.replay_routes(rollout_routes, capture_natural=True)
+        else:
+            hooks = self.policy.record_routes() if self.routes_on else None
+        train_lp = self.policy.logprobs(batch, temperature=cfg.rollout.temperature, routing=hooks)
         if train_lp is not None:
             train_lp = faults.corrupt("nan_logprobs", train_lp)
         if not all_finite(train_lp, batch.response_mask):
             return self._skip_step("faults/nonfinite_logprobs", reward_metrics, watch)
-        old_routes = recorder.store() if recorder is not None else None
         extra: dict[str, float] = {}
+        if cfg.routing.replay == "r3":
+            old_routes, trainer_routes = hooks.replayed_store(), hooks.natural_store()
+        else:
+            old_routes = trainer_routes = hooks.store() if hooks is not None else None
+        if rollout_routes is not None:
+            extra.update(self.policy.rollout_disagreement(rollout_routes, trainer_routes, batch,
+                                                          train_lp))
         if train_lp is not None:
             extra["kl/rollout_vs_train"] = rollout_mismatch(train_lp, batch.rollout_logprobs,
                                                             batch.response_mask)

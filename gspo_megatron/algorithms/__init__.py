@@ -1,27 +1,31 @@
 """Pure-torch GSPO / GSPO-token / GRPO algorithms (no Megatron imports).
 
 Each rule is stated once here and used by the loss, the trainer and the routing diagnostics alike:
-the sequence ratio (Eq. 7), the clip rule, the k3 estimator, group advantages (Eq. 6) and the
-objectives a policy update minimises. Parallel reductions take explicit process groups.
+the sequence ratio (Eq. 7), the clip rule, the k3 estimator, group advantages (Eq. 6), the
+rollout/training mismatch weights and the objectives a policy update minimises. Parallel reductions take explicit process groups.
 """
 
 from .advantages import GroupAdvantageResult, group_advantages
 from .objectives import NLLObjective, Objective, PolicyGradientObjective, rollout_mismatch
 from .policy_loss import (LOG_RATIO_CLAMP, PolicyLossConfig, clip_flags, clipped_positions, k3,
                           policy_loss, sequence_log_ratio)
+from .rollout_correction import CorrectionResult, RolloutCorrectionConfig, correction_weights
 from .reductions import all_reduce_no_grad, all_reduce_sum, masked_mean, masked_sum
 
 __all__ = [
     "LOG_RATIO_CLAMP",
+    "CorrectionResult",
     "GroupAdvantageResult",
     "NLLObjective",
     "Objective",
     "PolicyGradientObjective",
     "PolicyLossConfig",
+    "RolloutCorrectionConfig",
     "all_reduce_no_grad",
     "all_reduce_sum",
     "clip_flags",
     "clipped_positions",
+    "correction_weights",
     "group_advantages",
     "k3",
     "masked_mean",

@@ -5,8 +5,8 @@ A backend runs the forward (and backward) passes and hands each microbatch's log
 the normaliser, the non-finite guard. Two are needed: the RL policy-gradient loss
 (:class:`PolicyGradientObjective`, GSPO / GSPO-token / GRPO through :func:`policy_loss`) and the
 supervised warm-up's token NLL (:class:`NLLObjective`). Pure torch: the batch is anything with
-``response_mask`` / ``old_logprobs`` / ``advantages`` / ``ref_logprobs`` ``[b, T]`` fields
-(:class:`gspo_megatron.policy.PolicyBatch`).
+``response_mask`` / ``old_logprobs`` / ``advantages`` / ``ref_logprobs`` ``[b, T]`` fields, plus
+``rollout_logprobs`` under a rollout correction (:class:`gspo_megatron.policy.PolicyBatch`).
 
 Normalisation contract: the backend sums :meth:`Objective.local_count` over data-parallel ranks
 and passes the total to every microbatch as ``normalizer``; each microbatch returns its share
@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import torch
 
 from .policy_loss import PolicyLossConfig, k3, policy_loss
+from .rollout_correction import RolloutCorrectionConfig, correction_weights
 
 Corrupt = Callable[[str, torch.Tensor], torch.Tensor]
 """Fault-injection hook ``(point, tensor) -> tensor`` (identity unless a test asks for NaNs)."""
@@ -46,14 +47,37 @@ class PolicyGradientObjective:
     Normaliser: sequences, or response tokens for GRPO ``token_mean`` (DAPO). Non-finite
     log-probs (diverged weights, a bad kernel) would make the loss NaN: the loss is computed on
     sanitised values (ratio 1) so metrics keep their keys, multiplied by 0 (no gradient), and the
-    minibatch is flagged ``faults/nonfinite_loss`` so the caller skips its optimiser step."""
+    minibatch is flagged ``faults/nonfinite_loss`` so the caller skips its optimiser step.
+
+    Rollout correction (``correction`` with ``mode != "none"``): the weights ``pi_old /
+    pi_rollout`` of :func:`correction_weights` from the microbatch's ``old_logprobs`` and
+    ``rollout_logprobs`` multiply the policy term (``[B]`` at ``level: sequence``, ``[B, T]`` at
+    ``level: token``; see :func:`policy_loss`), and the ``correction/*`` metrics join the others.
+    Where every weight is exactly 1 (``trainer.old_logprobs: rollout``, old == rollout) the loss
+    is computed without them: bitwise the uncorrected loss. Two host syncs per microbatch (the
+    NaN check of :func:`correction_weights` and this all-ones check)."""
 
     needs_entropy = True
 
     def __init__(self, loss: PolicyLossConfig, temperature: float = 1.0,
-                 corrupt: Corrupt | None = None):
+                 corrupt: Corrupt | None = None, correction: RolloutCorrectionConfig | None = None):
         self.loss, self.temperature = loss, temperature
         self.corrupt = corrupt or (lambda point, t: t)
+        self.correction = correction if correction is not None and correction.enabled else None
+
+    def _weights(self, mb) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``(weights for policy_loss or None, correction/* metrics)`` of one microbatch."""
+        if self.correction is None:
+            return None, {}
+        if mb.rollout_logprobs is None:
+            raise ValueError(f"rollout_correction.mode={self.correction.mode!r} needs the rollout "
+                             "engine's log-probs (batch.rollout_logprobs), but the batch has none")
+        res = correction_weights(mb.old_logprobs, mb.rollout_logprobs, mb.response_mask,
+                                 self.correction)
+        weights = res.seq_weights if res.seq_weights is not None else res.weights
+        if bool(torch.where(mb.response_mask.bool(), res.weights == 1, True).all()):
+            weights = None  # a no-op correction (old == rollout): keep the loss bitwise
+        return weights, res.metrics
 
     def local_count(self, batch) -> torch.Tensor:
         if self.loss.variant == "grpo" and self.loss.aggregation == "token_mean":
@@ -65,11 +89,13 @@ class PolicyGradientObjective:
         nonfinite = not bool(torch.isfinite(lp[mb.response_mask]).all())
         if nonfinite:
             lp = torch.where(torch.isfinite(lp), lp, mb.old_logprobs.to(lp.dtype))
+        weights, correction_metrics = self._weights(mb)
         loss, metrics = policy_loss(
             lp, mb.old_logprobs, mb.advantages, mb.response_mask, self.loss,
             ref_logprobs=mb.ref_logprobs,
             entropy=entropy.detach() if entropy is not None else None,
-            loss_normalizer=normalizer)
+            loss_normalizer=normalizer, correction_weights=weights)
+        metrics.update(correction_metrics)
         if nonfinite:
             loss = loss * 0.0
         metrics = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v)))

@@ -17,6 +17,16 @@ sequences (resp. total response tokens for ``token_mean``) as
 ``loss_normalizer`` on every microbatch and *sum* the microbatch losses.
 The KL term uses the same aggregation and normaliser as the policy term.
 
+Rollout correction (``correction_weights``, :mod:`.rollout_correction`): each sequence's
+(``[B]`` weights) or token's (``[B, T]``) contribution to the policy term is multiplied by its
+detached weight ``w``; the normaliser is unchanged, so a token or sequence with ``w = 0`` gives
+no gradient but still counts in ``|y_i|`` and in ``B`` / the token total. That keeps the
+normaliser a function of the batch layout alone (any microbatch / data-parallel split still sums
+to the whole minibatch's gradient, and a down-weighted batch is not silently re-scaled up); slime
+does the same (its rejection masks zero the numerator while the denominators stay the original
+per-rollout token counts), while verl's ``rollout_rs`` drops rejected tokens from its
+``response_mask`` and hence from its token-mean normaliser. The KL term is not weighted.
+
 Context parallelism: see :mod:`gspo_megatron.algorithms.reductions`; every CP
 rank returns the full (identical) loss and gradients flow to its own shard.
 Host syncs: value validation (1), the all-empty-mask check (1), the quantile
@@ -143,12 +153,14 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _validate(logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: Any, config: Any,
-              ref_logprobs: Any, entropy: Any, loss_normalizer: Any, cp_group: Any) -> torch.Tensor:
+              ref_logprobs: Any, entropy: Any, loss_normalizer: Any, cp_group: Any,
+              weights: Any = None) -> torch.Tensor:
     """Check types/shapes/values; return the mask as bool ``[B, T]``."""
     if not isinstance(config, PolicyLossConfig):
         raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
     named = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages,
-             "response_mask": response_mask, "ref_logprobs": ref_logprobs, "entropy": entropy}
+             "response_mask": response_mask, "ref_logprobs": ref_logprobs, "entropy": entropy,
+             "correction_weights": weights}
     for name, t in named.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -164,7 +176,11 @@ def _validate(logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: 
             f"advantages must be [B]={bt[:1]} or [B, T]={bt} (matching logprobs), "
             f"got shape {_shape(advantages)}"
         )
-    for name in ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy"):
+    if weights is not None and _shape(weights) not in (bt[:1], bt):
+        raise ValueError(f"correction_weights must be [B]={bt[:1]} or [B, T]={bt}, "
+                         f"got shape {_shape(weights)}")
+    for name in ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "entropy",
+                 "correction_weights"):
         t = named[name]
         if t is not None and not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
@@ -190,12 +206,18 @@ def _validate(logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: 
             checks.append((name, (mask & ~torch.isfinite(named[name].detach())).any()))
     adv_finite = torch.isfinite(advantages.detach())
     checks.append(("advantages", (~adv_finite).any() if advantages.dim() == 1 else (mask & ~adv_finite).any()))
+    if weights is not None:  # finite and >= 0 (per sequence, or at response positions)
+        w = weights.detach()
+        bad_w = ~(torch.isfinite(w) & (w >= 0))
+        checks.append(("correction_weights", bad_w.any() if w.dim() == 1 else (mask & bad_w).any()))
     flags = all_reduce_no_grad(torch.stack([c for _, c in checks]).to(torch.float32), cp_group).cpu() > 0
     if bool(flags.any()):
         name = checks[int(flags.to(torch.int64).argmax())][0]
         if name == "response_mask":
             raise ValueError("response_mask must be bool or contain only 0/1 values")
         where = "" if name == "advantages" and advantages.dim() == 1 else " at response (masked-in) positions"
+        if name == "correction_weights":
+            raise ValueError("correction_weights must be finite and >= 0")
         raise ValueError(f"{name} contains NaN or Inf{where}")
     return mask
 
@@ -287,38 +309,57 @@ def _prepare(logprobs, old_logprobs, advantages, mask, ref_logprobs, cp_group) -
                      seq_log_ratio, adv_seq)
 
 
-def _surrogate(x: _Prepared, adv_dim: int, config: PolicyLossConfig, cp_group
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _check_gspo_advantages(x: _Prepared, adv_dim: int, cp_group) -> None:
+    """``gspo`` needs one advantage per sequence: ``[B, T]`` input must be constant per row."""
+    if adv_dim != 2:
+        return
+    off = x.mask & ~torch.isclose(x.adv_tok, x.adv_seq[:, None].expand_as(x.adv_tok),
+                                  rtol=1e-5, atol=1e-6)
+    # reduced so every CP rank raises together (a rank-local raise would deadlock)
+    if bool(all_reduce_no_grad(off.sum().to(x.zero.dtype), cp_group) > 0):
+        raise ValueError(
+            "advantages [B, T] must be constant over each sequence's response tokens "
+            "for variant='gspo' (use 'gspo_token' for per-token advantages)"
+        )
+
+
+def _surrogate(x: _Prepared, adv_dim: int, config: PolicyLossConfig, cp_group,
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence objective ``[B]`` (before the normaliser) and the clipped tokens
-    ``(low, high)`` ``[B, T]`` of ``config.variant``: the one place the clip rule is applied."""
+    ``(low, high)`` ``[B, T]`` of ``config.variant``: the one place the clip rule is applied.
+    ``weights`` (detached rollout correction, ``[B]`` or ``[B, T]``, compute dtype) multiply the
+    sequence objective or each token's term; None leaves the objective untouched."""
     mask, zero, eps_low, eps_high = x.mask, x.zero, config.eps_low, config.eps_high
     nonempty = x.seq_len > 0
     log_s = x.seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if config.variant == "gspo":
-        if adv_dim == 2:
-            off = mask & ~torch.isclose(x.adv_tok, x.adv_seq[:, None].expand_as(x.adv_tok),
-                                        rtol=1e-5, atol=1e-6)
-            # reduced so every CP rank raises together (a rank-local raise would deadlock)
-            if bool(all_reduce_no_grad(off.sum().to(zero.dtype), cp_group) > 0):
-                raise ValueError(
-                    "advantages [B, T] must be constant over each sequence's response tokens "
-                    "for variant='gspo' (use 'gspo_token' for per-token advantages)"
-                )
+    if config.variant == "gspo" and (weights is None or weights.dim() == 1):
+        _check_gspo_advantages(x, adv_dim, cp_group)
         s = torch.exp(log_s)  # s_i, Eq. 7
         # Eq. 5: J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); its gradient
         # (Eq. 10) is A_i s_i / |y_i| * grad log pi(y_it) for every token: equal weights.
         obj_seq, low_seq, high_seq = _clip_objective(s, x.adv_seq, eps_low, eps_high)
         seq_obj = torch.where(nonempty, obj_seq, zero)
+        if weights is not None:
+            seq_obj = seq_obj * weights  # rollout correction: w_i * J_i
         return (seq_obj, (low_seq & nonempty)[:, None] & mask,
                 (high_seq & nonempty)[:, None] & mask)
-    if config.variant == "gspo_token":
+    adv_tok = x.adv_tok
+    if config.variant == "gspo":
+        # Token weights on GSPO: the GSPO-token form (Eq. 13) with A_it = A_i, whose value, clip
+        # decision and unweighted gradient equal GSPO's (Eq. 5 / 10), so w_it acts per token
+        # inside the sequence mean: (1/|y_i|) sum_t w_it min(s_it A_i, clip(s_it) A_i).
+        _check_gspo_advantages(x, adv_dim, cp_group)
+        adv_tok = torch.where(mask, x.adv_seq[:, None].expand_as(x.adv_tok), zero)
+    if config.variant in _SEQUENCE_VARIANTS:
         # Eq. 13: s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)] -> value s_i, grad s_i * grad log pi
         ratio_tok = torch.exp(log_s.detach())[:, None] * torch.exp(x.logp - x.logp.detach())
     else:
         # GRPO, Eq. 2: r_it = pi_theta(y_it) / pi_old(y_it)
         ratio_tok = torch.exp((x.logp - x.old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     # Eq. 14 / Eq. 2: per-token min(r A, clip(r) A)
-    obj_tok, tok_low, tok_high = _clip_objective(ratio_tok, x.adv_tok, eps_low, eps_high)
+    obj_tok, tok_low, tok_high = _clip_objective(ratio_tok, adv_tok, eps_low, eps_high)
+    if weights is not None:  # rollout correction: w_it (or w_i) times each token's term
+        obj_tok = obj_tok * (weights[:, None] if weights.dim() == 1 else weights)
     obj_sum = all_reduce_sum(torch.where(mask, obj_tok, zero).sum(-1), cp_group)  # [B]
     if config.aggregation == "token_mean":
         seq_obj = obj_sum  # DAPO: token sums, normalised by total tokens below
@@ -358,6 +399,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     cp_group: Any | None = None,
     loss_normalizer: float | None = None,
+    correction_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss for GSPO, GSPO-token or GRPO.
 
@@ -376,6 +418,16 @@ def policy_loss(
         cp_group: context-parallel group; each rank passes its ``T`` shard.
         loss_normalizer: see the module docstring (default B, or total response
             tokens for ``token_mean``).
+        correction_weights: rollout/training mismatch weights (detached, finite,
+            >= 0; :func:`~.rollout_correction.correction_weights`), None = no
+            correction. ``[B]``: sequence ``i``'s objective is multiplied by
+            ``w_i`` (``gspo``: ``w_i J_i``, Eq. 5; ``gspo_token``/``grpo``: every
+            token term of row ``i``). ``[B, T]``: each token's term
+            ``min(r A, clip(r) A)`` is multiplied by ``w_it`` before the
+            aggregation (``gspo`` then uses the GSPO-token form, Eq. 13 with
+            ``A_it = A_i``, whose value and clip decision equal GSPO's). The
+            normaliser, the KL term and the ``clip/*`` / ``ratio/*`` metrics
+            are unchanged (module docstring).
 
     Returns:
         ``(loss, metrics)``: scalar loss = policy term + ``kl_coef`` * KL term,
@@ -392,7 +444,7 @@ def policy_loss(
         ``entropy/mean``. Padding is excluded from every metric.
     """
     mask = _validate(logprobs, old_logprobs, advantages, response_mask, config,
-                     ref_logprobs, entropy, loss_normalizer, cp_group)
+                     ref_logprobs, entropy, loss_normalizer, cp_group, correction_weights)
     x = _prepare(logprobs, old_logprobs, advantages, mask, ref_logprobs, cp_group)
     logp, old, ref, zero = x.logp, x.old, x.ref, x.zero
     dtype = logp.dtype
@@ -400,7 +452,11 @@ def policy_loss(
     kl_sum = None
     if use_kl:  # Eq. k3 per sequence: sum_t exp(ref-logp)-(ref-logp)-1
         kl_sum = all_reduce_sum(k3(ref - logp).mul(mask.to(dtype)).sum(-1), cp_group)
-    seq_obj, tok_low, tok_high = _surrogate(x, advantages.dim(), config, cp_group)
+    weights = None
+    if correction_weights is not None:  # detached; padding (possibly junk) zeroed
+        weights = correction_weights.detach().to(dtype)
+        weights = weights if weights.dim() == 1 else torch.where(mask, weights, zero)
+    seq_obj, tok_low, tok_high = _surrogate(x, advantages.dim(), config, cp_group, weights)
     seq_len, total_tokens, inv_len = x.seq_len, x.seq_len.sum(), x.inv_len
 
     token_mean = config.aggregation == "token_mean"

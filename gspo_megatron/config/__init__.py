@@ -9,7 +9,7 @@
 - :mod:`.validation`: the checks across sections and against the world size.
 """
 
-from gspo_megatron.config.checks import FieldError
+from gspo_megatron.sections import FieldError
 from gspo_megatron.config.loader import DEMO_RECIPE, load_config, save_config
 from gspo_megatron.config.model import MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig
 from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, OptimConfig,

@@ -49,7 +49,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from gspo_megatron.config.checks import FieldError
+from gspo_megatron.sections import FieldError
 from gspo_megatron.config.coerce import (NULL_WORDS, CoerceError, accepts_str, coerce, suggest,
                                          type_name)
 from gspo_megatron.config.model import (ARCHITECTURE_FIELDS, MODEL_PRESETS, SHAPE_FIELDS,
@@ -61,6 +61,7 @@ from gspo_megatron.config.validation import ConfigError, ConfigWarning, validate
 
 __all__ = [
     "DEMO_RECIPE",
+    "CommandLine",
     "ConfigError",
     "ConfigWarning",
     "config_from_argv",
@@ -69,6 +70,7 @@ __all__ = [
     "field_docs",
     "load_config",
     "parse_cli",
+    "parse_command_line",
     "save_config",
     "section_types",
     "validate_config",
@@ -338,9 +340,10 @@ def _constructor_errors(section: str, e: Exception, ftypes: dict[str, Any],
                 for fields, text in e.problems]
     msg = str(e)
     mentioned = list(dict.fromkeys(w for w in re.findall(r"\w+", msg) if w in ftypes))
-    lead = re.match(r"(\w+)( )?", msg)
+    lead = re.match(r"(\w+)( |=)?", msg)
     if lead and lead.group(1) in ftypes:
-        # "clip_low must be >= 0, got -1" -> "loss.clip_low: must be >= 0, got -1"
+        # "clip_low must be >= 0, got -1" -> "loss.clip_low: must be >= 0, got -1";
+        # "aggregation='x' only applies ..." -> "loss.aggregation: 'x' only applies ..."
         text = msg[lead.end():] if lead.group(2) else msg
         return [f"{_source_of(mentioned, entries)}: {section}.{lead.group(1)}: {text}"]
     return [f"{_source_of(mentioned, entries)}: {section}: {msg}"]
@@ -493,8 +496,10 @@ def describe_config(sections: Iterable[str] | None = None, width: int = 100) -> 
 
 
 _USAGE = """\
-usage: gspo-train [--config RECIPE.yaml] [--section.field=VALUE | --section.field VALUE ...]
+usage: gspo-train [--config RECIPE.yaml] [--verbose] [--section.field=VALUE | --section.field VALUE ...]
 
+--verbose shows the Python warnings and the Megatron/Apex log messages below ERROR that are hidden
+by default (fallback notices at start-up); gspo_megatron's own warnings are always shown.
 Without --config, gspo-train runs the CPU demo recipe (gspo_megatron/config/recipes/demo.yaml).
 Every field of the recipe can be overridden; values are YAML scalars (3e-4, true, null, [1,0,1]).
 A field a recipe leaves out takes the default listed below (the paper's and production's).
@@ -506,19 +511,37 @@ must agree with it.
 """
 
 
-def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """Split ``argv`` into ``(config_path, overrides)`` for :func:`load_config`.
+class CommandLine(typing.NamedTuple):
+    """``gspo-train``'s arguments: the recipe, the overrides, and ``--verbose``."""
 
-    Accepts ``--config PATH`` / ``--config=PATH`` / ``-c PATH``, ``--section.field=value``,
-    ``--section.field value``, ``section.field=value``, and a bare ``--section.field`` (= true,
-    for bool fields). ``-h`` / ``--help`` prints every field's documentation and exits.
+    config: str | None
+    overrides: list[str]
+    verbose: bool = False
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``(config_path, overrides)`` of :func:`parse_command_line`, for :func:`load_config`."""
+    return parse_command_line(argv)[:2]
+
+
+def parse_command_line(argv: Sequence[str]) -> CommandLine:
+    """Split ``argv`` into the recipe, the overrides and the ``--verbose`` flag.
+
+    Accepts ``--config PATH`` / ``--config=PATH`` / ``-c PATH``, ``--verbose``,
+    ``--section.field=value``, ``--section.field value``, ``section.field=value``, and a bare
+    ``--section.field`` (= true, for bool fields). ``-h`` / ``--help`` prints every field's
+    documentation and exits.
     """
     argv = list(argv)
     config: str | None = None
     overrides: list[str] = []
+    verbose = False
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg == "--verbose":
+            verbose, i = True, i + 1
+            continue
         if arg in ("-h", "--help"):
             print(_USAGE)
             print(describe_config())
@@ -545,7 +568,7 @@ def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
         else:
             overrides.append(f"{arg}=true")
             i += 1
-    return config, overrides
+    return CommandLine(config, overrides, verbose)
 
 
 def config_from_argv(argv: Sequence[str], world_size: int | None = None) -> TrainConfig:

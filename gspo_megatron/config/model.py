@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
-from gspo_megatron.config.checks import FieldError, Problem, Section
+from gspo_megatron.sections import FieldError, Problem, Section
 from gspo_megatron.config.coerce import CoerceError, coerce, suggest
 
 

@@ -8,7 +8,7 @@ pretrained model with them (GSPO eps 3e-4 / 4e-4, a constant 1e-6 learning rate,
 warm-up). The exceptions are the sections that only a recipe can choose, whose defaults are the
 built-in task's: the model (the ``tiny`` shape), and data / tokenizer / reward (the arithmetic
 task). The CPU demo's toy values live in its recipe, ``gspo_megatron/config/recipes/demo.yaml``.
-Each section checks its own fields when constructed (:class:`~.checks.Section`); checks across
+Each section checks its own fields when constructed (:class:`~gspo_megatron.sections.Section`); checks across
 sections are :func:`~gspo_megatron.config.validation.validate_config`'s.
 """
 
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
 from gspo_megatron.algorithms.policy_loss import PolicyLossConfig
-from gspo_megatron.config.checks import Problem, Section
+from gspo_megatron.algorithms.rollout_correction import RolloutCorrectionConfig
+from gspo_megatron.sections import Problem, Section
 from gspo_megatron.config.model import ModelConfig, ParallelConfig, PrecisionConfig
 
 
@@ -151,6 +152,17 @@ class RolloutConfig(Section, name="rollout"):
     """GPU memory the dynamic engine reserves for its paged KV cache (Megatron's
     ``inference_dynamic_batching_buffer_size_gb``); held for the whole run, so size it to
     ``max_batch_size x (prompt + max_new_tokens)`` tokens of KV, not to the free memory."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Numerics the engine samples in. ``auto`` (default) = the model's training precision: the
+    engine runs the live policy module itself, no copy (today's behaviour, bitwise). ``bf16`` /
+    ``fp32`` different from the training precision: the engine samples from a copy of the live
+    policy in that dtype (weights *and* activations, same TP/EP/PP shards, process groups shared),
+    refreshed from the live weights before every generate. Why: production inference engines
+    (vLLM, SGLang) decode in bf16 while the trainer scores in fp32 (or bf16 with fp32 master
+    weights); ``bf16`` on an fp32 trainer reproduces that rollout/training mismatch
+    (``kl/rollout_vs_train``) on CPU, so importance-sampling corrections can be tested there. Cost:
+    the copy's memory (bf16: half the fp32 parameters) and one cast-copy of every parameter per
+    generate (small next to decoding; the run logs it in ``perf/rollout_s``)."""
 
     def _problems(self) -> Iterator[Problem]:
         if not self.dynamic_buffer_size_gb > 0:
@@ -246,12 +258,18 @@ class RoutingConfig(Section, name="routing"):
     replay: Literal["none", "r2", "r3"] = "none"
     """'none' = free routing in every update forward; 'r2' = Routing Replay: the top-k experts
     recorded in the old-policy log-prob pass are forced in every forward and recompute of that
-    batch's updates; 'r3' = routes recorded by the rollout engine (not available with Megatron's
-    static/dynamic engines here: rejected at validation)."""
+    batch's updates; 'r3' = Rollout Routing Replay (arXiv 2510.11370): the experts the rollout
+    engine chose while sampling (prefill and every decode step, recorded on Megatron's static
+    engine) are forced in the old-log-prob pass and in every update forward; positions the engine
+    never forwarded (each response's last token, padding) route freely. Logs the rollout-vs-trainer
+    route disagreement (``routing/rollout/*``) every step."""
     diagnostics: bool = False
     """Log ``routing/*`` after every optimiser step: route change rate vs the old policy (overall,
     per MoE layer), top-k Jaccard overlap, router entropy, expert load and imbalance, |log ratio|
-    and clip fraction of positions with and without a changed route. Costs one extra forward per
+    and clip fraction of positions with and without a changed route. Also records the rollout
+    engine's routes and logs, every step, where they differ from the trainer's old-policy routes
+    (``routing/rollout/*``: per layer, share of tokens, |log p_train - log p_rollout| with and
+    without a differing route; no extra forward). Costs one extra forward per
     minibatch (two with ``replay_gap``) on the steps it runs (``diagnostics_interval``). Every
     step (and every step with R2) also logs ``routing/drift/*`` for free: the routes each update
     forward takes vs the old policy's, after 0, 1, ... optimiser steps."""
@@ -287,6 +305,12 @@ class CheckpointConfig(Section, name="checkpoint"):
     architecture: the recipe need not restate it, and any architecture field it does set must
     agree (refused before anything runs, naming the field and both values)."""
 
+    export_hf: str | None = None
+    """After the last step, export the final policy to this Hugging Face directory (rank 0, one
+    ``gspo-export-hf`` process: the model once in host memory, in the source dtype, config and
+    tokenizer files carried). Needs ``init_weights`` to be a ``gspo-convert-hf`` directory (it
+    knows the HF config); must not be a non-empty directory. Not written after a stop signal."""
+
     def _problems(self) -> Iterator[Problem]:
         yield from self._at_least(0, "save_interval", note=" (0 = only at the end)")
         yield from self._at_least(1, "keep_last")
@@ -319,6 +343,9 @@ class TrainConfig:
     # GSPO with the paper's eps (clip_low / clip_high None = 3e-4 / 4e-4, Sec. 5.1). The section is
     # owned (and checked on construction) by gspo_megatron.algorithms.policy_loss.
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    # Rollout/training mismatch correction (off by default): importance weights pi_old /
+    # pi_rollout, truncated or masked; owned by gspo_megatron.algorithms.rollout_correction.
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -1,6 +1,6 @@
 """Cross-section validation of a :class:`~gspo_megatron.config.TrainConfig`, before any compute.
 
-Each section checks its own fields when it is built (:mod:`gspo_megatron.config.checks`);
+Each section checks its own fields when it is built (:mod:`gspo_megatron.sections`);
 :func:`validate_config` checks what involves several sections or the outside world (layout vs
 world size, batch divisibility, lengths, routing vs the model, the KL penalty vs the reference
 model, the model vs the converted checkpoint's model_config.json, paths, the reward function) and collects every problem into one :class:`ConfigError`
@@ -14,7 +14,7 @@ import os
 import warnings
 from typing import Sequence
 
-from gspo_megatron.config.checks import FieldError, Section
+from gspo_megatron.sections import FieldError, Section
 from gspo_megatron.config.model import (ModelConfig, ModelFileError, architecture_differences,
                                         model_config_file, read_model_config_file, show_value)
 from gspo_megatron.config.schema import TrainConfig
@@ -50,13 +50,15 @@ def _section_errors(cfg: TrainConfig) -> list[str]:
     return errors
 
 
-def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool = True) -> int:
+def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool = True,
+                    reward_search_dirs: Sequence[str] = ()) -> int:
     """Cross-section checks for a run on ``world_size`` ranks; return the data-parallel size.
 
     Needs nothing but ``cfg`` (no process group, model, tokenizer or file is built), so it runs
     before all of them. Raises one :class:`ConfigError` listing every problem, each naming the
     field(s) and values. ``check_paths=False`` skips the checks that files exist (to check a
-    cluster recipe elsewhere). Warns (:class:`ConfigWarning`) for legal but wasteful settings.
+    cluster recipe elsewhere). ``reward_search_dirs``: where else a ``module:function`` reward's
+    module may live (the recipe's directory). Warns (:class:`ConfigWarning`) for legal but wasteful settings.
     The sections' own checks ran when they were built; they are repeated first (a field may have
     been changed in place), and the cross-section checks run only on consistent sections.
     """
@@ -119,12 +121,10 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
                           "expert-parallel ranks in lock-step; use 'static' or 'auto'")
 
     # MoE routing replay and diagnostics.
-    if rt.replay == "r3":
-        errors.append(
-            "routing.replay='r3' needs the routes the rollout engine used while sampling; "
-            "gspo_megatron's RolloutEngine (Megatron-Core's static and dynamic inference engines) "
-            "does not return them (docs/routing.md, 'R3'). Use routing.replay='r2' (routes "
-            "recorded in the trainer's old-policy pass)")
+    if rt.replay == "r3" and ro.engine == "dynamic":
+        errors.append("routing.replay='r3' with rollout.engine='dynamic': routes are recorded on "
+                      "the static engine only (its forward windows map to token positions); "
+                      "use rollout.engine 'static' or 'auto' (which picks static for r3)")
     if rt.replay != "none" or rt.diagnostics:
         what = f"routing.replay={rt.replay!r}" if rt.replay != "none" else "routing.diagnostics"
         if not any(m.layer_is_moe()):
@@ -137,6 +137,14 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             warnings.warn("routing.replay='r2' with trainer.old_logprobs='rollout': the replayed "
                           "routes come from the trainer's recompute pass while pi_old comes from "
                           "the rollout engine", ConfigWarning, stacklevel=2)
+
+    # Mismatch correction weighs by pi_old / pi_rollout: with pi_old taken from the rollout
+    # engine (paper Sec. 5.4) every weight is 1.
+    if cfg.rollout_correction.enabled and tr.old_logprobs == "rollout":
+        warnings.warn(f"rollout_correction.mode={cfg.rollout_correction.mode!r} with "
+                      "trainer.old_logprobs='rollout': pi_old is the rollout engine's own "
+                      "log-prob, so every correction weight is 1 and the correction does nothing",
+                      ConfigWarning, stacklevel=2)
 
     # The KL penalty and its reference model.
     if loss.kl_coef > 0 and not tr.reference_model:
@@ -169,9 +177,19 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             if value and not os.path.exists(value):
                 errors.append(f"{name}: no such {'file' if name.startswith('data') else 'path'} "
                               f"{value!r}")
+    if ck.export_hf:
+        from gspo_megatron.tools.export_hf import find_converted_dir
+
+        if os.path.isfile(ck.export_hf) or (os.path.isdir(ck.export_hf) and os.listdir(ck.export_hf)):
+            errors.append(f"checkpoint.export_hf: {ck.export_hf!r} exists and is not an empty "
+                          "directory")
+        elif not ck.init_weights or (check_paths and find_converted_dir(ck.init_weights) is None):
+            errors.append("checkpoint.export_hf needs checkpoint.init_weights to be a "
+                          "gspo-convert-hf directory (or a run that started from one): it "
+                          "supplies the Hugging Face config and tokenizer files")
     try:
         from gspo_megatron.rewards import get_reward_fn
-        get_reward_fn(cfg.reward.fn)
+        get_reward_fn(cfg.reward.fn, reward_search_dirs)
     except (ValueError, ImportError) as e:
         errors.append(f"reward.fn = {cfg.reward.fn!r}: {e}")
 

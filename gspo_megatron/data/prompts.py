@@ -48,6 +48,9 @@ class PromptExample:
         messages: Chat messages ``[{"role": ..., "content": ...}]`` when the dataset stores the
             prompt as a conversation; the tokenizer's chat template formats them.
         metadata: The row's other top-level fields (``data_source``, ``extra_info``, ...).
+        where: Where the example came from, 1-based, as load-time errors say it (``file:line``
+            for JSONL, ``file: record N`` for a JSON array, ``file: row N`` for Parquet), so that
+            checks made after loading (prompt length) name it too; ``""`` for generated examples.
     """
 
     prompt: str
@@ -56,6 +59,7 @@ class PromptExample:
     uid: str = ""
     messages: list[dict[str, str]] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    where: str = ""
 
     def __post_init__(self) -> None:
         if not self.uid:
@@ -172,7 +176,8 @@ def _row_to_example(
 
     top = prompt_key.split(".")[0] if prompt_key not in row else prompt_key
     metadata = {k: v for k, v in row.items() if k != top}
-    return PromptExample(prompt=prompt, answer=answer, index=index, uid=uid, messages=messages, metadata=metadata)
+    return PromptExample(prompt=prompt, answer=answer, index=index, uid=uid, messages=messages,
+                         metadata=metadata, where=where)
 
 
 def _decode(raw: bytes, where: str) -> str:

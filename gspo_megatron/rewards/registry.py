@@ -94,17 +94,21 @@ def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _import_user_module(path: str, module_name: str):
-    """Import the user's reward module, from ``sys.path`` or else the current directory (a
-    ``rewards.py`` next to the recipe is found without setting ``PYTHONPATH``: the ``gspo-train``
-    console script's ``sys.path`` does not hold the working directory, ``python -m`` does).
+def _import_user_module(path: str, module_name: str, search_dirs: Sequence[str] = ()):
+    """Import the user's reward module, from ``sys.path``, else the current directory, else
+    ``search_dirs`` (the recipe's directory): a ``rewards.py`` next to the recipe is found without
+    setting ``PYTHONPATH`` (the ``gspo-train`` console script's ``sys.path`` does not hold the
+    working directory, ``python -m`` does), from wherever the command runs.
 
     Every failure is one line naming the module and, for a syntax error, ``file:line``; an
     exception raised while the module runs is reported with its type and message only."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and importlib.util.find_spec(module_name.split(".")[0]) is None
-    if added:
-        sys.path.append(cwd)  # after everything else: never shadows an installed package
+    added = []
+    top = module_name.split(".")[0]
+    if top not in sys.modules and importlib.util.find_spec(top) is None:
+        for d in (os.getcwd(), *(os.path.abspath(d) for d in search_dirs)):
+            if d not in sys.path and d not in added:
+                added.append(d)
+        sys.path.extend(added)  # after everything else: never shadows an installed package
     try:
         return importlib.import_module(module_name)
     except SyntaxError as e:
@@ -116,18 +120,18 @@ def _import_user_module(path: str, module_name: str):
         raise ValueError(f"Reward '{path}': importing module '{module_name}' raised "
                          f"{type(e).__name__}: {e}") from None
     finally:
-        if added:
-            sys.path.remove(cwd)
+        for d in added:
+            sys.path.remove(d)
 
 
-def _import_dotted(path: str) -> Callable[..., float]:
+def _import_dotted(path: str, search_dirs: Sequence[str] = ()) -> Callable[..., float]:
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"Reward '{path}' is not 'package.module:function' or 'package.module.function'")
-    module = _import_user_module(path, module_name)
+    module = _import_user_module(path, module_name, search_dirs)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -138,8 +142,11 @@ def _import_dotted(path: str) -> Callable[..., float]:
     return obj
 
 
-def get_reward_fn(name: str | Callable[..., float]) -> Callable[..., float]:
+def get_reward_fn(name: str | Callable[..., float],
+                  search_dirs: Sequence[str] = ()) -> Callable[..., float]:
     """Resolve a reward: a registered name, a dotted path to a function, or a callable (as is).
+    A dotted path's module is looked up on ``sys.path``, then in the current directory, then in
+    ``search_dirs`` (the recipe's directory).
 
     Raises:
         ValueError: Unknown name (lists the registered ones) or a dotted path that cannot be
@@ -156,7 +163,7 @@ def get_reward_fn(name: str | Callable[..., float]) -> Callable[..., float]:
                 raise ImportError(f"Reward '{name}' needs the '{package}' package: `pip install {package}`")
         return _REGISTRY[name]
     if "." in name or ":" in name:
-        return _import_dotted(name)
+        return _import_dotted(name, search_dirs)
     raise ValueError(
         f"Unknown reward '{name}'. Registered rewards: {', '.join(sorted(_REGISTRY))}; "
         "or give a dotted path 'package.module:function'"

@@ -64,6 +64,21 @@ def hf_config_dtype(config: dict) -> str | None:
     return None
 
 
+def hf_model_name(config: dict, hf_dir: str) -> str:
+    """The converted model's name, written as ``model.preset`` (a free label) into
+    model_config.json so that runs from it say which model they train: the HF config's
+    ``_name_or_path`` when it is a Hub id (``Qwen/Qwen3-30B-A3B``), else the source directory's
+    name (``_name_or_path`` is often empty, or the absolute path of a directory that has since
+    moved)."""
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and name.strip():
+        name = name.strip()
+        hub_id = name.count("/") <= 1 and not name.startswith(("/", ".", "~")) and "\\" not in name
+        if hub_id and not os.path.isdir(name):
+            return name
+    return os.path.basename(os.path.normpath(os.path.abspath(hf_dir)))
+
+
 def check_safetensors_file(path: str) -> None:
     """Raise :class:`ConversionError` naming ``path`` if it is not a complete safetensors file
     (header unreadable, or data shorter than the header says: a truncated download/copy)."""
@@ -295,6 +310,7 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
     # Validate everything before a process group, a weight or a file exists.
     _check_destination(out, overwrite)
     ckpt = read_hf_checkpoint(hf_dir)
+    model_overrides.setdefault("preset", hf_model_name(ckpt.config, hf_dir))
     cfg = model_config_from_hf(ckpt.config, **model_overrides)
     validate_hf_checkpoint(ckpt, cfg)
     if isinstance(dtype, str):

@@ -262,6 +262,25 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
     return cfg
 
 
+def export_in_subprocess(mcore_dir: str, out: str) -> None:
+    """Run ``gspo-export-hf --mcore-dir mcore_dir --out out`` as a fresh single process (what
+    ``checkpoint.export_hf`` does at the end of a run, on global rank 0): it needs a process group
+    of its own (TP=1, one process) and its memory is freed when it exits. Raises
+    ``RuntimeError`` with the exporter's last error line when it fails."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.tools.export_hf",
+                           "--mcore-dir", mcore_dir, "--out", out],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise RuntimeError(f"checkpoint.export_hf: export to {out} failed: "
+                           f"{lines[-1] if lines else f'exit code {proc.returncode}'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     hide_gpus()
     ap = argparse.ArgumentParser(prog="gspo-export-hf", description=__doc__.split("\n\n")[0])

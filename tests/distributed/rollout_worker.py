@@ -45,6 +45,42 @@ def as_json(samples):
     return [dict(r=s.response_ids, lp=s.response_logprobs, f=s.finish_reason) for s in samples]
 
 
+def r3_check(policy, groups, tp):
+    """R3 on this layout: the routes the engine recorded per sample (this stage's MoE layers, as
+    top-k sets), and the old-policy pass replaying them (this rank's sequence shard): forced where
+    recorded, its log-probs against the engine's, the rollout-vs-trainer disagreement."""
+    from gspo_megatron.policy import make_policy_batch
+
+    engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
+                           config=RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6,
+                                                max_batch_size=4), record_routes=True)
+    samples = engine.generate(prompts(7, 6, 2, 7), seed=11)
+    layers = policy.routing.moe_layers
+    routes = [{str(layer): s.extra["routes"][i].long().sort(-1).values.tolist()
+               for i, layer in enumerate(layers)} for s in samples]
+    batch = make_policy_batch([s.prompt_ids + s.response_ids for s in samples],
+                              [len(s.prompt_ids) for s in samples], pad_id=0,
+                              pad_to_multiple_of=tp, seq_length=32 if groups.pp_size > 1 else None)
+    rollout_lp = torch.zeros(batch.tokens.shape)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        rollout_lp[i, p - 1: p - 1 + len(s.response_ids)] = torch.tensor(s.response_logprobs)
+    batch.rollout_logprobs = rollout_lp
+    store = policy.rollout_routes(samples, batch.seq_length)
+    hooks = policy.replay_routes(store, capture_natural=True)
+    lp = policy.logprobs(batch, temperature=0.9, routing=hooks)  # the sampling temperature
+    used, natural = hooks.replayed_store(), hooks.natural_store()
+    known = store.known
+    out = dict(routes=routes, store_shape=list(store.indices.shape), seq_length=batch.seq_length,
+               forced=bool(torch.equal(used.indices[:, known], store.indices[:, known])),
+               metrics=policy.rollout_disagreement(store, natural, batch, lp))
+    if lp is not None:
+        out["max_gap"] = float((lp - rollout_lp)[batch.response_mask].abs().max())
+        out["lp"] = [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.response_ids)]
+                     .tolist() for i, s in enumerate(samples)]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
@@ -60,7 +96,8 @@ def main():
                               pipeline_model_parallel_size=args.pp, sequence_parallel=args.tp > 1)
     groups = initialize_distributed(parallel, model_cfg, seed=1234)
     policy = build_policy(model_cfg, parallel, PrecisionConfig(transformer_impl="local"),
-                          OptimConfig(), groups, total_steps=1, with_optimizer=False)
+                          OptimConfig(), groups, total_steps=1, with_optimizer=False,
+                          vocab_size=VOCAB)
     if args.make_reference:
         with torch.no_grad():  # sharper than the init so that greedy/sampled runs see EOS
             policy.unwrapped().output_layer.weight.mul_(20.0)
@@ -81,6 +118,7 @@ def main():
             if groups.world_size == 1:
                 result["own_by_dp"] = [as_json(engine.generate(own_prompts(dp), seed=23))
                                        for dp in (0, 1)]
+    result["r3"] = r3_check(policy, groups, args.tp)
     result["sequence_parallel_restored"] = bool(policy.unwrapped().config.sequence_parallel) == (
         args.tp > 1)
     result["training_restored"] = policy.unwrapped().training

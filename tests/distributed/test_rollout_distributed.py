@@ -60,3 +60,34 @@ def test_rollouts_match_single_process(reference, layout):
         assert_same(got["own"], ref["own_by_dp"][got["dp_rank"]], (layout, rank, "own"))
     if layout[0] == "--ep":  # EP=2 on 2 ranks is DP=2: the ranks really held different prompts
         assert load(out, 0)["dp_rank"] != load(out, 1)["dp_rank"]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--ep", "2"], ["--pp", "2"]],
+                         ids=["tp2_sp", "ep2", "pp2"])
+def test_r3_matches_single_process(reference, layout):
+    """R3 under TP=2+SP, EP=2 and PP=2: every rank records the single process's routes for its
+    own MoE layers, the old-policy pass replays them on its sequence shard (forced where
+    recorded), and the replayed log-probs equal the single process's."""
+    base, weights, ref = reference
+    out = str(base / "_".join(layout).strip("-"))
+    if not os.path.exists(os.path.join(out, "rank0.json")):
+        run(2, "--weights", weights, "--out", out, *layout)
+    single = ref["r3"]
+    assert single["forced"] and single["max_gap"] < 1e-5
+    assert single["metrics"]["routing/rollout/change_rate"] == 0.0
+    for rank in (0, 1):
+        got = load(out, rank)["r3"]
+        assert got["forced"], (layout, rank)
+        for g, r in zip(got["routes"], single["routes"]):
+            assert g and all(g[layer] == r[layer] for layer in g), (layout, rank)
+        assert got["metrics"]["routing/rollout/change_rate"] == 0.0, (layout, rank)
+        if "lp" in got:
+            assert got["max_gap"] < 1e-5
+            for g, r in zip(got["lp"], single["lp"]):
+                assert g == pytest.approx(r, abs=1e-5)
+    if layout[0] == "--tp":  # sequence parallel: each TP rank holds half of the positions
+        for rank in (0, 1):
+            got = load(out, rank)["r3"]
+            assert got["store_shape"][2] * 2 == got["seq_length"], got["store_shape"]
+    if layout[0] == "--pp":  # each stage records and replays its own MoE layer
+        assert [list(load(out, r)["r3"]["routes"][0]) for r in (0, 1)] == [["0"], ["1"]]

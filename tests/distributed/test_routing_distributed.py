@@ -90,8 +90,12 @@ def test_gspo_train_with_r2_and_diagnostics_logs_routing_metrics(tmp_path):
                "--routing.diagnostics_interval=2", "--optim.lr=1e-3")
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    # Step 1 runs no diagnostics, but the free drift metrics come from the update forwards.
-    diag_keys = [k for k in rows[1] if k.startswith("routing/") and not k.startswith("routing/drift/")]
+    # Step 1 runs no diagnostics, but the free drift metrics come from the update forwards and the
+    # rollout-vs-trainer ones from the old-policy pass (every step).
+    diag_keys = [k for k in rows[1] if k.startswith("routing/")
+                 and not k.startswith(("routing/drift/", "routing/rollout/"))]
+    for r in rows:  # fp32 engine and trainer, same weights: the same routes
+        assert r["routing/rollout/change_rate"] <= 0.01 and "routing/rollout/change_rate/layer_1" in r
     assert not diag_keys and "perf/routing_diagnostics_s" not in rows[1]
     for r in rows:
         # minibatch 0 trains on-policy: its free routes are the old pass's (up to near-ties that

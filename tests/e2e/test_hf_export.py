@@ -132,7 +132,8 @@ def test_convert_train_export_loads_in_transformers(tmp_path):
                  "--rollout.group_size=4", "--rollout.prompts_per_step=4",
                  "--trainer.num_minibatches=2", "--trainer.micro_batch_size=4",
                  "--sft.steps=3", "--sft.batch_size=8", "--trainer.steps=3",
-                 "--trainer.eval_interval=0"], timeout=400)
+                 "--trainer.eval_interval=0", f"--checkpoint.export_hf={tmp_path / 'final'}"],
+               timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     saved = yaml.safe_load(open(run / "config.yaml"))["model"]
     assert {k: saved[k] for k in ("num_layers", "num_moe_experts", "hidden_size")} == \
@@ -159,6 +160,11 @@ def test_convert_train_export_loads_in_transformers(tmp_path):
                      "--out", str(tmp_path / dst)])
         assert proc.returncode == 0, proc.stderr[-3000:]
     exported = read_safetensors(str(out))
+    # gspo-train's own export of the final policy (checkpoint.export_hf) is the same model
+    final = read_safetensors(str(tmp_path / "final"))
+    assert final.keys() == exported.keys()
+    assert all(torch.equal(final[k], v) for k, v in exported.items())
+    assert (tmp_path / "final" / "tokenizer.json").is_file()
     assert exported.keys() == source.keys()
     assert all(t.dtype == torch.bfloat16 for t in exported.values())
     assert all(torch.equal(exported[k], v) for k, v in read_safetensors(str(tmp_path / "export_latest")).items())

@@ -140,3 +140,23 @@ def test_recipe_without_loss_optim_sft_trains_with_the_papers_defaults(tmp_path)
     records = read_metrics(str(run / "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["optim/lr"] == pytest.approx(1e-6) for r in records)  # constant, no warm-up
+
+
+def test_r3_with_bf16_rollouts_and_mismatch_correction(tmp_path):
+    """R3 end to end: bf16 rollouts (a real engine/trainer mismatch on CPU), the engine's routes
+    replayed in the old-policy pass and the updates, token-level TIS on pi_old / pi_rollout."""
+    run = tmp_path / "r3"
+    gspo_train(run, "--trainer.steps=2", "--routing.replay=r3", "--rollout.precision=bf16",
+               "--rollout_correction.mode=truncate", "--model.num_moe_experts=16",
+               "--model.moe_router_topk=4")
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert m["kl/rollout_vs_train"] > 1e-8  # bf16 engine vs fp32 trainer (fp32: ~1e-14)
+        for key in ("routing/rollout/change_rate", "routing/rollout/token_change_rate",
+                    "routing/rollout/change_rate/layer_1", "correction/weight_mean",
+                    "correction/truncated_fraction", "routing/drift/after_0_updates"):
+            assert key in m, key
+        assert 0 <= m["routing/rollout/change_rate"] <= m["routing/rollout/token_change_rate"] <= 1
+        # the first update forward replays the rollout's routes: nothing drifted yet
+        assert m["routing/drift/after_0_updates"] < 0.05

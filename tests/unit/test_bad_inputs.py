@@ -37,6 +37,9 @@ CONFIG_CASES = [
     ("", ["--rollout.temperature=0.0", "--rollout.top_k=1"], 1, r"rollout.temperature: must be > 0 \(greedy decoding is rollout.top_k: 1\)"),
     ("", ["--rollout.top_k=20", "--rollout.top_p=0.95"], 1, r"rollout.top_k and rollout.top_p cannot both be active"),
     ("loss:\n  clip_low: 2\n", [], 1, r"recipe.yaml:2: loss.clip_low: must be < 1"),
+    ("loss:\n  clip_high: -1\n", [], 1, r"^[^ ]*recipe.yaml:2: loss.clip_high: must be >= 0, got -1.0$"),
+    ("", ["--loss.clip_low=2"], 1, r"^override '--loss.clip_low=2': loss.clip_low: must be < 1 \(lower bound 1 - clip_low > 0\), got 2.0$"),
+    ("", ["--loss.aggregation=token_mean"], 1, r"^override '--loss.aggregation=token_mean': loss.aggregation: 'token_mean' only applies to variant='grpo'; variant='gspo' requires 'seq_mean_token_mean'$"),
     ("model:\n  preset: tiny\n", [], 1, r"model.seq_length \(64\) must be >= data.max_prompt_length \+ rollout.max_new_tokens = 1024 \+ 1024"),
     ("", ["--rollout.group_size=1"], 1, r"rollout.group_size"),
     ("", ["--trainer.num_minibatches=3"], 1, r"trainer.num_minibatches"),
@@ -122,12 +125,41 @@ def test_unknown_reward_lists_the_registered_ones():
         get_reward_fn("no_such_module.sub:fn")
 
 
+@pytest.mark.parametrize("field, value", [("clip_low", "2"), ("clip_high", "-1")])
+def test_clip_errors_name_the_field_and_the_value_once(tmp_path, field, value):
+    """From a recipe or an override, the line is ``where: loss.field: problem, got value``: the
+    field and the value each appear once after the source."""
+    for path, overrides in ((_config(tmp_path, f"loss:\n  {field}: {value}\n"), []),
+                            (DEMO_RECIPE, [f"--loss.{field}={value}"])):
+        with pytest.raises(ConfigError) as info:
+            load_config(path, overrides)
+        (line,) = info.value.errors
+        problem = line.split(f"loss.{field}: ", 1)[1]
+        assert problem.count(f"got {float(value)}") == 1 and str(float(value)) not in \
+            problem.replace(f"got {float(value)}", ""), line
+
+
+def test_verbose_is_a_flag_not_an_override():
+    from gspo_megatron.config.loader import parse_cli, parse_command_line
+
+    args = parse_command_line(["--verbose", "--trainer.steps", "3", "-c", "r.yaml"])
+    assert args == ("r.yaml", ["--trainer.steps=3"], True)
+    assert parse_command_line(["--trainer.steps=3"]).verbose is False
+    assert parse_cli(["--verbose", "--trainer.steps=3"]) == (None, ["--trainer.steps=3"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--rollout.group_szie=4"], "rollout.group_szie: unknown field; did you mean 'group_size'"),
     (["--data.source=file", "--data.train_path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["--data.max_prompt_length=3"], "more than data.max_prompt_length=3"),
+    (["--loss.clip_low=2"], "override '--loss.clip_low=2': loss.clip_low: must be < 1 (lower "
+                            "bound 1 - clip_low > 0), got 2.0"),
+    (["--loss.clip_high=-1"], "override '--loss.clip_high=-1': loss.clip_high: must be >= 0, "
+                              "got -1.0"),
+    (["--verbose", "--loss.clip_high=-1"], "loss.clip_high: must be >= 0, got -1.0"),
 ])
 def test_cli_user_errors_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
+    """Without --verbose, stderr is exactly the one error line (no start-up warnings)."""
     import os
     import subprocess
     import sys

@@ -20,9 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHEAP = ["--data.num_train_examples=50", "--data.num_eval_examples=10"]
 
 
-def run_cli(cwd, *args):
+def run_cli(cwd, *args, **env_extra):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **env_extra)
     run_dir = cwd / "run"
     proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", f"--logging.run_dir={run_dir}",
                            *CHEAP, *args], cwd=cwd, env=env, capture_output=True, text=True,
@@ -30,14 +30,29 @@ def run_cli(cwd, *args):
     return proc, run_dir
 
 
-def assert_refused(proc, run_dir, *needles):
+def assert_refused(proc, run_dir, *needles, before=None):
+    """Exit 2, one line naming ``needles``, no traceback, and nothing written: no ``run_dir``, or
+    (``before``, a :func:`snapshot` of a tree that existed already) that tree unchanged."""
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("gspo-train: error:"), proc.stderr
     assert "Traceback" not in proc.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
-    assert not run_dir.exists()
+    if before is None:
+        assert not run_dir.exists()
+    else:
+        assert snapshot(before[0]) == before, "the refused run wrote files"
+
+
+def snapshot(root):
+    """``(root, {relative path: size})`` of every file and directory under ``root``."""
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            files[os.path.relpath(path, root)] = os.path.getsize(path)
+    return root, files
 
 
 @pytest.mark.parametrize("source, needles", [
@@ -61,6 +76,24 @@ def test_reward_module_next_to_the_recipe_is_found_without_pythonpath(tmp_path, 
     fn = get_reward_fn("local_reward_ok:reward")
     assert fn("2", "2") == 1.0
     assert str(tmp_path) not in sys.path  # the working directory was searched, not left behind
+
+
+def test_reward_module_next_to_the_recipe_found_from_another_directory(tmp_path):
+    """``gspo-train --config recipes/r.yaml`` run from elsewhere finds ``recipes/my_reward.py``
+    (the recipe's directory is searched after sys.path and the working directory)."""
+    recipes, elsewhere = tmp_path / "recipes", tmp_path / "elsewhere"
+    recipes.mkdir(), elsewhere.mkdir()
+    (recipes / "near_recipe_reward.py").write_text(
+        "def reward(response, answer, example=None):\n    return float(response == answer)\n")
+    (recipes / "r.yaml").write_text("reward: {fn: 'near_recipe_reward:reward'}\n"
+                                    "model: {seq_length: 2048}\n")
+    # a bad override stops the run after the reward resolved (prepare checks the reward first)
+    proc, run_dir = run_cli(elsewhere, "--config", str(recipes / "r.yaml"),
+                            "--data.num_train_examples=3")
+    assert_refused(proc, run_dir, "data.num_train_examples: 3 prompts")
+    proc, run_dir = run_cli(elsewhere, "--config", str(recipes / "r.yaml"),
+                            "--reward.fn=not_near_any_reward:reward", "--data.num_train_examples=3")
+    assert_refused(proc, run_dir, "cannot import module 'not_near_any_reward'")
 
 
 def test_hf_tokenizer_path_that_does_not_exist(tmp_path):
@@ -100,3 +133,159 @@ def test_directory_given_as_a_dataset(tmp_path):
         load_prompt_dataset(tmp_path)
     proc, run_dir = run_cli(tmp_path, "--data.source=file", f"--data.train_path={tmp_path}")
     assert_refused(proc, run_dir, f"{tmp_path}: is a directory")
+
+
+# ------------------------------------------------------------------ data too small for one step
+
+
+def test_fewer_generated_prompts_than_one_step_needs(tmp_path):
+    proc, run_dir = run_cli(tmp_path, "--data.num_train_examples=10")  # demo: 16 prompts a step
+    assert_refused(proc, run_dir, "data.num_train_examples: 10 prompts, fewer than one RL step "
+                   "needs (rollout.prompts_per_step x data-parallel size = 16 x 1 = 16)")
+
+
+def test_fewer_file_prompts_than_one_step_needs_on_every_data_parallel_rank(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(10)))
+    data = ["--data.source=file", f"--data.train_path={path}"]
+    proc, run_dir = run_cli(tmp_path, *data, "--rollout.prompts_per_step=8", WORLD_SIZE="2")
+    assert_refused(proc, run_dir, f"data.train_path: {path} has 10 prompts, fewer than one RL "
+                   "step needs (rollout.prompts_per_step x data-parallel size = 8 x 2 = 16)")
+
+
+def test_held_out_set_smaller_than_the_data_parallel_size(tmp_path):
+    proc, run_dir = run_cli(tmp_path, "--data.num_eval_examples=1", "--rollout.prompts_per_step=8",
+                            WORLD_SIZE="2")
+    assert_refused(proc, run_dir, "data.num_eval_examples: 1 held-out prompts, fewer than the "
+                   "data-parallel size 2")
+
+
+def test_more_generated_problems_than_the_task_has(tmp_path):
+    proc, run_dir = run_cli(tmp_path, "--data.num_eval_examples=1000")
+    assert_refused(proc, run_dir, "data.num_eval_examples=1000: ", "has only 128",
+                   "lower data.num_eval_examples or raise data.max_operand")
+
+
+# ------------------------------------------------------------------ prompts too long: 1-based
+
+
+def test_prompt_too_long_names_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = ['{"prompt": "1+1=", "answer": "2"}', "", '{"prompt": "12+13+14+15=", "answer": "54"}']
+    path.write_text("\n".join(rows * 20) + "\n")
+    proc, run_dir = run_cli(tmp_path, "--data.source=file", f"--data.train_path={path}",
+                            "--data.max_prompt_length=5")
+    assert_refused(proc, run_dir, f"{path}:3: prompt has ", "more than data.max_prompt_length=5")
+
+
+def test_generated_prompt_too_long_is_numbered_from_one(tmp_path):
+    proc, run_dir = run_cli(tmp_path, "--data.max_prompt_length=3")
+    assert_refused(proc, run_dir, "data.source=arithmetic: train example 1 (",
+                   "more than data.max_prompt_length=3")
+
+
+# ------------------------------------------------------------------ directories the run writes
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    proc, run_dir = run_cli(tmp_path, f"--logging.run_dir={tmp_path / 'afile'}")
+    assert_refused(proc, run_dir, f"logging.run_dir: {tmp_path / 'afile'} exists and is not a "
+                   "directory", before=snapshot(tmp_path))
+
+
+def test_run_dir_under_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    proc, run_dir = run_cli(tmp_path, f"--logging.run_dir={tmp_path / 'afile' / 'run'}")
+    assert_refused(proc, run_dir, f"logging.run_dir: cannot create {tmp_path / 'afile' / 'run'}: "
+                   f"{tmp_path / 'afile'} is a file, not a directory")
+
+
+def test_save_dir_under_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    proc, run_dir = run_cli(tmp_path, f"--checkpoint.save_dir={tmp_path / 'afile' / 'ckpt'}")
+    assert_refused(proc, run_dir, "checkpoint.save_dir: cannot create", "is a file")
+
+
+# ------------------------------------------------------------------ checkpoints the run reads
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A one-step demo run: its ``sft_weights`` and ``checkpoints`` (iteration 1)."""
+    cwd = tmp_path_factory.mktemp("trained")
+    proc, run_dir = run_cli(cwd, "--trainer.steps=1", "--sft.steps=1", "--logging.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("kind", ["empty directory", "plain file", "missing path"])
+def test_init_weights_that_is_not_a_checkpoint(tmp_path, kind):
+    target = tmp_path / "weights"
+    if kind == "empty directory":
+        target.mkdir()
+        needle = f"checkpoint.init_weights: not a checkpoint directory: {target}"
+    elif kind == "plain file":
+        target.write_text("not weights")
+        needle = f"checkpoint.init_weights: not a directory: {target}"
+    else:
+        needle = f"checkpoint.init_weights: no such path '{target}'"
+    proc, run_dir = run_cli(tmp_path, f"--checkpoint.init_weights={target}")
+    assert_refused(proc, run_dir, needle)
+
+
+@pytest.mark.parametrize("weights, override, needle", [
+    ("sft_weights", "--model.hidden_size=32",
+     "model tensor embedding.word_embeddings.weight has shape [128, 64] in the checkpoint, the "
+     "config's model gives [128, 32] (model.vocab_size padded to 128, model.hidden_size)"),
+    ("checkpoints", "--model.num_layers=3",
+     "model tensor decoder.layers.self_attention.linear_qkv.weight has shape [2, 128, 64] in the "
+     "checkpoint, the config's model gives [3, 128, 64] (model.num_layers"),
+])
+def test_init_weights_with_other_shapes(trained, tmp_path, weights, override, needle):
+    proc, run_dir = run_cli(tmp_path, f"--checkpoint.init_weights={trained / weights}", override)
+    assert_refused(proc, run_dir, f"checkpoint.init_weights: {trained / weights}", needle)
+
+
+def test_resume_with_other_shapes(trained, tmp_path):
+    proc, run_dir = run_cli(tmp_path, f"--checkpoint.load_dir={trained / 'checkpoints'}",
+                            "--model.num_layers=3")
+    assert_refused(proc, run_dir, "cannot resume (checkpoint.load_dir): "
+                   f"{trained / 'checkpoints' / 'iter_0000001'}: model tensor")
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("garbage\n", "expected an iteration number, found 'garbage'"),
+    ("\xff\xfe", "expected an iteration number"),
+    ("7\n", "names iteration 7, but {ckpts}/iter_0000007 is missing or not a checkpoint and no "
+             "older checkpoint is there to resume from"),
+])
+def test_corrupt_or_dangling_tracker_refused_before_anything_is_written(tmp_path, content, needle):
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "latest_checkpointed_iteration.txt").write_text(content, encoding="latin-1")
+    before = snapshot(tmp_path / "run")
+    proc, run_dir = run_cli(tmp_path)
+    assert_refused(proc, run_dir, "cannot resume (logging.run_dir): "
+                   f"{ckpts / 'latest_checkpointed_iteration.txt'}: ",
+                   needle.format(ckpts=ckpts), before=before)
+
+
+def test_dangling_tracker_in_load_dir(tmp_path):
+    ckpts = tmp_path / "elsewhere"
+    ckpts.mkdir()
+    (ckpts / "latest_checkpointed_iteration.txt").write_text("3")
+    proc, run_dir = run_cli(tmp_path, f"--checkpoint.load_dir={ckpts}")
+    assert_refused(proc, run_dir, "cannot resume (checkpoint.load_dir): ", "names iteration 3")
+
+
+def test_megatron_warnings_only_with_verbose(trained, tmp_path):
+    """A refusal found after Megatron is imported (tensor metadata) is still one line; --verbose
+    shows the start-up warnings it hides."""
+    args = [f"--checkpoint.init_weights={trained / 'sft_weights'}", "--model.hidden_size=32"]
+    quiet, run_dir = run_cli(tmp_path, *args)
+    assert_refused(quiet, run_dir, "model tensor embedding.word_embeddings.weight")
+    loud, run_dir = run_cli(tmp_path, "--verbose", *args)
+    assert loud.returncode == 2 and not run_dir.exists()
+    assert "Warning" in loud.stderr and "Traceback" not in loud.stderr
+    assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip()

@@ -586,12 +586,13 @@ def test_divisibility_errors_name_fields_and_numbers() -> None:
                                     "rollout.max_new_tokens = 8 + 60 = 68", 1),
     ("--parallel.expert_model_parallel_size=3", "parallel.expert_model_parallel_size (3) x "
                                                 "expert_tensor_parallel_size (1) must divide", 1),
-    ("--routing.replay=r3", "routing.replay='r3' needs the routes", 1),
+    ("--routing.replay=r3", "routing.replay='r3' needs an MoE model", 1),
     ("--parallel.context_parallel_size=2", "parallel.context_parallel_size=2: the trainer", 2),
     ("--model.moe_layer_freq=[0,0]", "routing.diagnostics needs an MoE model", 1),
 ])
 def test_validate_names_the_field(override: str, needle: str, world: int) -> None:
-    cfg = demo(override, *(["--routing.diagnostics=true"] if "moe_layer" in override else []))
+    cfg = demo(override, *(["--routing.diagnostics=true"] if "moe_layer" in override else []),
+               *(["--model.moe_layer_freq=[0,0]"] if "r3" in override else []))
     err = pytest.raises(ConfigError, validate_config, cfg, world).value
     assert needle in str(err) and len(err.errors) == 1, err.errors
 
@@ -715,3 +716,17 @@ def test_field_docs_cover_every_field() -> None:
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{section}: fields without a docstring: {missing}"
+
+
+def test_export_hf_needs_a_converted_init_and_a_free_destination(tmp_path) -> None:
+    """checkpoint.export_hf is refused before anything runs when the HF config is unknown (no
+    converted init_weights) or the destination is in use."""
+    err = pytest.raises(ConfigError, validate_config,
+                        demo(f"--checkpoint.export_hf={tmp_path / 'out'}"), 1).value
+    assert "checkpoint.export_hf needs checkpoint.init_weights" in str(err) and len(err.errors) == 1
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "x").write_text("")
+    err = pytest.raises(ConfigError, validate_config,
+                        demo(f"--checkpoint.export_hf={used}"), 1).value
+    assert f"checkpoint.export_hf: '{used}' exists and is not an empty directory" in str(err)

@@ -69,7 +69,7 @@ def test_dynamic_engine_is_refused_without_cuda_before_anything_runs():
 
 def test_rollout_engine_fields_are_checked():
     from gspo_megatron.config import RolloutConfig
-    from gspo_megatron.config.checks import FieldError
+    from gspo_megatron.sections import FieldError
 
     with pytest.raises(FieldError, match="rollout.dynamic_buffer_size_gb"):
         RolloutConfig(dynamic_buffer_size_gb=0)

@@ -586,6 +586,19 @@ def test_convert_records_source_dtype_and_side_files(converted):
     source = json.loads(open(os.path.join(mcore_dir, "hf_source.json")).read())
     assert source == {"dtype": "float32", "hf_dir": os.path.abspath(hf_dir)}
     assert os.listdir(os.path.join(mcore_dir, "hf_files")) == ["generation_config.json"]
+    # model.preset is a free label: the model's name (no Hub id here: the source directory's).
+    meta = json.loads(open(os.path.join(mcore_dir, "model_config.json")).read())
+    assert meta["preset"] == os.path.basename(hf_dir) == "gqa4_hd8_sparsestep2_hf"
+
+
+def test_converted_model_name_is_the_hub_id_or_the_directory_name(tmp_path):
+    from gspo_megatron.tools.convert_hf import hf_model_name
+
+    src = str(tmp_path / "my-qwen")
+    assert hf_model_name({"_name_or_path": "Qwen/Qwen3-30B-A3B"}, src) == "Qwen/Qwen3-30B-A3B"
+    for name_or_path in ("", None, "/models/old/place", "./rel/dir", str(tmp_path)):
+        assert hf_model_name({"_name_or_path": name_or_path}, src + "/") == "my-qwen"
+    assert hf_model_name({}, src) == "my-qwen"
 
 
 def _cli_fails(capsys, tool, argv, match, dst):

@@ -150,3 +150,129 @@ def test_greedy_generation_matches_megatron_modules(setup):
         assert a.response_ids == b.response_ids
         torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs),
                                    rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- bf16 (rollout.precision=bf16)
+def _cast(value, dtype):
+    """Floating tensors in (nested) args to ``dtype``; everything else as is."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _clone(value):
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def _first_tensor(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@pytest.mark.parametrize("case", ["causal", "decode", "chunk"])
+def test_sdpa_attention_bf16_matches_float64(setup, case):
+    """SDPA on CPU in bf16 (softmax accumulated in fp32 by the kernel): within bf16 tolerance of
+    the float64 reference on the same (bf16-representable) inputs."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from gspo_megatron.compat.local_kernels import SDPADotProductAttention
+
+    config = setup[2].transformer_config
+    attn = SDPADotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                   attention_type="self").eval()
+    gen = torch.Generator().manual_seed(7)
+    sq, sk = {"causal": (9, 9), "decode": (1, 13), "chunk": (4, 11)}[case]
+    b, np_, ng, hn = 3, config.num_attention_heads, config.num_query_groups, config.kv_channels
+    q = torch.randn(sq, b, np_, hn, generator=gen).bfloat16()
+    k, v = (torch.randn(sk, b, ng, hn, generator=gen).bfloat16() for _ in range(2))
+    keep = (torch.ones(sq, sk, dtype=torch.bool) if case == "decode"
+            else torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq))
+    out = attn(q, k, v, None)
+    assert out.dtype == torch.bfloat16
+    ref = _reference_attention(q, k, v, attn.softmax_scale, keep)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_each_kernel_bf16_forward_matches_its_fp32_forward(setup):
+    """Every local-kernel module of a bf16 copy of the model (``rollout.precision=bf16``), fed the
+    inputs it saw in a bf16 forward, agrees with the same fp32 module fed those inputs upcast:
+    the kernel's own bf16 error only (a few bf16 steps relative to the output's scale)."""
+    from gspo_megatron.backends.megatron.rollout import SamplingCopy
+    from gspo_megatron.compat import local_kernels as lk
+
+    model, _, fast, _ = setup
+    live = fast.unwrapped()
+    bf16 = SamplingCopy(live, torch.bfloat16)
+    kinds = (lk.SDPADotProductAttention, lk.DirectColumnParallelLinear, lk.DirectRowParallelLinear,
+             lk.LoopedSequentialMLP, lk.RopeOnceSelfAttention)
+    seen, handles = {}, []
+
+    def keep(name):
+        def hook(module, args, kwargs, output):
+            if name not in seen:  # first call; clones: later ops may write in place
+                seen[name] = _clone((args, kwargs, output))
+            # returns None: the output is not rewritten
+        return hook
+
+    for name, module in bf16.model.named_modules():
+        if isinstance(module, kinds):
+            handles.append(module.register_forward_hook(keep(name), with_kwargs=True))
+    tokens = torch.randint(1, model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    try:
+        with torch.no_grad():
+            bf16.module(tokens, torch.arange(20)[None].expand(2, -1), attention_mask=None)
+    finally:
+        for h in handles:
+            h.remove()
+    fp32_modules = dict(live.named_modules())
+    assert {type(fp32_modules[n]) for n in seen} == set(kinds)
+    live.eval()
+    try:
+        with torch.no_grad():
+            for name, (args, kwargs, out_bf16) in seen.items():
+                out_bf16 = _first_tensor(out_bf16)
+                assert out_bf16.dtype == torch.bfloat16, name
+                out_fp32 = _first_tensor(fp32_modules[name](*_cast(args, torch.float32),
+                                                            **_cast(kwargs, torch.float32)))
+                scale = float(out_fp32.abs().max())
+                err = float((out_bf16.float() - out_fp32).abs().max())
+                assert err <= 2e-2 * scale, (name, err, scale)  # measured <= 6e-3 * scale
+    finally:
+        live.train()
+
+
+def test_bf16_rollouts_match_megatron_modules(setup):
+    """bf16 rollouts (KV-cache decoding, keys rotated once) with the local kernels and with
+    Megatron's own modules: same weights, log-probs of the same tokens within bf16 tolerance."""
+    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.config import RolloutConfig
+
+    model, groups, fast, ref = setup
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, model.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 9, (5,), generator=gen)]
+    engines = {name: RolloutEngine(pol.model, groups, eos_id=model.vocab_size - 1, pad_id=0,
+                                   vocab_size=model.vocab_size,
+                                   config=RolloutConfig(max_new_tokens=12, max_batch_size=8,
+                                                        precision="bf16"),
+                                   max_sequence_length=MODEL["seq_length"])
+               for name, pol in (("fast", fast), ("ref", ref))}
+    samples = engines["fast"].generate(prompts, seed=0)
+    # Score the fast engine's tokens with a full bf16 forward of both copies (no KV cache).
+    for s in samples:
+        seq = torch.tensor([s.prompt_ids + s.response_ids])
+        pos = torch.arange(seq.shape[1])[None]
+        with torch.no_grad():
+            lf, lr = (engines[n].copy.module.eval()(seq, pos, attention_mask=None)
+                      for n in ("fast", "ref"))
+        assert lf.dtype == lr.dtype == torch.float32
+        torch.testing.assert_close(lf.log_softmax(-1), lr.log_softmax(-1), rtol=0, atol=0.1)

@@ -46,6 +46,21 @@ def make_prompts(n=24, seed=0):
                           generator=g).tolist() for _ in range(n)]
 
 
+def assert_valid_samples(prompts, samples, max_new_tokens=8):
+    """Each sample answers its prompt with 1..max_new_tokens real-vocabulary ids, one log-prob
+    each, ending at its first EOS or at the length limit."""
+    for p, s in zip(prompts, samples, strict=True):
+        assert isinstance(s, RolloutSample) and s.prompt_ids == p
+        assert 1 <= len(s.response_ids) <= max_new_tokens
+        assert len(s.response_logprobs) == len(s.response_ids)
+        assert all(0 <= t < VOCAB for t in s.response_ids), s.response_ids
+        assert all(lp <= 0.0 for lp in s.response_logprobs)
+        if s.finish_reason == "eos":
+            assert s.response_ids[-1] == EOS and EOS not in s.response_ids[:-1]
+        else:
+            assert len(s.response_ids) == max_new_tokens and EOS not in s.response_ids
+
+
 def engine(setup, **cfg):
     policy, groups = setup
     cfg = {"max_new_tokens": 8, "max_batch_size": 16, **cfg}
@@ -69,16 +84,7 @@ def test_lengths_finish_reasons_and_vocab(setup):
     assert len(samples) == len(prompts)
     reasons = {s.finish_reason for s in samples}
     assert reasons == {"eos", "length"}, reasons  # the setup must exercise both
-    for p, s in zip(prompts, samples):
-        assert isinstance(s, RolloutSample) and s.prompt_ids == p
-        assert 1 <= len(s.response_ids) <= 8
-        assert len(s.response_logprobs) == len(s.response_ids)
-        assert all(0 <= t < VOCAB for t in s.response_ids), s.response_ids
-        assert all(lp <= 0.0 for lp in s.response_logprobs)
-        if s.finish_reason == "eos":
-            assert s.response_ids[-1] == EOS and EOS not in s.response_ids[:-1]
-        else:
-            assert len(s.response_ids) == 8 and EOS not in s.response_ids
+    assert_valid_samples(prompts, samples)
 
 
 def test_seed_determinism_and_model_state(setup):

@@ -214,7 +214,8 @@ def test_diagnostics_zero_when_nothing_changed(setup):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--routing.replay=r3", "routing.replay='r3' needs the routes the rollout engine used"),
+    ("--routing.replay=r3 --rollout.engine=dynamic",
+     "routing.replay='r3' with rollout.engine='dynamic': routes are recorded on the static"),
     ("--parallel.context_parallel_size=2", "not validated with context parallelism"),
     ("--routing.diagnostics_interval=0", "routing.diagnostics_interval: must be >= 1"),
 ])
@@ -222,5 +223,6 @@ def test_config_validation(override, message):
     from gspo_megatron.config.loader import ConfigError, load_config, validate_config
 
     with pytest.raises(ConfigError, match=message):
-        cfg = load_config(None, ["--routing.diagnostics=true", "--model.seq_length=2048", override])
+        cfg = load_config(None, ["--routing.diagnostics=true", "--model.seq_length=2048",
+                                 *override.split()])
         validate_config(cfg, world_size=2, check_paths=False)

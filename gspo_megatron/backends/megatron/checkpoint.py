@@ -34,6 +34,8 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # The key under which save_checkpoint nests the model's sharded state dict. Nesting does not change
 # the ShardedTensor keys (the model's own, no prefix), only where the loaded tensors come back.
 TRAINING_MODEL_KEY = "model"
+# Written by dist_checkpointing.save into every checkpoint directory.
+_DIST_METADATA = "metadata.json"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
@@ -58,10 +60,37 @@ def read_latest(save_dir: str) -> int | None:
     path = os.path.join(save_dir, TRACKER_FILE)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
-    if not text.isdigit():
+    with open(path, "rb") as f:  # bytes: a corrupt file is reported, not a UnicodeDecodeError
+        text = f.read(64).decode("utf-8", errors="replace").strip()
+    if not (text.isascii() and text.isdigit()):
         raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
     return int(text)
+
+
+def _resume_candidates(load_dir: str, latest: int) -> list[int]:
+    """The steps a resume tries, in order: ``latest``, then the older complete checkpoints."""
+    return [latest] + [s for s in reversed(list_checkpoints(load_dir)) if s < latest]
+
+
+def resume_dir(load_dir: str) -> str | None:
+    """The iteration directory a resume from ``load_dir`` will read, found without loading
+    anything (so ``gspo-train`` can refuse a broken resume before it writes the run directory).
+
+    ``None`` when ``load_dir`` has no ``latest_checkpointed_iteration.txt`` (nothing to resume).
+    Otherwise the first of :func:`load_checkpoint`'s candidates that holds a dist checkpoint.
+    Raises :class:`CheckpointError` for a tracker that is not a number, or one that names an
+    iteration that is missing when no older checkpoint is there to fall back to."""
+    latest = read_latest(load_dir)
+    if latest is None:
+        return None
+    for step in _resume_candidates(load_dir, latest):
+        directory = iteration_dir(load_dir, step)
+        if os.path.isfile(os.path.join(directory, _DIST_METADATA)):
+            return directory
+    raise CheckpointError(
+        f"{os.path.join(load_dir, TRACKER_FILE)}: names iteration {latest}, but "
+        f"{iteration_dir(load_dir, latest)} is missing or not a checkpoint and no older checkpoint "
+        "is there to resume from (remove the file to start afresh)")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -190,7 +219,7 @@ def load_checkpoint(policy, load_dir: str, step: int | None = None) -> TrainingS
     latest = read_latest(load_dir) if step is None else step
     if latest is None:
         raise CheckpointError(f"{load_dir}: no {TRACKER_FILE}; nothing to resume from")
-    candidates = [latest] + [s for s in reversed(list_checkpoints(load_dir)) if s < latest]
+    candidates = _resume_candidates(load_dir, latest)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     errors = []
@@ -239,10 +268,6 @@ def save_model_weights(gpt_model, directory: str) -> None:
     dist_checkpointing.save(gpt_model.sharded_state_dict(), directory)
 
 
-# Written by dist_checkpointing.save into every checkpoint directory.
-_DIST_METADATA = "metadata.json"
-
-
 def resolve_weights_dir(directory: str) -> str:
     """The dist-checkpoint directory holding model weights for ``directory``.
 
@@ -289,13 +314,79 @@ def checkpoint_tensor_dtype(directory: str) -> torch.dtype | None:
     return max(counts, key=counts.get) if counts else None
 
 
+def _stored_tensors(directory: str) -> dict:
+    """``{key: ShardedTensor metadata}`` of a dist checkpoint, read from its metadata only."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_tensors_metadata(directory)
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"{directory}: cannot read the checkpoint's metadata: "
+                              f"{_describe(exc)}") from exc
+
+
+def _expected_shapes(model) -> dict[str, tuple[tuple[int | None, ...], str]]:
+    """``{key: (global shape, the model fields behind it)}`` for the tensors whose stored shape
+    is the same under every layout and layer spec Megatron saves (``None``: any size). Expert and
+    dense-MLP widths are left out: grouped and sequential experts store them differently."""
+    h, d, layers = model.hidden_size, model.head_dim(), model.num_layers
+    heads, groups = model.num_attention_heads, model.num_query_groups
+    vocab = (model.padded_vocab_size(), h)
+    why_vocab = f"model.vocab_size padded to {vocab[0]}, model.hidden_size"
+    out = {
+        "embedding.word_embeddings.weight": (vocab, why_vocab),
+        "decoder.final_layernorm.weight": ((h,), "model.hidden_size"),
+        "decoder.layers.self_attention.linear_qkv.weight": (
+            (layers, (heads + 2 * groups) * d, h),
+            "model.num_layers, (num_attention_heads + 2 x num_query_groups) x kv_channels, "
+            "hidden_size"),
+        "decoder.layers.self_attention.linear_proj.weight": (
+            (layers, h, heads * d),
+            "model.num_layers, hidden_size, num_attention_heads x kv_channels"),
+        "decoder.layers.self_attention.q_layernorm.weight": ((layers, d), "model.kv_channels"),
+        "decoder.layers.mlp.router.weight": ((None, model.num_moe_experts, h),
+                                             "model.num_moe_experts, hidden_size"),
+    }
+    if model.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = (vocab, why_vocab)
+    return out
+
+
+def weights_mismatch(directory: str, model) -> str | None:
+    """Why the model weights in ``directory`` (anything :func:`resolve_weights_dir` accepts) do not
+    fit a model built from ``model`` (a :class:`~gspo_megatron.config.ModelConfig`), or ``None``.
+
+    Read-only and without building the model: the checkpoint's tensor metadata is compared with
+    the shapes the config implies (:func:`_expected_shapes`), so ``gspo-train`` refuses a wrong
+    ``checkpoint.init_weights`` before it writes anything. :func:`load_model_weights` still checks
+    every tensor when it loads. Raises :class:`CheckpointError` when ``directory`` is not a
+    checkpoint or its metadata cannot be read."""
+    directory = resolve_weights_dir(directory)
+    stored = _stored_tensors(directory)
+    for key, (want, fields) in _expected_shapes(model).items():
+        found = stored.get(key)
+        if found is None:
+            if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                return f"{directory}: model tensor {key} is missing from the checkpoint"
+            continue
+        have = list(found.global_shape)
+        # A free dimension (None) takes the stored size: only the sizes the config fixes differ.
+        want = [x if w is None else w for w, x in zip(want, have)] if len(want) == len(have) \
+            else ["*" if w is None else w for w in want]
+        if want != have:
+            return (f"{directory}: model tensor {key} has shape {have} in the checkpoint, "
+                    f"the config's model gives {want} ({fields})")
+    return None
+
+
 def _check_model_keys(sharded_state_dict, directory: str) -> None:
     """Every model ShardedTensor stored in ``directory`` with its global shape, else raise."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    stored = dist_checkpointing.load_tensors_metadata(directory)
+    stored = _stored_tensors(directory)
     expected = []
     for item in nested_values(sharded_state_dict):
         if isinstance(item, ShardedTensorFactory):

@@ -13,6 +13,9 @@ Two hooks, nothing else is re-implemented:
   ``log softmax(logits[:V] / T)[token]`` (computed from the same logits tensor Megatron sampled
   from), so that the EOS token's log-prob is available too (Megatron's request object omits the
   terminating token from ``generated_tokens``).
+
+With a ``route_recorder`` set on the wrapper (R3), every forward step's MoE routes are recorded
+too and handed to each request as ``gspo_routes`` (:mod:`.rollout_routes`).
 """
 
 from __future__ import annotations
@@ -63,9 +66,17 @@ class RolloutInferenceWrapper(GPTInferenceWrapper):
     real_vocab_size: int
     temperature: float = 1.0
     forward_calls: int = 0
+    route_recorder = None
+    """A :class:`~.rollout_routes.RolloutRouteRecorder` while routes are recorded (R3)."""
 
     def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
+        recorder = self.route_recorder
+        if recorder is not None:
+            recorder.before_forward()
         logits = super().run_one_forward_step(inference_input, recv_buffer_seq_len)
+        if recorder is not None:
+            recorder.after_forward(inference_input["tokens"],
+                                   int(inference_input["position_ids"][0, 0]))
         self.forward_calls += 1
         if logits is None:  # not the last pipeline stage
             return None
@@ -82,7 +93,10 @@ class RolloutTextGenerationController(TextGenerationController):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         result = super().generate_all_output_tokens_static_batch(active_requests, active_streams)
+        recorder = self.inference_wrapped_model.route_recorder
+        routes = recorder.take() if recorder is not None else None  # [L, b, S, k]
         for idx, request in enumerate(result.values()):
+            request.gspo_routes = None if routes is None else routes[:, idx]
             p = len(request.prompt_tokens)
             n = request.sampling_params.num_tokens_to_generate
             toks, lps = [], []

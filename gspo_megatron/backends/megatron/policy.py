@@ -136,6 +136,22 @@ class MegatronPolicy:
         ``capture_natural`` ``.natural_store()`` holds the routes free routing would take."""
         return self.routing.replayer(routes, self.micro_batch_size, capture_natural=capture_natural)
 
+    def rollout_routes(self, samples, seq_length: int):
+        """The routes the rollout engine recorded for ``samples`` (R3), aligned with their
+        training batch of ``seq_length`` positions (:func:`~.rollout_routes.rollout_route_store`)."""
+        from gspo_megatron.backends.megatron.rollout_routes import rollout_route_store
+
+        return rollout_route_store(samples, seq_length, self.routing)
+
+    def rollout_disagreement(self, rollout_routes, trainer_routes, batch: PolicyBatch,
+                             train_lp: torch.Tensor | None) -> dict[str, float]:
+        """``routing/rollout/*``: rollout engine vs trainer routes and log-probs (collective)."""
+        from gspo_megatron.backends.megatron.rollout_routes import rollout_disagreement
+
+        return rollout_disagreement(self.routing, rollout_routes, trainer_routes,
+                                    batch.response_mask, train_lp, batch.rollout_logprobs,
+                                    self.groups)
+
     def route_drift(self, old_routes, new_routes, response_mask: torch.Tensor):
         """``(rate, per-layer rates)`` of routes whose top-k set differs (no forward pass)."""
         from gspo_megatron.backends.megatron.routing_diagnostics import route_drift

@@ -1,7 +1,8 @@
 """Rollouts through Megatron-Core's own inference engine.
 
 :class:`RolloutEngine` samples responses from the *live* policy ``GPTModel`` (the very module the
-trainer updates; nothing is copied) with Megatron-Core's text-generation controller:
+trainer updates; nothing is copied, unless ``rollout.precision`` asks for other numerics: see
+*Precision* below) with Megatron-Core's text-generation controller:
 
 * CPU (no CUDA): ``StaticInferenceEngine(legacy=True)`` + ``GPTInferenceWrapper`` +
   ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache.
@@ -34,6 +35,20 @@ Groups: ``generate`` samples once per entry of ``prompts``; pass each prompt ``G
 :meth:`RolloutEngine.generate_groups`). Repeated prompts draw independent samples (one RNG stream
 over the whole batch).
 
+Precision (``rollout.precision``)
+----------------------------------
+``auto`` (default): the engine runs the live module itself, in the training precision. ``bf16``
+on an fp32 model (or ``fp32`` on a bf16 one): the engine samples from a :class:`SamplingCopy`, a
+copy of the live ``GPTModel`` in that dtype (weights and activations, KV cache included; same
+TP/EP/PP shards, process groups shared), refreshed from the live weights before every generate --
+what a bf16 inference engine beside an fp32 trainer sees. With ``bf16`` the copy runs inside
+Megatron's ``Float16Module``: logits are computed in bf16 and upcast to fp32 before the padded
+vocabulary is masked and the temperature applied (as vLLM's sampler does), so the reported
+log-probs are fp32 log-softmaxes of bf16 logits. (Under PP > 1 Megatron's wrapper casts the last
+stage's logits back to the params dtype before broadcasting them, so there they stay bf16.)
+The module that samples is :attr:`RolloutEngine.sampling_model` (forward hooks on its routers see
+the sampled routes).
+
 Parallelism: every rank of a model-parallel group (TP x PP) calls ``generate`` with the same prompts
 and seed and gets the same samples (logits are gathered over TP and, under PP, broadcast from the
 last stage; every rank samples from identical logits with an identically seeded generator). Under
@@ -49,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 import warnings
 from typing import Any, Literal
 
@@ -93,8 +109,119 @@ def _sequence_parallel_off(model):
             setattr(m, a, v)
 
 
-def choose_backend(requested: str, cuda: bool, ep_size: int) -> str:
-    """The engine to build: ``auto`` = dynamic with CUDA and no expert parallelism, else static.
+def _shared_objects_memo(model) -> dict[int, Any]:
+    """``copy.deepcopy`` memo entries that keep ``model``'s process groups shared: every
+    ``ProcessGroup`` (cannot be copied: it is a live communicator) and ``ProcessGroupCollection``
+    reachable from a module's attributes (through lists, dicts and plain objects such as token
+    dispatchers), mapped to itself. Walks non-tensor attributes only; ~2 ms on the tiny model."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    shared = (dist.ProcessGroup, ProcessGroupCollection)
+    memo: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack = [v for m in model.modules() for k, v in vars(m).items()
+             if k not in ("_parameters", "_buffers", "_modules")]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, shared):
+            memo[id(obj)] = obj
+            if isinstance(obj, ProcessGroupCollection):
+                stack.extend(vars(obj).values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif not isinstance(obj, (torch.Tensor, torch.nn.Module, type, str, bytes)) \
+                and not callable(obj) and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return memo
+
+
+class SamplingCopy:
+    """A copy of the live policy ``GPTModel`` in ``dtype`` for the rollout engine to sample from.
+
+    Built by ``copy.deepcopy`` of the live module with a memo that (a) maps every parameter to a
+    new ``dtype`` parameter (no fp32 transient, no grad, no DDP attributes such as ``main_grad``),
+    (b) keeps process groups shared (:func:`_shared_objects_memo`), so TP/EP/PP ranks hold their
+    own shards and talk over the same communicators, (c) gives the copy its own shallow copy of
+    the ``TransformerConfig`` with ``params_dtype``/``bf16`` set (the live config is untouched)
+    and (d) drops the routers' ``router_replay`` objects (the copy routes freely; record routes
+    with forward hooks on :attr:`model`). No RNG is drawn (nothing is re-initialised).
+
+    Attributes:
+        model: the copied ``GPTModel`` (eval mode, ``requires_grad=False``).
+        module: what the engine runs: ``Float16Module(model)`` for bf16/fp16 (casts the first
+            stage's float inputs down and the last stage's logits ``[B, T, V/TP]`` up to fp32),
+            else ``model``.
+        last_refresh_s: wall time of the latest :meth:`refresh`.
+
+    Cost: the copy's parameters (bf16: half the live fp32 bytes); a refresh is one cast-copy per
+    parameter (``torch._foreach_copy_``), done before every generate because in-place writes
+    through ``.data`` (optimizers, checkpoint loads) do not bump a tensor's version counter, so
+    "weights unchanged" cannot be known cheaply and safely.
+    """
+
+    def __init__(self, live, dtype: torch.dtype):
+        from megatron.core.transformer.module import Float16Module
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.live, self.dtype = live, dtype
+        config = copy.copy(live.config)
+        config.params_dtype = config.pipeline_dtype = dtype
+        config.bf16, config.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+        memo = _shared_objects_memo(live)
+        memo[id(live.config)] = config
+        for p in live.parameters():
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        for m in live.modules():
+            if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None:
+                memo[id(m.router_replay)] = None
+        self.model = copy.deepcopy(live, memo).eval()
+        for m in self.model.modules():  # hooks installed on the live module stay there
+            m._forward_hooks.clear()
+            m._forward_pre_hooks.clear()
+        self.module = (Float16Module(config, self.model).eval()
+                       if config.bf16 or config.fp16 else self.model)
+        names = [n for n, _ in live.named_parameters()]
+        if names != [n for n, _ in self.model.named_parameters()]:
+            raise RuntimeError("internal: the sampling copy's parameters differ from the live model's")
+        self._dst = list(self.model.parameters())
+        self._src = list(live.parameters())
+        self._bufs = [(d, s) for (_, d), (_, s) in zip(self.model.named_buffers(),
+                                                       live.named_buffers())
+                      if s.is_floating_point()]  # e.g. a router's expert bias
+        self.last_refresh_s = 0.0
+
+    @torch.no_grad()
+    def refresh(self) -> float:
+        """Copy (and cast) the live weights into the copy; returns the seconds it took."""
+        start = time.perf_counter()
+        torch._foreach_copy_(self._dst, self._src)
+        for d, s in self._bufs:
+            d.copy_(s)
+        self.last_refresh_s = time.perf_counter() - start
+        return self.last_refresh_s
+
+
+def _copy_dtype(precision: str, model) -> torch.dtype | None:
+    """The dtype of the copy ``rollout.precision`` asks for; None (sample from the live module)
+    for ``auto`` or the live parameters' own dtype."""
+    if precision == "auto":
+        return None
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if precision not in dtypes:
+        raise ValueError(f"rollout.precision must be 'auto', 'fp32' or 'bf16', got {precision!r}")
+    dtype = dtypes[precision]
+    return None if dtype == next(model.parameters()).dtype else dtype
+
+
+def choose_backend(requested: str, cuda: bool, ep_size: int, record_routes: bool = False) -> str:
+    """The engine to build: ``auto`` = dynamic with CUDA, no expert parallelism and no route
+    recording (R3 records on the static engine: its forward windows map to token positions),
+    else static.
 
     Megatron's ``DynamicInferenceEngine.generate`` steps only while its own rank has requests;
     under EP > 1 the MoE all-to-all couples ranks with different amounts of work, so a rank that
@@ -102,7 +229,10 @@ def choose_backend(requested: str, cuda: bool, ep_size: int) -> str:
     with NCCL). Until our engine keeps EP ranks in lock-step on that path, EP > 1 uses the static
     engine, which does (``dummy_forward`` padding)."""
     if requested == "auto":
-        return "dynamic" if cuda and ep_size == 1 else "static"
+        return "dynamic" if cuda and ep_size == 1 and not record_routes else "static"
+    if requested == "dynamic" and record_routes:
+        raise NotImplementedError("recording routes (R3) needs the static engine; "
+                                  "rollout.engine='dynamic' does not record them")
     if requested == "dynamic" and not cuda:
         raise RuntimeError("the dynamic inference engine needs CUDA")
     if requested == "dynamic" and ep_size > 1:
@@ -128,13 +258,17 @@ class RolloutEngine:
         tokenizer: optional gspo tokenizer, only so Megatron can fill its ``text`` fields.
         max_sequence_length: KV-cache length (prompt + response); default the model's.
         backend: ``"auto"``, ``"static"`` or ``"dynamic"`` (:func:`choose_backend`).
+
+    ``config.precision`` (``rollout.precision``) picks the sampling numerics: the live module
+    (``auto``, or the model's own dtype) or a :class:`SamplingCopy` in another dtype, refreshed
+    before every generate (``last_refresh_s``).
     """
 
     def __init__(self, model, groups: ParallelGroups, *, eos_id: int, pad_id: int,
                  vocab_size: int, config: RolloutConfig, tokenizer: Any = None,
                  max_sequence_length: int | None = None,
                  backend: Literal["auto", "static", "dynamic"] = "auto",
-                 dynamic_buffer_size_gb: float = 20.0):
+                 dynamic_buffer_size_gb: float = 20.0, record_routes: bool = False):
         self.model = _unwrap(model)
         self.groups = groups
         self.eos_id, self.pad_id, self.vocab_size = int(eos_id), int(pad_id), int(vocab_size)
@@ -144,7 +278,7 @@ class RolloutEngine:
             raise ValueError(f"vocab_size ({vocab_size}) must be in (0, padded vocab {padded}]")
         if not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"eos_id ({eos_id}) outside the vocabulary [0, {vocab_size})")
-        backend = choose_backend(backend, torch.cuda.is_available(), groups.ep_size)
+        backend = choose_backend(backend, torch.cuda.is_available(), groups.ep_size, record_routes)
         if backend == "static" and groups.pp_size > 1 and groups.ep_size > 1:
             raise NotImplementedError(
                 f"parallel.pipeline_model_parallel_size={groups.pp_size} with "
@@ -153,7 +287,33 @@ class RolloutEngine:
         self.backend = backend
         self.max_sequence_length = int(max_sequence_length or self.model.max_sequence_length)
         self._tokenizer = tokenizer
+        dtype = _copy_dtype(config.precision, self.model)
+        self.copy = SamplingCopy(self.model, dtype) if dtype is not None else None
+        """The other-precision copy sampled from, or None (the live module samples)."""
         self._build(dynamic_buffer_size_gb)
+        self._route_recorder = None
+        """R3: records the MoE routes of every engine forward (:mod:`.rollout_routes`)."""
+        if record_routes:
+            from gspo_megatron.backends.megatron.rollout_routes import RolloutRouteRecorder
+            from gspo_megatron.backends.megatron.routing import ModelRouting
+
+            self._route_recorder = RolloutRouteRecorder(ModelRouting([self.sampling_model], groups))
+
+    @property
+    def sampling_model(self):
+        """The ``GPTModel`` whose forward produces the sampled tokens: the live policy, or the
+        precision copy (install router hooks here to record the routes rollouts take)."""
+        return self.model if self.copy is None else self.copy.model
+
+    @property
+    def _runner(self):
+        """The module the Megatron wrapper calls (``Float16Module`` around a bf16 copy)."""
+        return self.model if self.copy is None else self.copy.module
+
+    @property
+    def last_refresh_s(self) -> float:
+        """Seconds the latest weight refresh of the precision copy took (0 without a copy)."""
+        return 0.0 if self.copy is None else self.copy.last_refresh_s
 
     # ------------------------------------------------------------------ construction
     def _build(self, buffer_size_gb: float) -> None:
@@ -167,7 +327,7 @@ class RolloutEngine:
             RolloutTextGenerationController,
         )
 
-        cfg = self.model.config
+        cfg = self.sampling_model.config
         self.wrapper_config = InferenceWrapperConfig(
             hidden_size=cfg.hidden_size,
             params_dtype=cfg.params_dtype,
@@ -183,7 +343,7 @@ class RolloutEngine:
             from megatron.core.inference.engines import StaticInferenceEngine
 
             context = StaticInferenceContext.from_config(self.wrapper_config)
-            self.wrapper = RolloutInferenceWrapper(self.model, self.wrapper_config, context)
+            self.wrapper = RolloutInferenceWrapper(self._runner, self.wrapper_config, context)
             self.wrapper.real_vocab_size = self.vocab_size
             self.controller = RolloutTextGenerationController(
                 self.wrapper, id_tok, pp_group=self.groups.pp_group)
@@ -210,12 +370,12 @@ class RolloutEngine:
 
         # The controller's constructor needs a context; the dynamic one replaces it below.
         placeholder = StaticInferenceContext.from_config(self.wrapper_config)
-        self.wrapper = RolloutInferenceWrapper(self.model, self.wrapper_config, placeholder)
+        self.wrapper = RolloutInferenceWrapper(self._runner, self.wrapper_config, placeholder)
         self.wrapper.real_vocab_size = self.vocab_size
         self.controller = RolloutTextGenerationController(
             self.wrapper, id_tok, pp_group=self.groups.pp_group)
         context = DynamicInferenceContext.from_config(
-            inference_config=self.wrapper_config, model=self.model,
+            inference_config=self.wrapper_config, model=self.sampling_model,
             max_batch_size=int(self.config.max_batch_size), buffer_size_gb=buffer_size_gb)
         self.wrapper.inference_context = context
         self.wrapper.prep_model_for_inference()
@@ -224,13 +384,16 @@ class RolloutEngine:
                                              random_seed=1234)
 
     def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":
-        """The same engine (model, Megatron engine, KV cache) sampling with ``config``'s
-        temperature / top-k / top-p / max_new_tokens; e.g. a greedy evaluator beside the rollout
-        sampler, without a second KV cache (the dynamic engine's is gigabytes)."""
+        """The same engine (model, precision copy, Megatron engine, KV cache) sampling with
+        ``config``'s temperature / top-k / top-p / max_new_tokens; e.g. a greedy evaluator beside
+        the rollout sampler, without a second KV cache (the dynamic engine's is gigabytes)."""
         if config.max_batch_size != self.config.max_batch_size:
             raise ValueError("with_sampling: max_batch_size is fixed when the engine is built")
+        if config.precision != self.config.precision:
+            raise ValueError("with_sampling: precision is fixed when the engine is built")
         view = copy.copy(self)
         view.config = config
+        view._route_recorder = None  # e.g. the evaluator: its routes are never replayed
         return view
 
     # ------------------------------------------------------------------ sampling params
@@ -282,15 +445,22 @@ class RolloutEngine:
         sp, score_t = self._sampling()
         self.wrapper.temperature = score_t
         self.controller.sampling_rng.manual_seed(int(seed))
-        was_training = self.model.training
+        if self.copy is not None:
+            self.copy.refresh()
+        model = self.sampling_model
+        was_training = model.training
+        self.wrapper.route_recorder = self._route_recorder
         try:
             if self.backend == "static":
-                with _sequence_parallel_off(self.model):
+                with _sequence_parallel_off(model):
                     samples = self._generate_static(prompts, sp)
             else:
                 samples = self._generate_dynamic(prompts, sp)
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
+            self.wrapper.route_recorder = None
+            if self._route_recorder is not None:
+                self._route_recorder.reset()
         return samples
 
     # ------------------------------------------------------------------ static (CPU) path
@@ -324,7 +494,7 @@ class RolloutEngine:
                 samples.append(self._static_sample(req, sp.num_tokens_to_generate))
 
         if ep_sync:
-            self.model.eval()
+            self.sampling_model.eval()
             for _ in range(int(most.item()) - self.wrapper.forward_calls):
                 self.wrapper.dummy_forward()
         return samples
@@ -340,7 +510,14 @@ class RolloutEngine:
         if length < n_new:  # Megatron stopped early: the next sampled token was EOS
             length += 1
         tokens, logprobs = tokens[:length], logprobs[:length]
-        return self._finish(req.prompt_tokens, tokens, logprobs)
+        sample = self._finish(req.prompt_tokens, tokens, logprobs)
+        if getattr(req, "gspo_routes", None) is not None:
+            from gspo_megatron.backends.megatron.rollout_routes import ROLLOUT_ROUTES_KEY
+
+            # [L, positions, k]: every token the engine forwarded (all but the last).
+            n = len(sample.prompt_ids) + len(sample.response_ids) - 1
+            sample.extra[ROLLOUT_ROUTES_KEY] = req.gspo_routes[:, :n].clone()
+        return sample
 
     def _finish(self, prompt, tokens, logprobs) -> RolloutSample:
         """Cut at the first EOS (kept) and name the finish reason."""
@@ -355,7 +532,7 @@ class RolloutEngine:
         # Sampling draws from controller.sampling_rng (seeded in generate()); the engine's own
         # random_seed is unused in megatron-core 0.16.
         self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
-        with _sequence_parallel_off(self.model) if self.groups.ep_size == 1 else \
+        with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
                 contextlib.nullcontext():
             records = self.engine.generate(prompts=prompts, sampling_params=sp)
         samples = []

@@ -85,6 +85,10 @@ def scoped_router_replay_class():
             self.capture_natural = False
             self.recorded_entropy: torch.Tensor | None = None
             self.num_experts: int | None = None
+            self.target_free: torch.Tensor | None = None
+            """[N] bool: tokens without a target route (routed freely even while replaying)."""
+            self.used_topk_idx: torch.Tensor | None = None
+            """The indices a partial replay actually used (targets, free routes where free)."""
 
         def _check(self, scores: torch.Tensor, indices: torch.Tensor | None, what: str):
             if indices is None:
@@ -104,12 +108,26 @@ def scoped_router_replay_class():
                                              else entropy_from_probs(scores)).detach()
             if self.router_replay_action == A.REPLAY_FORWARD:
                 self._check(scores, self.target_topk_idx, "forward")
-                if self.capture_natural:
+                natural = None
+                if self.capture_natural or self.target_free is not None:
                     with torch.no_grad():
                         _, natural = default_compute_topk(scores.detach(), topk,
                                                           num_groups=num_groups,
                                                           group_topk=group_topk)
+                if self.capture_natural:
                     self.record_indices(natural)
+                if self.target_free is not None:
+                    # Partial replay (R3): tokens the recording did not cover route freely. The
+                    # merged indices replace the queued targets, so the backward's recompute
+                    # replays exactly what this forward used.
+                    target = self.target_topk_idx.to(scores.device)
+                    merged = torch.where(self.target_free.to(scores.device).unsqueeze(-1),
+                                         natural, target)
+                    if self.replay_backward_list and self.replay_backward_list[-1] is \
+                            self.target_topk_idx:
+                        self.replay_backward_list[-1] = merged
+                    self.target_topk_idx = merged
+                    self.used_topk_idx = merged
             elif self.router_replay_action == A.REPLAY_BACKWARD:
                 self._check(scores, self.replay_backward_list[0] if self.replay_backward_list
                             else None, "recompute")
@@ -135,6 +153,10 @@ class RouteStore:
     """Global MoE-layer index of each of the L_local layers."""
     entropy: torch.Tensor | None = None
     """[L_local, B, T_local] router entropy (nats) when recorded with ``capture_entropy``."""
+    known: torch.Tensor | None = None
+    """[B, T_local] bool: positions whose routes were recorded (None = all). Rollout routes (R3)
+    cover the tokens the engine forwarded (prompt and response but the last token); a replay
+    routes the others freely."""
 
     @property
     def batch_size(self) -> int:
@@ -143,13 +165,21 @@ class RouteStore:
     def select(self, rows) -> "RouteStore":
         """Rows (sequences) ``rows``: a slice or an index tensor, as in ``PolicyBatch.select``."""
         return RouteStore(self.indices[:, rows], self.moe_layers,
-                          None if self.entropy is None else self.entropy[:, rows])
+                          None if self.entropy is None else self.entropy[:, rows],
+                          None if self.known is None else self.known[rows])
 
     def sequence_major(self, rows: slice) -> list[torch.Tensor]:
         """Per local layer, the routes of rows ``rows`` as Megatron's router sees them:
         int64 ``[T_local * b, k]`` (sequence-major)."""
         x = self.indices[:, rows].long()  # [L, b, T, k]
         return [x[i].transpose(0, 1).reshape(-1, x.shape[-1]) for i in range(x.shape[0])]
+
+    def free_sequence_major(self, rows: slice) -> torch.Tensor | None:
+        """``[T_local * b]`` bool, True where rows ``rows`` have no recorded route (None when
+        every position is known)."""
+        if self.known is None:
+            return None
+        return ~self.known[rows].transpose(0, 1).reshape(-1)
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +194,8 @@ class ModelRouting:
 
     ``ModelRouting(model_chunks, groups)`` attaches (replacing any ``RouterReplay`` that
     ``moe_enable_routing_replay`` put there, and taking it out of Megatron's class-level list).
+    Attaching twice to the same model shares the replay objects: the policy and the rollout
+    engine (R3 recording on the live model) each hold a view of the same routers.
     With no action set the replay object defers to Megatron's normal top-k, so attaching changes
     nothing until a recorder or replayer runs."""
 
@@ -193,10 +225,13 @@ class ModelRouting:
                 if not isinstance(router, TopKRouter):
                     continue
                 old = router.router_replay
-                if old is not None and old in RouterReplay.global_router_replay_instances:
-                    RouterReplay.global_router_replay_instances.remove(old)
-                replay = ScopedRouterReplay(score_kind)
-                router.router_replay = replay
+                if isinstance(old, scoped_router_replay_class()):
+                    replay = old  # attached before (the policy's, or the rollout engine's view)
+                else:
+                    if old is not None and old in RouterReplay.global_router_replay_instances:
+                        RouterReplay.global_router_replay_instances.remove(old)
+                    replay = ScopedRouterReplay(score_kind)
+                    router.router_replay = replay
                 self.routers.append(router)
                 self.replays.append(replay)
                 self.moe_layers.append(sum(pattern[: layer.layer_number - 1]))
@@ -237,6 +272,8 @@ class ModelRouting:
             r.capture_entropy = False
             r.capture_natural = False
             r.recorded_entropy = None
+            r.target_free = None
+            r.used_topk_idx = None
 
     def recorder(self, capture_entropy: bool = False) -> "RouteRecorder":
         return RouteRecorder(self, capture_entropy)
@@ -245,13 +282,15 @@ class ModelRouting:
                  capture_natural: bool = False) -> "RouteReplayer":
         return RouteReplayer(self, store, micro_batch_size, capture_natural)
 
-    def collect(self, mb_index: int, b: int, capture_entropy: bool = False):
+    def collect(self, mb_index: int, b: int, capture_entropy: bool = False,
+                attr: str = "recorded_topk_idx"):
         """The routes each router recorded for the microbatch just run (``b`` sequences):
         ``([L, b, T_local, k] indices, [L, b, T_local] entropy or None)`` on the CPU, taken out
-        of the routers (their ``recorded_topk_idx`` is cleared)."""
+        of the routers (their ``attr`` is cleared: ``recorded_topk_idx``, or ``used_topk_idx``
+        for the routes a partial replay used)."""
         per_layer, ent = [], []
         for layer, r in zip(self.moe_layers, self.replays):
-            idx = r.recorded_topk_idx
+            idx = getattr(r, attr)
             if idx is None:
                 raise RuntimeError(f"MoE layer {layer} recorded no routes for microbatch {mb_index}")
             # [s * b, k] sequence-major -> [b, s, k]
@@ -260,7 +299,7 @@ class ModelRouting:
             if capture_entropy:
                 e = r.recorded_entropy
                 ent.append(e.reshape(-1, b).transpose(0, 1).float().cpu())
-            r.recorded_topk_idx = None
+            setattr(r, attr, None)
         if not per_layer:  # a pipeline stage without MoE layers
             return torch.zeros(0, b, 0, self.topk, dtype=self.dtype), None
         return torch.stack(per_layer), (torch.stack(ent) if ent else None)
@@ -312,6 +351,7 @@ class RouteReplayer:
         self.device = (routing.routers[0].weight.device if routing.routers else torch.device("cpu"))
         self.capture_natural = capture_natural
         self._natural: list[torch.Tensor] = []
+        self._used: list[torch.Tensor] = []
 
     def before_forward(self, mb_index: int, microbatch=None) -> None:
         A = _actions()
@@ -321,19 +361,35 @@ class RouteReplayer:
             raise RuntimeError(f"routing replay: microbatch {mb_index} needs rows {start}:{start + b}"
                                f" but the route store has {self.store.batch_size}")
         routes = self.store.sequence_major(slice(start, start + b))
+        free = self.store.free_sequence_major(slice(start, start + b))
         for r, idx in zip(self.routing.replays, routes):
             r.set_target_indices(idx.to(self.device))
             r.set_router_replay_action(A.REPLAY_FORWARD)
             r.capture_natural = self.capture_natural
+            r.target_free = free
             r.recorded_topk_idx = None
+            r.used_topk_idx = None
 
     def after_forward(self, mb_index: int, microbatch=None) -> None:
+        b = microbatch.size if microbatch is not None else self.mbs
         if self.capture_natural:
-            b = microbatch.size if microbatch is not None else self.mbs
             self._natural.append(self.routing.collect(mb_index, b)[0])
             for r in self.routing.replays:
                 r.capture_natural = False  # not in the backward's recompute
+        if self.store.known is not None:
+            self._used.append(self.routing.collect(mb_index, b, attr="used_topk_idx")[0])
+            for r in self.routing.replays:
+                r.target_free = None  # the recompute pops the merged routes as they are
         self.routing.set_action(_actions().REPLAY_BACKWARD)
+
+    def replayed_store(self) -> RouteStore:
+        """The routes the pass used: the store's where known, free routing's elsewhere (a full
+        store: replaying it again reproduces the pass exactly)."""
+        if self.store.known is None:
+            return RouteStore(self.store.indices, list(self.store.moe_layers))
+        if not self._used:
+            raise RuntimeError("replayed_store() needs a finished pass")
+        return RouteStore(torch.cat(self._used, dim=1), list(self.routing.moe_layers))
 
     def natural_store(self) -> RouteStore:
         """The routes free routing would have taken in the replayed forwards (``capture_natural``)."""

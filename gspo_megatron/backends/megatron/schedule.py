@@ -172,10 +172,12 @@ def run_objective(
 
 def train_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
                     loss_cfg: PolicyLossConfig, scoring: ScoringConfig, groups: ParallelGroups,
-                    routing=None, corrupt=None) -> dict[str, float]:
+                    routing=None, corrupt=None, correction=None) -> dict[str, float]:
     """One RL minibatch: :class:`PolicyGradientObjective` at the scoring temperature through
-    :func:`run_objective` (tests and benchmarks; the trainer goes through ``MegatronPolicy``)."""
-    objective = PolicyGradientObjective(loss_cfg, scoring.temperature, corrupt)
+    :func:`run_objective` (tests and benchmarks; the trainer goes through ``MegatronPolicy``).
+    ``correction``: a :class:`~gspo_megatron.algorithms.RolloutCorrectionConfig` (or None)."""
+    objective = PolicyGradientObjective(loss_cfg, scoring.temperature, corrupt,
+                                        correction=correction)
     return run_objective(policy_model, batch, micro_batch_size, objective, scoring, groups, routing)
 
 

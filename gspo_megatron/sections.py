@@ -1,4 +1,7 @@
-"""Each section's own checks, run by its ``__post_init__``: a section that exists is consistent.
+"""Typed config sections (``Section``): each section's own checks, run by its ``__post_init__``: a
+section that exists is consistent. Kept outside ``gspo_megatron.config`` so that components owning
+a section (e.g. :mod:`gspo_megatron.algorithms.rollout_correction`) import it without the config
+package (which imports them).
 
 A section lists its problems (a field out of range, two fields of the same section that disagree)
 in ``_problems``; :meth:`Section.check` raises them together as one :class:`FieldError`. Checks

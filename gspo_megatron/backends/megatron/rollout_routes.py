@@ -1,0 +1,143 @@
+"""R3 (Rollout Routing Replay, arXiv 2510.11370): the experts the rollout engine chose, recorded
+while it sampled, replayed in the trainer's forwards; and the live rollout-vs-trainer route
+disagreement the R3 paper measures.
+
+Recording (:class:`RolloutRouteRecorder`)
+----------------------------------------
+Megatron's static engine runs one forward per context window: the prefill ``[0, p_min)`` (the
+shortest prompt of the batch), then one position per decode step. Every position of every row is
+forwarded exactly once (prompt tokens of longer prompts are fed during the decode steps), so the
+routes each router takes in those forwards, ``[s * b, k]`` sequence-major per window, concatenate
+along the sequence into ``[L, b, S, k]`` for the whole engine batch. A sample keeps the positions
+it forwarded: ``prompt + response - 1`` (the last token, EOS or the length limit, is sampled but
+never fed back, so the engine has no route for it). Rows a batch was padded with (Megatron pads
+the batch for EP) and positions after a row's EOS are dropped. The routers are those of the model
+that samples (the live policy, or the ``rollout.precision`` copy), each recorded through the same
+:class:`~.routing.ScopedRouterReplay` objects R2 uses, in the same compact dtype (uint8 up to 256
+experts). Cost: one device-to-host copy of ``[tokens, k]`` uint8 per MoE layer and window.
+
+Alignment with the training batch (:func:`rollout_route_store`)
+--------------------------------------------------------------
+Routes are indexed by *token position*; the training batch is right-padded with tokens at their
+true positions, so sample ``i``'s routes fill row ``i`` from position 0, and ``known`` marks them.
+The rest (the last token, padding) has no recorded route: a replay routes those freely
+(:attr:`~.routing.RouteStore.known`). None of them affects a scored log-prob: the output at the
+last token predicts past the response, and padding comes after every real token (causal).
+Under sequence parallelism each TP rank keeps its shard of positions; under PP each stage its
+own MoE layers (the engine's forwards run every stage's routers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_megatron.backends.megatron.routing import ModelRouting, RouteStore, _actions
+from gspo_megatron.distributed import all_reduce_
+from gspo_megatron.routing.stats import AlignmentSums, alignment_sums
+
+ROLLOUT_ROUTES_KEY = "routes"
+"""``RolloutSample.extra`` key of a sample's routes ``[L_local, prompt + response - 1, k]``."""
+
+
+class RolloutRouteRecorder:
+    """Records the routes of every forward the rollout engine runs, per engine batch.
+
+    :meth:`before_forward` / :meth:`after_forward` wrap one ``run_one_forward_step`` (the
+    inference wrapper calls them); :meth:`take` returns the batch's routes and resets. Forwards
+    outside them (Megatron's EP ``dummy_forward`` padding) route freely and are not recorded."""
+
+    def __init__(self, routing: ModelRouting):
+        self.routing = routing
+        self._windows: list[tuple[int, torch.Tensor]] = []  # (start position, [L, b, s, k])
+
+    def before_forward(self) -> None:
+        A = _actions()
+        for r in self.routing.replays:
+            r.set_router_replay_action(A.RECORD)
+            r.recorded_topk_idx = None
+
+    def after_forward(self, tokens: torch.Tensor, start: int) -> None:
+        """``tokens``: the window's ``[b, s]`` input (its shape gives the layout); ``start``: the
+        window's first position."""
+        b = tokens.shape[0]
+        indices, _ = self.routing.collect(len(self._windows), b)  # [L, b, s, k] on the CPU
+        for r in self.routing.replays:
+            r.clear_router_replay_action()
+        if self._windows:
+            prev_start, prev = self._windows[-1]
+            if start != prev_start + prev.shape[2]:
+                raise RuntimeError(f"rollout routes: window at position {start} does not follow "
+                                   f"the previous one ({prev_start} + {prev.shape[2]})")
+        elif start != 0:
+            raise RuntimeError(f"rollout routes: the first window starts at {start}, not 0")
+        self._windows.append((start, indices))
+
+    def take(self) -> torch.Tensor | None:
+        """``[L, b, S, k]``: the routes of every position forwarded since the last call (None if
+        nothing was forwarded); resets."""
+        windows, self._windows = self._windows, []
+        if not windows:
+            return None
+        return torch.cat([w for _, w in windows], dim=2)
+
+    def reset(self) -> None:
+        self._windows = []
+        self.routing.reset()
+
+
+def rollout_route_store(samples, seq_length: int, routing: ModelRouting) -> RouteStore:
+    """The rollout's routes as a :class:`RouteStore` aligned with the training batch of
+    ``samples`` (``[B, T]``, right padding, ``T = seq_length``): ``indices [L_local, B, T_local,
+    k]`` and ``known [B, T_local]`` (see the module docstring). Raises if a sample has none."""
+    L, k = len(routing.moe_layers), routing.topk
+    B = len(samples)
+    indices = torch.zeros(L, B, seq_length, k, dtype=routing.dtype)
+    known = torch.zeros(B, seq_length, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        routes = s.extra.get(ROLLOUT_ROUTES_KEY)
+        if routes is None:
+            raise RuntimeError(f"rollout sample {i} carries no routes: the engine was built "
+                               "without route recording")
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        if routes.shape[0] != L or routes.shape[1] != n or routes.shape[2] != k:
+            raise RuntimeError(f"rollout sample {i}: routes {tuple(routes.shape)}, expected "
+                               f"({L}, {n}, {k}) for this stage's MoE layers")
+        indices[:, i, :n] = routes.to(routing.dtype)
+        known[i, :n] = True
+    pos = routing.local_positions(seq_length)
+    return RouteStore(indices[:, :, pos].contiguous(), list(routing.moe_layers),
+                      known=known[:, pos].contiguous())
+
+
+def rollout_disagreement(routing: ModelRouting, rollout: RouteStore, trainer: RouteStore,
+                         response_mask: torch.Tensor, train_lp: torch.Tensor | None,
+                         rollout_lp: torch.Tensor, groups, prefix: str = "routing/rollout"
+                         ) -> dict[str, float]:
+    """Where the rollout engine and the trainer's old-policy forward route differently (the
+    numbers of the R3 paper, per MoE layer, every step, no extra forward).
+
+    ``trainer``: the routes the trainer's routers chose themselves in the old-log-prob pass (free
+    routing, or the natural top-k captured under an R3 replay). Counted on the scored positions
+    (``response_mask``, ``[B, T]``). Returns ``{prefix}/change_rate`` (share of (position, layer)
+    routes whose top-k set differs) and ``/layer_i``, ``/jaccard``, ``/token_change_rate`` (share
+    of positions differing in at least one layer) and, on the last pipeline stage,
+    ``/abs_log_ratio_changed`` / ``_unchanged``: mean ``|log p_train - log p_rollout|`` of
+    positions with / without a differing route. Collective over the world."""
+    from gspo_megatron.backends.megatron.routing_diagnostics import layer_statistics
+
+    sums, changed_count = layer_statistics(routing, rollout, trainer, response_mask)
+    metrics = {k: v for k, v in sums.metrics(prefix, with_entropy=False).items()
+               if "/load" not in k}
+    if groups.tp_size > 1 and routing.sequence_parallel:
+        all_reduce_(changed_count, groups.tp_group)
+    if groups.pp_size > 1:
+        all_reduce_(changed_count, groups.pp_group)
+    if train_lp is None:  # not the last pipeline stage
+        return metrics
+    mask = response_mask.bool()
+    log_ratio = train_lp.double() - rollout_lp.double()
+    al = alignment_sums(changed_count > 0, log_ratio, torch.zeros_like(log_ratio), mask)
+    flat = all_reduce_(al.flat(), groups.dp_group)
+    metrics.update({k: v for k, v in AlignmentSums.from_flat(flat).metrics(prefix).items()
+                    if "clipfrac" not in k})
+    return metrics
