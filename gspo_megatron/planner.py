@@ -11,6 +11,14 @@ Bytes per parameter, Megatron's mixed precision with ``grad_reduce_in_fp32``:
     grads    4 (fp32 main_grad buffer)
     optimizer 12 (fp32 master copy + Adam m and v), divided by the data-parallel size with the
              distributed optimizer (ZeRO-1)
+
+Routing replay (R2/R3) keeps the routes of a rollout batch in host memory (``RouteStore``: expert
+ids on the CPU, 1 byte each up to 256 experts, 2 beyond): :func:`route_bytes_per_token` per token
+for the whole model, and :attr:`MemoryPlan.routing_replay` for one copy of a rank's rollout batch
+(its pipeline stage's MoE layers, its sequence-parallel shard of the positions). R2 keeps one copy
+(the old-policy pass's); R3 up to four during a step (the rollout engine's per sample, not
+sequence-sharded, and the aligned store, the routes replayed and the routers' natural choice).
+Host memory, so not part of the per-GPU :attr:`MemoryPlan.total`.
 """
 
 from __future__ import annotations
@@ -60,14 +68,34 @@ class MemoryPlan:
     activations: int
     """Estimate for one microbatch in flight per pipeline stage (x PP for 1F1B warm-up)."""
     routing_replay: int
-    """Recorded routes of one rollout batch (R2/R3), uint8 per expert index (uint16 > 256)."""
+    """Host bytes of one copy of a rollout batch's routes on this rank (R2/R3; not in ``total``):
+    ``rollout_tokens`` x this stage's MoE layers x top-k x bytes per id, over TP (sequence
+    parallel shards the positions)."""
     logits: int
     """fp32 chunk of the log-prob kernel plus the bf16 logits of one microbatch."""
+    route_bytes_per_token: int = 0
+    """Host bytes of one token's routes, whole model (:func:`route_bytes_per_token`)."""
+    rollout_tokens: int = 0
+    """Tokens of one rollout batch on this rank (the routes of :attr:`routing_replay`)."""
+    routing_replay_on: bool = False
+    """Whether routes are kept at all (``routing.replay`` r2 or r3)."""
 
     @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.activations
-                + self.routing_replay + self.logits)
+        """Per-GPU bytes (the routes of :attr:`routing_replay` live on the host)."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+
+def route_id_bytes(num_experts: int) -> int:
+    """Bytes per stored expert id (``routing.stats.route_dtype``): uint8 up to 256 experts,
+    uint16 up to 65,536, else int32."""
+    return 1 if num_experts <= 256 else 2 if num_experts <= 65536 else 4
+
+
+def route_bytes_per_token(model: ModelConfig) -> int:
+    """Host bytes of one token's routes for the whole model: top-k ids per MoE layer
+    (Qwen3-30B-A3B: 8 x 1 B x 48 layers = 384 B)."""
+    return model.moe_router_topk * route_id_bytes(model.num_moe_experts) * sum(model.layer_is_moe())
 
 
 def params_per_rank(model: ModelConfig, layout: Layout, stage: int) -> tuple[int, int]:
@@ -131,10 +159,11 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
         acts = layers * per_layer
     acts *= layout.pp  # 1F1B keeps up to PP microbatches in flight on the first stage
 
+    # One copy of the rollout batch's routes on this rank, in host memory (whether or not
+    # routing_replay is on: it is what turning it on costs); SP shards the positions over TP.
     moe_layers_here = sum(model.layer_is_moe()) // layout.pp
-    route_bytes = 1 if model.num_moe_experts <= 256 else 2
-    replay = (rollout_tokens * moe_layers_here * model.moe_router_topk * route_bytes
-              if routing_replay else 0)
+    replay = (rollout_tokens * moe_layers_here * model.moe_router_topk
+              * route_id_bytes(model.num_moe_experts) // (layout.tp if parallel.sequence_parallel else 1))
     vocab_shard = model.padded_vocab_size() // layout.tp
     logits = s * b / layout.cp * vocab_shard * 2 + min(1024, s * b) * vocab_shard * 4
     return MemoryPlan(
@@ -143,6 +172,8 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
         weights=int((dense + expert) * wbytes), grads=int((dense + expert) * 4),
         optimizer=int(opt_dense + opt_expert), activations=int(acts),
         routing_replay=int(replay), logits=int(logits),
+        route_bytes_per_token=route_bytes_per_token(model), rollout_tokens=int(rollout_tokens),
+        routing_replay_on=bool(routing_replay),
     )
 
 

@@ -26,6 +26,8 @@ from gspo_megatron.config.model import MODEL_PRESETS, model_config_from_preset
 from gspo_megatron.params import count_parameters
 from gspo_megatron.planner import GIB, Layout, plan_memory, suggest_layouts
 
+MIB = 1024 ** 2
+
 # Flag-mode settings and their defaults. The parser leaves them None so that --config mode can tell
 # which were given: there the recipe sets them, and a flag would silently disagree with it.
 FLAG_DEFAULTS = dict(tp=1, pp=1, ep=1, etp=None, cp=1, micro_batch_size=1, seq_length=None,
@@ -40,7 +42,8 @@ RECIPE_OVERRIDES = dict(
     seq_length="--model.seq_length=N", fp32="--precision.bf16=false",
     no_distributed_optimizer="--optim.use_distributed_optimizer=false",
     recompute="--precision.recompute_granularity=...",
-    rollout_tokens="--rollout.prompts_per_step / --rollout.group_size", routing_replay="--routing.replay=r2")
+    rollout_tokens="--rollout.prompts_per_step / --rollout.group_size / --rollout.max_new_tokens",
+    routing_replay="--routing.replay=r2 or r3")
 
 
 def format_count(n: int) -> str:
@@ -65,11 +68,26 @@ def table(plan) -> str:
             ("weights", plan.weights), ("gradients (fp32)", plan.grads),
             ("optimizer (fp32 master + Adam)", plan.optimizer),
             ("activations (estimate)", plan.activations), ("log-prob logits", plan.logits),
-            ("routing replay buffer", plan.routing_replay), ("total", plan.total)]
+            ("total", plan.total)]
     lines = [f"layout {plan.layout.describe()} DP{plan.dp} on {plan.num_gpus} GPUs"]
     for name, value in rows:
         lines.append(f"  {name:32s} {value if isinstance(value, str) else f'{value / GIB:8.2f} GiB'}")
+    lines += route_lines(plan)
     return "\n".join(lines)
+
+
+def route_lines(plan) -> list[str]:
+    """Host memory of routing replay (R2/R3), outside the per-GPU total: the routes of a token
+    (whole model) and one copy of a rank's rollout batch (R2 keeps one, R3 up to four)."""
+    if not plan.route_bytes_per_token:
+        return []
+    state = "on" if plan.routing_replay_on else "off"
+    lines = [f"  {'routes per token (host, R2/R3)':32s} {plan.route_bytes_per_token:8,} B "
+             f"(routing replay {state})"]
+    if plan.rollout_tokens:
+        lines.append(f"  {'routes of a rollout batch':32s} {plan.routing_replay / MIB:8.2f} MiB per "
+                     f"rank per copy ({plan.rollout_tokens:,} tokens; host)")
+    return lines
 
 
 def from_flags(args):
@@ -112,8 +130,10 @@ def from_recipe(args, overrides: list[str]):
                   bf16=cfg.precision.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
                   recompute=cfg.precision.recompute_granularity,
                   # Routes recorded for one rollout batch per DP rank: prompts x G sequences of at
-                  # most seq_length tokens (an upper bound: responses stop at EOS).
-                  rollout_tokens=r.prompts_per_step * r.group_size * cfg.model.seq_length,
+                  # most max_prompt_length + max_new_tokens tokens (an upper bound: responses stop
+                  # at EOS, the batch is padded to its longest).
+                  rollout_tokens=(r.prompts_per_step * r.group_size
+                                  * (cfg.data.max_prompt_length + r.max_new_tokens)),
                   routing_replay=cfg.routing.replay != "none")
     return cfg.model.preset, cfg.model, layout, kwargs
 
@@ -138,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp32", action="store_true", default=None, help="fp32 weights (CPU runs)")
     ap.add_argument("--no-distributed-optimizer", action="store_true", default=None)
     ap.add_argument("--recompute", choices=["full", "selective", "none"], help="default: full")
-    ap.add_argument("--rollout-tokens", type=int, help="tokens per rollout batch per rank (replay buffer)")
+    ap.add_argument("--rollout-tokens", type=int, help="tokens per rollout batch per rank (routes kept on the host for R2/R3)")
     ap.add_argument("--routing-replay", action="store_true", default=None)
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit instead")
     ap.add_argument("--print-layout", action="store_true",

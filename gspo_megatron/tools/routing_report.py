@@ -8,7 +8,9 @@ Each RUN_DIR holds ``metrics.jsonl`` (flat keys per step, as written by gspo-tra
 ``change_rate.png`` (overall change rate, Jaccard, replay gap), ``expert_load.png`` (mean share of
 each expert per layer, and load imbalance over steps), ``clip_fraction.png``, ``reward.png``,
 ``route_vs_ratio.png`` (mean |log ratio| and clip fraction of positions with/without a changed
-route). Runs are shown side by side. Needs matplotlib (``pip install matplotlib``); the rest of
+route), ``rollout_mismatch.png`` (rollout engine vs trainer: ``kl/rollout_vs_train``, the
+share of routes and tokens whose routes differ, per MoE layer, and the mismatch correction's
+truncated / masked shares; with R3 or diagnostics, docs/routing.md). Runs are shown side by side. Needs matplotlib (``pip install matplotlib``); the rest of
 gspo_megatron does not.
 """
 
@@ -120,6 +122,14 @@ def summarize(name: str, run_dir: str, rows: list[dict]) -> dict:
         "reward_last": _mean(series(rows, "reward/mean")[1][-k:]),
         "acc_before": summary.get("accuracy_before", float("nan")),
         "acc_after": summary.get("accuracy_after", float("nan")),
+        "kl_rollout": col("kl/rollout_vs_train"),
+        "rollout_change_rate": col("routing/rollout/change_rate"),
+        "rollout_token_change_rate": col("routing/rollout/token_change_rate"),
+        "rollout_abs_changed": col("routing/rollout/abs_log_ratio_changed"),
+        "rollout_abs_unchanged": col("routing/rollout/abs_log_ratio_unchanged"),
+        "correction_weight_max": col("correction/weight_max"),
+        "correction_truncated": col("correction/truncated_fraction"),
+        "correction_masked": col("correction/masked_fraction"),
         "step_s": _mean(series(rows, "perf/step_s")[1][1:]),
         "diag_s": col("perf/routing_diagnostics_s"),
         "window": k,
@@ -224,7 +234,43 @@ def plot_all(runs: list[tuple[str, str, list[dict]]], out: str) -> list[str]:
         ax.set_xlabel("RL step")
         ax.legend(fontsize=7)
     files.append(_save(fig, out, "route_vs_ratio.png", plt))
+    if any(series(rows, "routing/rollout/change_rate")[1] or series(rows, "correction/weight_mean")[1]
+           for _, _, rows in runs):
+        files.append(_plot_rollout_mismatch(runs, out, plt))
     return files
+
+
+def _plot_rollout_mismatch(runs, out: str, plt) -> str:
+    """Rollout engine vs trainer (R3, mismatch correction): the KL, route disagreement over steps
+    and per MoE layer, and the correction's truncated / masked shares."""
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.4))
+    width = 0.8 / max(len(runs), 1)
+    for i, (name, _, rows) in enumerate(runs):
+        c = f"C{i}"
+        axes[0].plot(*series(rows, "kl/rollout_vs_train"), color=c, label=name)
+        axes[1].plot(*series(rows, "routing/rollout/change_rate"), color=c, label=f"{name} routes")
+        axes[1].plot(*series(rows, "routing/rollout/token_change_rate"), color=c, ls="--",
+                     label=f"{name} tokens")
+        keys = layer_keys(rows, "routing/rollout/change_rate")
+        axes[2].bar([j + i * width for j in range(len(keys))],
+                    [_mean(series(rows, k)[1]) for k in keys], width=width, color=c, label=name)
+        axes[3].plot(*series(rows, "correction/truncated_fraction"), color=c,
+                     label=f"{name} truncated")
+        axes[3].plot(*series(rows, "correction/masked_fraction"), color=c, ls="--",
+                     label=f"{name} masked")
+    axes[0].set_yscale("log")
+    n_layers = max((len(layer_keys(rows, "routing/rollout/change_rate")) for _, _, rows in runs),
+                   default=0)
+    axes[2].set_xticks([j + width * (len(runs) - 1) / 2 for j in range(n_layers)],
+                       [str(j) for j in range(n_layers)])
+    titles = ("kl/rollout_vs_train (k3, engine vs trainer)",
+              "routes (solid) / tokens (dashed) differing", "routes differing per MoE layer (mean)",
+              "correction: truncated (solid) / masked (dashed)")
+    for ax, t in zip(axes, titles):
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("MoE layer" if ax is axes[2] else "RL step")
+        ax.legend(fontsize=7)
+    return _save(fig, out, "rollout_mismatch.png", plt)
 
 
 def _save(fig, out, name, plt) -> str:
@@ -254,6 +300,14 @@ def markdown(summaries: list[dict], files: list[str], title: str) -> str:
         ("clip_fraction", "clip/fraction", 4), ("clip_token_fraction", "clip/token_fraction", 4),
         ("reward_first", "reward, first steps", 3), ("reward_last", "reward, last steps", 3),
         ("acc_before", "held-out acc before", 3), ("acc_after", "held-out acc after", 3),
+        ("kl_rollout", "kl/rollout_vs_train", 6),
+        ("rollout_change_rate", "rollout vs trainer: routes differing", 4),
+        ("rollout_token_change_rate", "rollout vs trainer: tokens with a differing route", 4),
+        ("rollout_abs_changed", "abs dlogp rollout vs trainer, route differs", 4),
+        ("rollout_abs_unchanged", "abs dlogp rollout vs trainer, same route", 4),
+        ("correction_weight_max", "correction: max weight", 4),
+        ("correction_truncated", "correction: truncated share", 4),
+        ("correction_masked", "correction: masked share", 4),
         ("step_s", "step time (s)", 3), ("diag_s", "diagnostics time per step (s)", 3),
     ]
     lines = [f"# {title}", "",

@@ -1,7 +1,9 @@
 """One layout of the parallel-invariance test (run under torchrun by test_parallel_invariance.py).
 
 Loads the reference weights, computes the GSPO minibatch loss and gradients on a fixed batch with
-this layout, and writes the loss (JSON) and the reduced gradients (dist checkpoint) to --out.
+this layout, and writes the loss (JSON) and the reduced gradients (dist checkpoint) to --out; then
+does the same in the same process for each rollout-correction case of ``CORRECTIONS`` (the same
+batch carrying ``rollout_logprobs``), to --out/<case>.
 ``--make-reference`` instead initialises the weights from the seed and saves them to --weights.
 """
 
@@ -11,7 +13,7 @@ import os
 
 import torch
 
-from gspo_megatron.algorithms import PolicyLossConfig
+from gspo_megatron.algorithms import PolicyLossConfig, RolloutCorrectionConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
 from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 from gspo_megatron.policy import make_policy_batch
@@ -21,6 +23,15 @@ from gspo_megatron.backends.megatron.checkpoint import grads_to_params, load_mod
 from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_minibatch
 
 BATCH, VOCAB = 8, 100
+
+# Rollout-correction cases run after the uncorrected loss, on the same batch. With
+# rollout = old + 0.3 * randn (fixed_batch), the mask band [1/1.5, 1.5] drops ~18% of the response
+# tokens and keeps the rest at w != 1; the sequence-level geometric-mean weights lie in ~[0.93, 1.014],
+# so cap 1.01 truncates one sequence of 8 and leaves the others below 1.
+CORRECTIONS = {
+    "mask_token": RolloutCorrectionConfig(mode="mask", level="token", cap=1.5),
+    "truncate_seq": RolloutCorrectionConfig(mode="truncate", level="sequence", cap=1.01),
+}
 
 
 def tiny_model():
@@ -37,23 +48,38 @@ def fixed_batch(seed: int):
     batch.advantages = torch.randn(BATCH, generator=gen)
     # pi_old differs from pi by a per-token perturbation so ratios, clipping and KL are non-trivial.
     noise = 0.3 * torch.randn(batch.tokens.shape, generator=gen)
-    return batch, noise
+    # pi_rollout differs from pi_old the same way (drawn last: the draws above are unchanged).
+    rollout_noise = 0.3 * torch.randn(batch.tokens.shape, generator=gen)
+    return batch, noise, rollout_noise
 
 
-def compare_grads(model, reference_dir, other_dirs):
-    """Print, as JSON, the largest |grad - grad_ref| and the ref grad scale for each layout."""
-    load_model_weights(model, reference_dir)
-    ref = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+def compare_grads(model, reference_out, other_outs):
+    """Print, as JSON, the largest |grad - grad_ref| and the ref grad scale for each layout (key: its
+    out dir) and each layout's correction case (key: ``<out dir>:<case>``)."""
     report = {}
-    for d in other_dirs:
-        load_model_weights(model, os.path.join(d, "grads"))
-        diffs = {k: (v - ref[k]).abs().max().item() for k, v in model.state_dict().items()
-                 if torch.is_tensor(v) and k in ref and v.is_floating_point()}
-        worst = max(diffs, key=diffs.get)
-        report[d] = {"max_abs_diff": diffs[worst], "worst_param": worst,
-                     "ref_scale": max(v.abs().max().item() for v in ref.values() if v.is_floating_point()),
-                     "num_params": len(diffs)}
+    for case in ("", *CORRECTIONS):
+        load_model_weights(model, os.path.join(reference_out, case, "grads"))
+        ref = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        for d in other_outs:
+            load_model_weights(model, os.path.join(d, case, "grads"))
+            diffs = {k: (v - ref[k]).abs().max().item() for k, v in model.state_dict().items()
+                     if torch.is_tensor(v) and k in ref and v.is_floating_point()}
+            worst = max(diffs, key=diffs.get)
+            report[f"{d}:{case}" if case else d] = {
+                "max_abs_diff": diffs[worst], "worst_param": worst,
+                "ref_scale": max(v.abs().max().item() for v in ref.values() if v.is_floating_point()),
+                "num_params": len(diffs)}
     print("COMPARE " + json.dumps(report))
+
+
+def save_run(policy, groups, out, metrics):
+    """The minibatch metrics (one rank) and the reduced gradients (dist checkpoint) to ``out``."""
+    os.makedirs(out, exist_ok=True)
+    if groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0:
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump(metrics, f)
+    grads_to_params(policy.unwrapped())  # overwrites the weights: reload them before reusing
+    save_model_weights(policy.unwrapped(), os.path.join(out, "grads"))
 
 
 def main():
@@ -81,22 +107,24 @@ def main():
         destroy_distributed()
         return
     if args.compare is not None:
-        compare_grads(policy.unwrapped(), os.path.join(args.out, "grads"), args.compare)
+        compare_grads(policy.unwrapped(), args.out, args.compare)
         destroy_distributed()
         return
     load_model_weights(policy.unwrapped(), args.weights)
 
-    batch, noise = fixed_batch(seed=7)
+    batch, noise, rollout_noise = fixed_batch(seed=7)
     per_rank = BATCH // groups.dp_size
-    local = batch.select(slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank))
+    rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+    local = batch.select(rows)
     scoring = ScoringConfig(vocab_size=VOCAB)
     # Old log-probs from the reference weights themselves (same for every layout up to float error).
     logprobs, _ = compute_logprobs(policy.model, local, args.micro_batch_size, scoring, groups)
     if logprobs is not None:
-        local_noise = noise[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank]
-        local.old_logprobs = (logprobs + local_noise * local.response_mask).detach()
-    else:  # non-last pipeline stages never read it
+        local.old_logprobs = (logprobs + noise[rows] * local.response_mask).detach()
+        local.rollout_logprobs = local.old_logprobs + rollout_noise[rows] * local.response_mask
+    else:  # non-last pipeline stages never read them
         local.old_logprobs = torch.zeros(local.tokens.shape)
+        local.rollout_logprobs = torch.zeros(local.tokens.shape)
 
     loss_cfg = PolicyLossConfig(variant=args.variant, clip_low=0.05, clip_high=0.05)
     policy.zero_grad()
@@ -109,11 +137,14 @@ def main():
     with open(os.path.join(args.out, f"params_rank{groups.rank}.json"), "w") as f:
         json.dump({"pp_rank": groups.pp_rank,
                    "dense": sum(p.numel() for p in params.values()) - expert, "expert": expert}, f)
-    if groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0:
-        with open(os.path.join(args.out, "metrics.json"), "w") as f:
-            json.dump(metrics, f)
-    grads_to_params(policy.unwrapped())
-    save_model_weights(policy.unwrapped(), os.path.join(args.out, "grads"))
+    save_run(policy, groups, args.out, metrics)
+
+    for case, correction in CORRECTIONS.items():
+        load_model_weights(policy.unwrapped(), args.weights)
+        policy.zero_grad()
+        metrics = train_minibatch(policy.model, local, args.micro_batch_size, loss_cfg, scoring,
+                                  groups, correction=correction)
+        save_run(policy, groups, os.path.join(args.out, case), metrics)
     destroy_distributed()
 
 

@@ -9,6 +9,11 @@ parameter by parameter after Megatron's ``finalize_model_grads``, by saving them
 The MoE load-balancing loss is on. It is computed per microbatch and is not linear in the batch,
 so each layout is compared with a single-process run that has the same microbatch composition:
 2 x 4 sequences for TP/EP/PP, 4 x 2 for DP=2 (each rank runs 2 x 2).
+
+The rollout/training mismatch correction keeps the guarantee: every worker run (the references
+included) also computes, in the same process, the loss and gradients with each correction case of
+``invariance_worker.CORRECTIONS`` (token-level masked IS, sequence-level truncated IS) on the same
+batch, carrying ``rollout_logprobs = old_logprobs + 0.3 * randn``, and those are compared the same way.
 """
 
 import json
@@ -67,24 +72,57 @@ def layout_runs(reference):
     return outs
 
 
-def test_gspo_loss_and_grads_match_across_layouts(reference, layout_runs):
+@pytest.fixture(scope="module")
+def grad_report(reference, layout_runs):
+    """Per micro-batch size, the worker's gradient comparison of every layout (and each of its
+    correction cases, keys ``<out>:<case>``) with the single-process reference."""
     base, weights, refs = reference
-    outs = layout_runs
-
+    reports = {}
     for mbs, ref_out in refs.items():
-        ref_metrics = load_metrics(ref_out)
-        assert ref_metrics["clip/fraction"] > 0, "the batch should exercise clipping"
-        for name, out in outs[mbs].items():
-            assert load_metrics(out)["loss/policy"] == pytest.approx(
-                ref_metrics["loss/policy"], rel=1e-5, abs=1e-7), name
+        stdout = run(1, "--weights", weights, "--out", ref_out, "--compare", *layout_runs[mbs].values())
+        reports[mbs] = json.loads(stdout.split("COMPARE ", 1)[1].splitlines()[0])
+    return reports
 
-        stdout = run(1, "--weights", weights, "--out", ref_out, "--compare", *outs[mbs].values())
-        report = json.loads(stdout.split("COMPARE ", 1)[1].splitlines()[0])
-        for name, out in outs[mbs].items():
-            r = report[out]
-            assert r["num_params"] > 50, (name, r)
-            # fp32, different reduction orders: 1e-5 of the largest gradient entry
-            assert r["max_abs_diff"] <= 1e-5 * r["ref_scale"], (name, r)
+
+def assert_matches(ref_out, outs, report, case=""):
+    """Loss and gradients of each layout in ``outs`` match the single-process ``ref_out``."""
+    ref_metrics = load_metrics(os.path.join(ref_out, case))
+    for name, out in outs.items():
+        assert load_metrics(os.path.join(out, case))["loss/policy"] == pytest.approx(
+            ref_metrics["loss/policy"], rel=1e-5, abs=1e-7), (name, case)
+        r = report[f"{out}:{case}" if case else out]
+        assert r["num_params"] > 50, (name, case, r)
+        # fp32, different reduction orders: 1e-5 of the largest gradient entry
+        assert r["max_abs_diff"] <= 1e-5 * r["ref_scale"], (name, case, r)
+
+
+def test_gspo_loss_and_grads_match_across_layouts(reference, layout_runs, grad_report):
+    _, _, refs = reference
+    for mbs, ref_out in refs.items():
+        assert load_metrics(ref_out)["clip/fraction"] > 0, "the batch should exercise clipping"
+        assert_matches(ref_out, layout_runs[mbs], grad_report[mbs])
+
+
+@pytest.mark.parametrize("case, flagged", [("mask_token", "correction/masked_fraction"),
+                                           ("truncate_seq", "correction/seq_truncated_fraction")])
+def test_rollout_correction_loss_and_grads_match_across_layouts(reference, layout_runs, grad_report,
+                                                                case, flagged):
+    _, _, refs = reference
+    for mbs, ref_out in refs.items():
+        ref = load_metrics(os.path.join(ref_out, case))
+        # Not vacuous: some weights are cut (masked / truncated), the others are not all 1, and the
+        # corrected loss differs from the uncorrected one.
+        assert 0 < ref[flagged] < 1, (mbs, ref)
+        assert ref["correction/weight_min"] < 1 or ref["correction/weight_max"] > 1, (mbs, ref)
+        assert ref["correction/weight_mean"] != pytest.approx(1.0, abs=1e-3), (mbs, ref)
+        assert ref["loss/policy"] != pytest.approx(load_metrics(ref_out)["loss/policy"], rel=1e-3)
+        assert_matches(ref_out, layout_runs[mbs], grad_report[mbs], case)
+        # The correction statistics are per microbatch, averaged: same composition, same values.
+        for name, out in layout_runs[mbs].items():
+            got = load_metrics(os.path.join(out, case))
+            for key in ref:
+                if key.startswith("correction/"):
+                    assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (name, case, key)
 
 
 def test_planner_counts_match_the_built_models(reference, layout_runs):

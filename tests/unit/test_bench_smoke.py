@@ -30,6 +30,9 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     assert {"train_time_ours_vs_naive", "train_mem_ours_x_logits"} <= set(by_name["logprobs"]["ratios"])
     assert "gspo_vs_ce" in by_name["update_step"]["ratios"]
     assert {"diag_vs_off", "diag_every_vs_off_full_step"} <= set(by_name["routing"]["ratios"])
+    assert {"rollout_record_vs_plain_tiny", "train_r3_vs_off_fine32"} <= set(by_name["r3_cost"]["ratios"])
+    same = [r["value"] for r in by_name["r3_cost"]["rows"] if "same tokens" in r["metric"]]
+    assert same == [1.0, 1.0]  # recording routes does not change what is sampled
     assert "ours_vs_hf_tokens_per_s_batch2" in by_name["rollout"]["ratios"]
     assert by_name["rollout"]["rows"][-1]["value"] == 1.0  # greedy tokens identical to HF's
     assert by_name["rl_step"]["met"] is None and by_name["rl_step"]["rows"]

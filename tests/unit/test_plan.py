@@ -11,7 +11,8 @@ import pytest
 
 from gspo_megatron.config.model import model_config_from_preset
 from gspo_megatron.params import count_parameters
-from gspo_megatron.planner import GIB, Layout, params_per_rank, plan_memory, suggest_layouts
+from gspo_megatron.planner import (GIB, Layout, params_per_rank, plan_memory, route_bytes_per_token,
+                                   route_id_bytes, suggest_layouts)
 from gspo_megatron.tools import plan as plan_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,7 +123,9 @@ def test_recipe_is_the_layout_source(plan):
     assert p.returncode == 2 and p.stdout == "1 1 3 1 1\n" and "must divide" in p.stderr
     # The recipe's micro-batch, sequence length and precision are what is planned.
     p = plan("--gpus", "1", "--config", tiny, "--trainer.micro_batch_size=1", "--model.seq_length=4096")
-    q = plan("--gpus", "1", "--fp32", "--model", "tiny", "--seq-length", "4096", "--recompute", "none")
+    # ... and its rollout batch (16 prompts x 8 x (8 + 4) tokens), whose routes R2/R3 keep.
+    q = plan("--gpus", "1", "--fp32", "--model", "tiny", "--seq-length", "4096", "--recompute", "none",
+             "--rollout-tokens", str(16 * 8 * (8 + 4)))
     assert p.returncode == q.returncode == 0
     assert p.stdout == q.stdout
 
@@ -156,3 +159,42 @@ def test_console_scripts():
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and proc.stdout.startswith("tiny: 140K parameters"), proc.stderr
+
+
+@pytest.mark.parametrize("recipe,gpus,per_token,moe_layers", [
+    ("qwen3_30b_a3b_gspo.yaml", 16, 384, 48), ("qwen3_235b_a22b_gspo.yaml", 128, 752, 94)])
+def test_route_memory_of_the_qwen3_recipes(plan, recipe, gpus, per_token, moe_layers):
+    """R2/R3 keep the routes on the host: top-k ids x 1 byte (128 experts <= 256) x MoE layers
+    per token; per rank, one copy of the rollout batch (prompts x G x (max prompt + max new
+    tokens)) over its pipeline stage's MoE layers and its sequence-parallel shard (TP)."""
+    from gspo_megatron.config.loader import load_config
+
+    cfg = load_config(os.path.join(RECIPES, recipe))
+    m, p, r = cfg.model, cfg.parallel, cfg.rollout
+    assert (sum(m.layer_is_moe()), m.num_moe_experts, m.moe_router_topk) == (moe_layers, 128, 8)
+    assert route_bytes_per_token(m) == m.moe_router_topk * 1 * moe_layers == per_token
+    tokens = r.prompts_per_step * r.group_size * (cfg.data.max_prompt_length + r.max_new_tokens)
+    per_rank = tokens * per_token // (p.pipeline_model_parallel_size * p.tensor_model_parallel_size)
+    out = plan("--gpus", str(gpus), "--config", os.path.join(RECIPES, recipe), "--routing.replay=r3")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert f"routes per token (host, R2/R3) {per_token} B (routing replay on)" in text
+    assert (f"routes of a rollout batch {per_rank / 2**20:.2f} MiB per rank per copy "
+            f"({tokens:,} tokens; host)") in text
+    # 30B: 4 x 16 x 5120 tokens x 384 B / TP 2 = 60 MiB; 235B: 2 x 16 x 5120 x 752 B / (PP 2 x TP 4)
+    assert per_rank == {384: 60 * 2**20, 752: 15_400_960}[per_token]
+    layout = Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                    ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
+    on = plan_memory(m, layout, gpus, rollout_tokens=tokens, routing_replay=True)
+    off = plan_memory(m, layout, gpus, rollout_tokens=tokens)
+    assert on.routing_replay == per_rank and on.route_bytes_per_token == per_token
+    assert on.total == off.total  # host memory: not in the per-GPU total
+
+
+def test_route_id_bytes_follow_the_route_store_dtype():
+    from gspo_megatron.routing.stats import route_dtype
+
+    for experts in (4, 128, 256, 257, 65536, 65537):
+        assert route_id_bytes(experts) == route_dtype(experts).itemsize
+    wide = model_config_from_preset("qwen3-30b-a3b", num_moe_experts=512)
+    assert route_bytes_per_token(wide) == 8 * 2 * 48
