@@ -546,4 +546,7 @@ def _free_port() -> int:
 def test_context_parallel_weights_metrics_and_loss_match_single_process():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo backend not available")
-    mp.start_processes(_cp_worker, args=(_free_port(),), nprocs=WORLD, join=True, start_method="fork")
+    # spawn, not fork: a forked child would inherit a default process group that an earlier test
+    # in this pytest process left initialised ("trying to initialize ... twice").
+    mp.start_processes(_cp_worker, args=(_free_port(),), nprocs=WORLD, join=True,
+                       start_method="spawn")
