@@ -193,8 +193,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
                              pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
                              config=cfg.rollout, tokenizer=tokenizer, backend=cfg.rollout.engine,
                              dynamic_buffer_size_gb=cfg.rollout.dynamic_buffer_size_gb,
-                             # R3 replays the engine's routes; the diagnostics compare them
-                             record_routes=cfg.routing.replay == "r3" or cfg.routing.diagnostics)
+                             record_routes=cfg.routing.records_rollout_routes)
     # Greedy evaluation shares the engine and its KV cache.
     greedy = sampling.with_sampling(
         dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0))
@@ -276,11 +275,11 @@ def _run(args) -> int:
         destroy_distributed()
     exit_code = int(summary.get("exit_code", 0))
     if cfg.checkpoint.export_hf and exit_code == 0 and int(os.environ.get("RANK", "0")) == 0:
+        from gspo_megatron.config.paths import save_dir_of
         from gspo_megatron.tools.export_hf import export_in_subprocess
 
-        save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
         try:
-            export_in_subprocess(save_dir, cfg.checkpoint.export_hf)
+            export_in_subprocess(save_dir_of(cfg)[1], cfg.checkpoint.export_hf)
         except RuntimeError as exc:  # the run itself succeeded: its checkpoint is intact
             print(f"gspo-train: error: {exc}", file=sys.stderr)
             return 1

@@ -20,6 +20,7 @@ import torch
 from gspo_megatron.algorithms import (NLLObjective, PolicyGradientObjective, group_advantages,
                                       rollout_mismatch)
 from gspo_megatron.config import OptimConfig, TrainConfig
+from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
@@ -212,11 +213,7 @@ class Trainer:
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
         self.routes_on = cfg.routing.replay != "none" or cfg.routing.diagnostics
-        # The rollout engine records routes for R3 and for the diagnostics' rollout-vs-trainer
-        # disagreement (routing/rollout/*).
-        self.rollout_routes_on = cfg.routing.replay == "r3" or cfg.routing.diagnostics
-        self.save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
-        self.load_dir = cfg.checkpoint.load_dir or self.save_dir
+        self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
 
     def log(self, msg: str) -> None:
         if self.groups.is_logging_rank:
@@ -330,7 +327,7 @@ class Trainer:
         # diagnostics): with R3 this pass replays the rollout engine's routes (the routers' own
         # choice captured beside them), with R2 or diagnostics it records its own.
         rollout_routes = (self.policy.rollout_routes(samples, batch.seq_length)
-                          if self.rollout_routes_on else None)
+                          if cfg.routing.records_rollout_routes else None)
         if cfg.routing.replay == "r3":
             hooks = self.policy.replay_routes(rollout_routes, capture_natural=True)
         else:

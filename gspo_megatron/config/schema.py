@@ -282,6 +282,12 @@ class RoutingConfig(Section, name="routing"):
     """With ``diagnostics``: also replay the old routes on the updated policy and log the gap to
     free routing (``routing/replay_gap_abs_logprob``, ``routing/replay_gap_k3``)."""
 
+    @property
+    def records_rollout_routes(self) -> bool:
+        """Whether the rollout engine records its routes: R3 replays them, the diagnostics compare
+        them with the trainer's (``routing/rollout/*``)."""
+        return self.replay == "r3" or self.diagnostics
+
     def _problems(self) -> Iterator[Problem]:
         yield from self._at_least(1, "diagnostics_interval", note=(
             " (run the diagnostics every N RL steps)"))

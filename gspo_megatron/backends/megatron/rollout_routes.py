@@ -51,18 +51,14 @@ class RolloutRouteRecorder:
         self._windows: list[tuple[int, torch.Tensor]] = []  # (start position, [L, b, s, k])
 
     def before_forward(self) -> None:
-        A = _actions()
-        for r in self.routing.replays:
-            r.set_router_replay_action(A.RECORD)
-            r.recorded_topk_idx = None
+        self.routing.set_action(_actions().RECORD)
 
     def after_forward(self, tokens: torch.Tensor, start: int) -> None:
         """``tokens``: the window's ``[b, s]`` input (its shape gives the layout); ``start``: the
         window's first position."""
         b = tokens.shape[0]
         indices, _ = self.routing.collect(len(self._windows), b)  # [L, b, s, k] on the CPU
-        for r in self.routing.replays:
-            r.clear_router_replay_action()
+        self.routing.set_action(None)  # free routing until the next recorded window
         if self._windows:
             prev_start, prev = self._windows[-1]
             if start != prev_start + prev.shape[2]:
