@@ -16,7 +16,8 @@ from typing import Sequence
 
 from gspo_megatron.sections import FieldError, Section
 from gspo_megatron.config.model import (ModelConfig, ModelFileError, architecture_differences,
-                                        model_config_file, read_model_config_file, show_value)
+                                        find_converted_dir, model_config_file,
+                                        read_model_config_file, show_value)
 from gspo_megatron.config.schema import TrainConfig
 
 
@@ -178,8 +179,6 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
                 errors.append(f"{name}: no such {'file' if name.startswith('data') else 'path'} "
                               f"{value!r}")
     if ck.export_hf:
-        from gspo_megatron.tools.export_hf import find_converted_dir
-
         if os.path.isfile(ck.export_hf) or (os.path.isdir(ck.export_hf) and os.listdir(ck.export_hf)):
             errors.append(f"checkpoint.export_hf: {ck.export_hf!r} exists and is not an empty "
                           "directory")

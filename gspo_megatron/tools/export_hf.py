@@ -34,7 +34,7 @@ import torch
 
 from gspo_megatron.backends.megatron.hf_config import hf_config_from_model_config, model_config_from_hf
 from gspo_megatron.backends.megatron.hf_weights import conversion_plan, extract, hf_expected_shapes
-from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig
+from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig, find_converted_dir
 from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, HF_FILES_DIR, HF_SOURCE_FILE,
                                             SIDE_FILES, ConversionError,
                                             _check_destination, _commit, _fresh_temp_dir,
@@ -119,45 +119,6 @@ def write_hf_from_model(gpt_model, cfg: ModelConfig, directory: str, dtype: torc
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
                       sort_keys=True)
     return files
-
-
-def _run_config_init_weights(run_dir: str) -> str | None:
-    """``checkpoint.init_weights`` of the run in ``run_dir`` (its saved ``config.yaml``)."""
-    path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(path):
-        return None
-    import yaml
-
-    try:
-        with open(path) as f:
-            saved = yaml.safe_load(f) or {}
-        init = (saved.get("checkpoint") or {}).get("init_weights")
-    except (yaml.YAMLError, AttributeError):
-        return None
-    if not init:
-        return None
-    return init if os.path.isabs(init) or os.path.isdir(init) else os.path.join(run_dir, init)
-
-
-def find_converted_dir(mcore_dir: str) -> str | None:
-    """The ``gspo-convert-hf`` directory behind ``mcore_dir``: itself, or for a run's checkpoint /
-    checkpoints dir / ``sft_weights`` the run's ``checkpoint.init_weights`` (followed through runs
-    that started from another run's weights). None when there is none."""
-    seen: set[str] = set()
-    todo = [os.path.abspath(mcore_dir)]
-    while todo:
-        d = todo.pop(0)
-        if d in seen or len(seen) > 16:
-            continue
-        seen.add(d)
-        if os.path.isfile(os.path.join(d, MODEL_CONFIG_FILE)):
-            return d
-        # run/checkpoints/iter_X -> run; run/checkpoints -> run; run/sft_weights -> run
-        for up in (os.path.dirname(d), os.path.dirname(os.path.dirname(d))):
-            init = _run_config_init_weights(up)
-            if init:
-                todo.append(os.path.abspath(init))
-    return None
 
 
 def _read_json(path: str) -> dict | None:
