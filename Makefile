@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 MCORE_VERSION ?= 0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo clean bench
+.PHONY: venv test test-fast demo clean bench mutate
 DEMO_ARGS ?=
 
 $(VENV)/.installed: setup.py
@@ -35,6 +35,11 @@ demo: venv
 # The CPU benchmark set (docs/benchmarks.md): one table on stdout, JSON in runs/bench/bench.json.
 bench: venv
 	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) -m tools.bench --out runs/bench/bench.json
+
+# Plant known plausible bugs in the algorithms and show the unit test that catches each
+# (tools/mutate.py): one table on stdout, the committed record in docs/results/mutate.json.
+mutate: venv
+	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) tools/mutate.py --out docs/results/mutate.json
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

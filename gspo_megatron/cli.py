@@ -197,9 +197,14 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     # Greedy evaluation shares the engine and its KV cache.
     greedy = sampling.with_sampling(
         dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0))
+    ev = cfg.evaluation  # sampled evaluation (mean@n / pass@k), same engine
+    sampled_eval = sampling.with_sampling(
+        dataclasses.replace(cfg.rollout, temperature=ev.temperature, top_p=ev.top_p, top_k=0)
+    ) if ev.num_samples else None
     return Trainer(cfg, groups, actor, tokenizer, sampler,
                    {"train": prepared.train, "eval": prepared.eval}, prepared.reward_fn,
-                   sampling, greedy, reference=reference, faults=faults)
+                   sampling, greedy, reference=reference, faults=faults,
+                   sampled_eval=sampled_eval)
 
 
 @contextlib.contextmanager

@@ -29,9 +29,13 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str, enabled: bool, progress: bool = True,
                  wandb_project: str | None = None, run_config: dict | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None,
+                 extra_progress: tuple[tuple[str, str], ...] = ()):
+        """``extra_progress``: more ``(metric, short name)`` pairs for the progress line, shown
+        after the standard ones (e.g. the sampled evaluation's ``eval/pass@k``)."""
         self.enabled = enabled
         self.progress = progress
+        self.progress_keys = _PROGRESS_KEYS + tuple(extra_progress)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._wandb = None
         if not enabled:
@@ -75,7 +79,7 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         if self.progress:
             parts = [f"step {step}"] + [
-                f"{short} {record[key]:.4g}" for key, short in _PROGRESS_KEYS
+                f"{short} {record[key]:.4g}" for key, short in self.progress_keys
                 if isinstance(record.get(key), (int, float))]
             print(" | ".join(parts), file=sys.stdout, flush=True)
 
@@ -128,10 +132,13 @@ class Stopwatch:
         self.laps: dict[str, float] = {}
 
     def lap(self, key: str) -> float:
+        """Seconds since the previous lap, added to ``key`` (a stage run several times in a step,
+        e.g. rollout under dynamic sampling, accumulates)."""
         _wait_for_device()
         now = time.perf_counter()
-        self.laps[key], self.last = now - self.last, now
-        return self.laps[key]
+        seconds, self.last = now - self.last, now
+        self.laps[key] = self.laps.get(key, 0.0) + seconds
+        return seconds
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start

@@ -14,11 +14,14 @@ import json
 import logging
 import os
 import signal
+from typing import NamedTuple
 
 import torch
 
 from gspo_megatron.algorithms import (NLLObjective, PolicyGradientObjective, group_advantages,
                                       rollout_mismatch)
+from gspo_megatron.algorithms.dapo import mask_truncated, select_groups, soft_overlong_penalty
+from gspo_megatron.algorithms.pass_at_k import pass_at_k_ladder, sampled_eval_metrics
 from gspo_megatron.config import OptimConfig, TrainConfig
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
@@ -30,6 +33,11 @@ logger = logging.getLogger(__name__)
 
 REQUEUE_EXIT_CODE = 75
 """Exit code after a SIGTERM/SIGUSR1 checkpoint (EX_TEMPFAIL): launch scripts requeue on it."""
+
+
+EXTRA_BATCH_SEED_STRIDE = 1_000_000_007
+"""Dynamic sampling: extra rollout batch ``b`` of a step samples with the step's seed plus ``b``
+times this (batch 0 keeps the step's seed, so runs without dynamic sampling are unchanged)."""
 
 
 class NonFiniteError(RuntimeError):
@@ -65,10 +73,39 @@ def reward_stage(reward_fn, tokenizer, prompts: list, samples: list[RolloutSampl
                            timeout_s=timeout_s)
 
 
+def overlong_stage(rewards: torch.Tensor, samples: list[RolloutSample], max_new_tokens: int,
+                   buffer_tokens: int, penalty_factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Eq. 13) added to ``rewards`` ``[N]``; unchanged (the same
+    tensor) when ``buffer_tokens`` is 0."""
+    if buffer_tokens <= 0:
+        return rewards
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    penalty = soft_overlong_penalty(lengths, max_new_tokens, buffer_tokens, penalty_factor)
+    return rewards + penalty.to(rewards.dtype)
+
+
 def advantage_stage(rewards: torch.Tensor, group_size: int, normalize_std: bool):
-    """Group-normalised advantages A_i (paper Eq. 6). Returns (advantages [N], metrics)."""
+    """Group-normalised advantages A_i (paper Eq. 6). Returns (advantages [N], metrics, tied
+    [N / G] bool: groups whose rewards all tie, so their advantages are 0)."""
     result = group_advantages(rewards, group_size, normalize_std=normalize_std)
-    return result.advantages.float(), {k: float(v) for k, v in result.metrics.items()}
+    return (result.advantages.float(), {k: float(v) for k, v in result.metrics.items()},
+            result.zero_variance_mask)
+
+
+class StepSamples(NamedTuple):
+    """What :meth:`Trainer.sample` hands to the rest of the step: the groups it trains on."""
+
+    prompts: list
+    """``P`` prompt examples (``rollout.prompts_per_step``)."""
+    samples: list[RolloutSample]
+    """``P x G`` responses, prompt-major."""
+    advantages: torch.Tensor
+    """``[P x G]`` float32 group-normalised advantages (truncated responses zeroed under
+    ``overlong.mask_truncated``)."""
+    metrics: dict[str, float]
+    """``reward/*`` of the step's first rollout batch, ``sampling/*`` under dynamic sampling."""
+    generated_tokens: int
+    """Response tokens decoded in the step, every rollout batch included."""
 
 
 def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) -> PolicyBatch:
@@ -200,12 +237,16 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups, policy: Policy, tokenizer,
                  sampler, data: dict, reward_fn, generator: Generator, greedy: Generator,
-                 reference: Policy | None = None, faults: FaultInjector | None = None):
+                 reference: Policy | None = None, faults: FaultInjector | None = None,
+                 sampled_eval: Generator | None = None):
         """``data``: ``{"train": [...], "eval": [...]}`` prompt examples; ``sampler`` yields the
-        training prompts of each step (all DP ranks' prompts; this rank takes its slice)."""
+        training prompts of each step (all DP ranks' prompts; this rank takes its slice).
+        ``greedy`` decodes the held-out accuracy; ``sampled_eval`` (with
+        ``evaluation.num_samples`` > 0) samples its mean@n / pass@k."""
         self.cfg, self.groups, self.policy, self.reference = cfg, groups, policy, reference
         self.tokenizer, self.sampler, self.data = tokenizer, sampler, data
         self.reward_fn, self.generator, self.greedy = reward_fn, generator, greedy
+        self.sampled_eval = sampled_eval
         self.faults = faults or FaultInjector()
         self.step = 0
         self.consecutive_faults = 0
@@ -229,10 +270,13 @@ class Trainer:
         start_step = self._resume_or_init()
         if self.reference is not None:
             self.policy.copy_weights_to(self.reference)
+        n = cfg.evaluation.num_samples
+        shown = ((f"eval/mean@{n}", f"mean@{n}"), (f"eval/pass@{n}", f"pass@{n}")) if n else ()
         metrics_log = MetricsLogger(cfg.logging.run_dir, enabled=self.groups.is_logging_rank,
                                     progress=cfg.logging.progress,
                                     wandb_project=cfg.logging.wandb_project,
-                                    resume_step=start_step - 1)  # a fresh run (-1) starts empty
+                                    resume_step=start_step - 1,  # a fresh run (-1) starts empty
+                                    extra_progress=shown)
         self.install_signal_handlers()
         summary: dict = {"start_step": start_step}
         if start_step == 0 and cfg.sft.steps > 0:
@@ -244,12 +288,14 @@ class Trainer:
         if self.data["eval"] and start_step == 0:
             summary["accuracy_before"] = self.evaluate()
             self.log(f"held-out accuracy before RL: {summary['accuracy_before']:.3f}")
+            summary.update(self._sampled_eval_summary("before"))
         exit_code = 0
         while self.step < cfg.trainer.steps:
             metrics = self.rl_step()
             if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 \
                     and self.data["eval"] and self.step < cfg.trainer.steps:
                 metrics["eval/accuracy"] = self.evaluate()
+                metrics.update(self.evaluate_sampled())
             stop = self.stop_requested()
             if stop or (cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0):
                 metrics["perf/checkpoint_s"] = self.save()
@@ -264,6 +310,7 @@ class Trainer:
             if self.data["eval"]:
                 summary["accuracy_after"] = self.evaluate()
                 self.log(f"held-out accuracy after RL: {summary['accuracy_after']:.3f}")
+                summary.update(self._sampled_eval_summary("after"))
         summary.update(steps=self.step, exit_code=exit_code)
         if self.groups.is_logging_rank:
             with open(os.path.join(cfg.logging.run_dir, "summary.json"), "w") as f:
@@ -305,23 +352,11 @@ class Trainer:
         faults.maybe_fail("step_start")
         watch = Stopwatch()
 
-        prompts = self._local_prompts(self.sampler.next_batch())
-        samples = rollout_stage(self.generator, self.tokenizer, prompts, cfg.rollout.group_size, seed)
-        watch.lap("perf/rollout_s")
-
-        rewards, reward_metrics = reward_stage(self.reward_fn, self.tokenizer, prompts, samples,
-                                               cfg.rollout.group_size, cfg.reward.timeout_s)
-        rewards = faults.corrupt("nan_rewards", rewards)
-        watch.lap("perf/reward_s")
-        if not all_finite(rewards):
-            return self._skip_step("faults/nonfinite_rewards", reward_metrics, watch)
-
-        advantages, adv_metrics = advantage_stage(rewards, cfg.rollout.group_size,
-                                                  cfg.trainer.normalize_advantage_std)
-        advantages = faults.corrupt("nan_advantages", advantages)
-        if not all_finite(advantages):
-            return self._skip_step("faults/nonfinite_advantages", reward_metrics, watch)
-        batch = batch_stage(samples, advantages, self.pack)
+        sampled = self.sample(seed, watch)
+        if not isinstance(sampled, StepSamples):  # (fault, reward metrics): non-finite values
+            return self._skip_step(*sampled, watch)
+        samples = sampled.samples
+        batch = batch_stage(samples, sampled.advantages, self.pack)
 
         # Old policy's MoE routes (for the replay, the free routing/drift/* metrics and the
         # diagnostics): with R3 this pass replays the rollout engine's routes (the routers' own
@@ -360,14 +395,87 @@ class Trainer:
         self._count_faults(update_metrics.get("faults/skipped_updates", 0.0) > 0)
         self.step += 1
 
-        num_tokens = sum(len(s.response_ids) for s in samples)
+        lengths = [len(s.response_ids) for s in samples]
         timings = watch.total("perf/step_s")
-        timings["perf/rollout_tokens_per_s"] = num_tokens / max(timings["perf/rollout_s"], 1e-9)
-        metrics = {**reward_metrics, **adv_metrics, **extra, **update_metrics, **timings,
+        timings["perf/rollout_tokens_per_s"] = (sampled.generated_tokens
+                                                / max(timings["perf/rollout_s"], 1e-9))
+        eos = sum(s.finish_reason == "eos" for s in samples) / len(samples)
+        metrics = {**sampled.metrics, **extra, **update_metrics, **timings,
                    **device_memory_metrics(),
-                   "response/mean_length": num_tokens / len(samples),
-                   "response/eos_fraction": sum(s.finish_reason == "eos" for s in samples) / len(samples)}
+                   "response/mean_length": sum(lengths) / len(samples),
+                   "response/eos_fraction": eos,
+                   "response/max_length": float(max(lengths)),
+                   # cut at rollout.max_new_tokens (verl's response_length/clip_ratio)
+                   "response/clip_rate": 1.0 - eos}
         return gather_on_logging_rank(metrics, g)
+
+    def sample(self, seed: int, watch: Stopwatch) -> StepSamples | tuple[str, dict]:
+        """prompts -> rollout -> reward (+ overlong penalty) -> advantages for one step. With
+        ``dynamic_sampling.enabled``, more rollout batches follow while any data-parallel rank has
+        fewer than ``rollout.prompts_per_step`` groups whose rewards differ (at most
+        ``max_extra_batches``; every rank rolls out each batch, so collectives stay in
+        lock-step), and :func:`~gspo_megatron.algorithms.dapo.select_groups` picks the groups.
+        Returns the step's groups, or ``(fault, reward metrics)`` when rewards or advantages are
+        not finite (the caller skips the step)."""
+        cfg, group = self.cfg, self.cfg.rollout.group_size
+        ds, ol = cfg.dynamic_sampling, cfg.overlong
+        batches: list[tuple[list, list, torch.Tensor, torch.Tensor]] = []
+        metrics: dict[str, float] = {}
+        first_stats: dict = {}
+        generated = 0
+        while True:
+            b = len(batches)
+            prompts = self._local_prompts(self.sampler.next_batch())
+            samples = rollout_stage(self.generator, self.tokenizer, prompts, group,
+                                    seed + EXTRA_BATCH_SEED_STRIDE * b)
+            generated += sum(len(s.response_ids) for s in samples)
+            watch.lap("perf/rollout_s")
+            rewards, stats = reward_stage(self.reward_fn, self.tokenizer, prompts, samples, group,
+                                          cfg.reward.timeout_s)
+            rewards = overlong_stage(rewards, samples, cfg.rollout.max_new_tokens,
+                                     ol.buffer_tokens, ol.penalty_factor)
+            rewards = self.faults.corrupt("nan_rewards", rewards)
+            watch.lap("perf/reward_s")
+            if not all_finite(rewards):
+                return "faults/nonfinite_rewards", stats
+            advantages, adv_metrics, tied = advantage_stage(rewards, group,
+                                                            cfg.trainer.normalize_advantage_std)
+            if ol.mask_truncated:  # DAPO overlong filtering: no policy term for cut responses
+                advantages = mask_truncated(advantages, torch.tensor(
+                    [s.finish_reason == "length" for s in samples]))
+            if b == 0:  # reward/* describe the nominal batch, as without dynamic sampling
+                metrics, first_stats = {**stats, **adv_metrics}, stats
+            batches.append((prompts, samples, advantages, tied))
+            if not ds.enabled or b >= ds.max_extra_batches:
+                break
+            varied = sum(int((~t).sum()) for *_, t in batches)
+            if not any_rank(varied < cfg.rollout.prompts_per_step):
+                break
+        if ds.enabled:
+            prompts, samples, advantages, ds_metrics = self._select_groups(batches)
+            metrics.update(ds_metrics)
+        advantages = self.faults.corrupt("nan_advantages", advantages)
+        if not all_finite(advantages):
+            return "faults/nonfinite_advantages", first_stats
+        return StepSamples(prompts, samples, advantages, metrics, generated)
+
+    def _select_groups(self, batches: list) -> tuple[list, list, torch.Tensor, dict[str, float]]:
+        """The ``prompts_per_step`` groups a dynamic-sampling step trains on, and ``sampling/*``
+        (counts summed over data-parallel ranks)."""
+        group, need = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
+        sel = select_groups([tied for *_, tied in batches], need)
+        prompts = [batches[b][0][g] for b, g in sel.chosen]
+        samples = [s for b, g in sel.chosen for s in batches[b][1][g * group:(g + 1) * group]]
+        advantages = torch.cat([batches[b][2][g * group:(g + 1) * group] for b, g in sel.chosen])
+        counts = torch.tensor([sel.kept, sel.filled, sel.dropped, sel.surplus], dtype=torch.float64)
+        all_reduce_(counts, self.groups.dp_group)
+        kept, filled, dropped, surplus = counts.tolist()
+        extra = (len(batches) - 1) * need * group * self.groups.dp_size
+        return prompts, samples, advantages, {
+            "sampling/rollout_batches": float(len(batches)),
+            "sampling/extra_rollouts": float(extra),
+            "sampling/kept_groups": kept, "sampling/filled_groups": filled,
+            "sampling/dropped_groups": dropped, "sampling/surplus_groups": surplus}
 
     # -- non-finite guard
     def _skip_step(self, fault: str, reward_metrics: dict, watch: Stopwatch) -> dict:
@@ -400,6 +508,37 @@ class Trainer:
                                dtype=torch.float64)
         all_reduce_(correct, self.groups.dp_group)
         return float(correct[0] / correct[1].clamp(min=1))
+
+    def evaluate_sampled(self) -> dict[str, float]:
+        """``eval/mean@n`` and ``eval/pass@k`` (k = 1, 2, 4, ..., n; the unbiased estimator of
+        :mod:`~gspo_megatron.algorithms.pass_at_k`) from ``evaluation.num_samples`` = n responses
+        per held-out prompt, sampled at ``evaluation.temperature`` / ``top_p`` with a fixed seed;
+        averaged over every held-out prompt (all data-parallel ranks). Empty when off."""
+        n = self.cfg.evaluation.num_samples
+        if not n or self.sampled_eval is None or not self.data["eval"]:
+            return {}
+        local = self.data["eval"][self.groups.dp_rank:: self.groups.dp_size]
+        samples = rollout_stage(self.sampled_eval, self.tokenizer, local, n,
+                                seed=self.cfg.evaluation.seed + self.groups.dp_rank)
+        rewards, _ = reward_stage(self.reward_fn, self.tokenizer, local, samples, n,
+                                  self.cfg.reward.timeout_s)
+        from gspo_megatron.rewards import is_correct
+
+        correct = torch.tensor([is_correct(float(r)) for r in rewards]).view(-1, n).sum(1)
+        sums = all_reduce_(sampled_eval_metrics(correct, n), self.groups.dp_group)
+        count = float(sums[0].clamp(min=1))
+        out = {f"eval/mean@{n}": float(sums[1]) / count}
+        out.update({f"eval/pass@{k}": float(v) / count
+                    for k, v in zip(pass_at_k_ladder(n), sums[2:])})
+        return out
+
+    def _sampled_eval_summary(self, when: str) -> dict[str, float]:
+        """The sampled evaluation for ``summary.json`` (``eval/pass@4_before`` ...), logged."""
+        result = self.evaluate_sampled()
+        if result:
+            self.log(f"held-out sampled evaluation {when} RL: " + ", ".join(
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in result.items()))
+        return {f"{k}_{when}": v for k, v in result.items()}
 
     # -- helpers
     def pack(self, sequences: list[list[int]], prompt_lengths: list[int]) -> PolicyBatch:

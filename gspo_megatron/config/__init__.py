@@ -12,14 +12,15 @@
 from gspo_megatron.sections import FieldError
 from gspo_megatron.config.loader import DEMO_RECIPE, load_config, save_config
 from gspo_megatron.config.model import MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig
-from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, OptimConfig,
+from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, EvaluationConfig,
+                                         LoggingConfig, OptimConfig,
                                          RewardConfig, RolloutConfig, RoutingConfig, SFTConfig,
                                          TokenizerConfig, TrainConfig, TrainerConfig)
 from gspo_megatron.config.validation import ConfigError, ConfigWarning, validate_config
 
 __all__ = [
     "DEMO_RECIPE", "MODEL_PRESETS", "CheckpointConfig", "ConfigError", "ConfigWarning",
-    "DataConfig", "FieldError", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "DataConfig", "EvaluationConfig", "FieldError", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "PrecisionConfig", "RewardConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
     "TokenizerConfig", "TrainConfig", "TrainerConfig", "load_config", "save_config",
     "validate_config",

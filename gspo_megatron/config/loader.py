@@ -488,9 +488,9 @@ def describe_config(sections: Iterable[str] | None = None, width: int = 100) -> 
             shown = "null" if default is None else yaml.safe_dump(
                 default, default_flow_style=True).strip().removesuffix("...").strip()
             lines.append(f"  --{section}.{fname}  ({type_name(tp)}; default {shown})")
-            for para in docs.get(fname, "").split("\n"):
-                lines.extend(textwrap.wrap(para, width=width, initial_indent=" " * 6,
-                                           subsequent_indent=" " * 6) or [])
+            for para in docs.get(fname, "").split("\n\n"):  # re-flowed paragraph by paragraph
+                lines.extend(textwrap.wrap(" ".join(para.split()), width=width,
+                                           initial_indent=" " * 6, subsequent_indent=" " * 6))
         lines.append("")
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
+from gspo_megatron.algorithms.dapo import DynamicSamplingConfig, OverlongConfig
 from gspo_megatron.algorithms.policy_loss import PolicyLossConfig
 from gspo_megatron.algorithms.rollout_correction import RolloutCorrectionConfig
 from gspo_megatron.sections import Problem, Section
@@ -252,6 +253,35 @@ class TrainerConfig(Section, name="trainer"):
 
 
 @dataclass
+class EvaluationConfig(Section, name="evaluation"):
+    """Held-out evaluation. Greedy accuracy (``eval/accuracy``) always runs when there is a
+    held-out set (``data.eval_path``, or the built-in task's); sampled evaluation adds mean@n and
+    pass@k (Chen et al. 2021, arXiv 2107.03374: the unbiased estimator from n samples) at the same
+    times: before RL, every ``trainer.eval_interval`` steps, after RL."""
+
+    num_samples: int = 0
+    """Default 0 (greedy only). n > 0: sample n responses per held-out prompt and log
+    ``eval/mean@n`` (mean correctness of all samples) and ``eval/pass@k`` for k = 1, 2, 4, ..., n
+    (unbiased estimator). DeepSeek-R1 reports pass@1 from 64 samples (arXiv 2501.12948, Sec. 3);
+    the cost is n times the greedy evaluation's decoding."""
+    temperature: float = 0.6
+    """Default 0.6: sampling temperature of the sampled evaluation (DeepSeek-R1's and Qwen3's
+    recommended evaluation setting, with ``top_p`` 0.95)."""
+    top_p: float = 0.95
+    """Default 0.95: nucleus threshold in (0, 1] of the sampled evaluation (1.0 = off)."""
+    seed: int = 0
+    """Default 0: seed of the sampled evaluation (the same samples at every resume)."""
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(0, "num_samples", note=" (0 = greedy evaluation only)")
+        yield from self._at_least(0, "seed")
+        if not self.temperature > 0:
+            yield self._problem("temperature", f"must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            yield self._problem("top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
 class RoutingConfig(Section, name="routing"):
     """MoE routing replay and in-loop routing diagnostics (docs/routing.md)."""
 
@@ -358,6 +388,11 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # DAPO's dynamic sampling and overlong handling (both off by default); owned by
+    # gspo_megatron.algorithms.dapo.
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

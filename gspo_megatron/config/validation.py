@@ -109,6 +109,12 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             f"rollout.max_new_tokens = {data.max_prompt_length} + {ro.max_new_tokens} = "
             f"{data.max_prompt_length + ro.max_new_tokens}")
 
+    # DAPO's soft overlong penalty acts on the last overlong.buffer_tokens of the budget.
+    if cfg.overlong.buffer_tokens > ro.max_new_tokens:
+        errors.append(f"overlong.buffer_tokens ({cfg.overlong.buffer_tokens}) must be <= "
+                      f"rollout.max_new_tokens ({ro.max_new_tokens}): the penalty ramps over the "
+                      "last buffer_tokens tokens of the generation budget")
+
     # The rollout engine: Megatron's dynamic engine allocates its KV cache with CUDA.
     if ro.engine == "dynamic":
         import torch

@@ -3,7 +3,8 @@
 Loads the reference weights, computes the GSPO minibatch loss and gradients on a fixed batch with
 this layout, and writes the loss (JSON) and the reduced gradients (dist checkpoint) to --out; then
 does the same in the same process for each rollout-correction case of ``CORRECTIONS`` (the same
-batch carrying ``rollout_logprobs``), to --out/<case>.
+batch carrying ``rollout_logprobs``) and each other loss variant of ``VARIANTS`` (GRPO with both
+aggregations, GSPO-token), to --out/<case>.
 ``--make-reference`` instead initialises the weights from the seed and saves them to --weights.
 """
 
@@ -28,10 +29,22 @@ BATCH, VOCAB = 8, 100
 # rollout = old + 0.3 * randn (fixed_batch), the mask band [1/1.5, 1.5] drops ~18% of the response
 # tokens and keeps the rest at w != 1; the sequence-level geometric-mean weights lie in ~[0.93, 1.014],
 # so cap 1.01 truncates one sequence of 8 and leaves the others below 1.
+GSPO = PolicyLossConfig(variant="gspo", clip_low=0.05, clip_high=0.05)
 CORRECTIONS = {
     "mask_token": RolloutCorrectionConfig(mode="mask", level="token", cap=1.5),
     "truncate_seq": RolloutCorrectionConfig(mode="truncate", level="sequence", cap=1.01),
 }
+# The other loss variants, run after the corrections on the same batch. GRPO's token_mean is the
+# case whose normaliser is the response-token count summed over data-parallel ranks; its eps sides
+# differ (0.1 / 0.2), so a swapped side changes which tokens clip. GSPO-token gets per-token
+# advantages (fixed_batch's last draw), the one variant that takes them.
+VARIANTS = {
+    "grpo_seq_mean": PolicyLossConfig(variant="grpo", clip_low=0.1, clip_high=0.2),
+    "grpo_token_mean": PolicyLossConfig(variant="grpo", clip_low=0.1, clip_high=0.2,
+                                        aggregation="token_mean"),
+    "gspo_token": PolicyLossConfig(variant="gspo_token", clip_low=0.03, clip_high=0.06),
+}
+CASES = (*CORRECTIONS, *VARIANTS)
 
 
 def tiny_model():
@@ -50,14 +63,16 @@ def fixed_batch(seed: int):
     noise = 0.3 * torch.randn(batch.tokens.shape, generator=gen)
     # pi_rollout differs from pi_old the same way (drawn last: the draws above are unchanged).
     rollout_noise = 0.3 * torch.randn(batch.tokens.shape, generator=gen)
-    return batch, noise, rollout_noise
+    # Per-token advantages for GSPO-token (drawn last again).
+    token_advantages = torch.randn(batch.tokens.shape, generator=gen)
+    return batch, noise, rollout_noise, token_advantages
 
 
 def compare_grads(model, reference_out, other_outs):
     """Print, as JSON, the largest |grad - grad_ref| and the ref grad scale for each layout (key: its
     out dir) and each layout's correction case (key: ``<out dir>:<case>``)."""
     report = {}
-    for case in ("", *CORRECTIONS):
+    for case in ("", *CASES):
         load_model_weights(model, os.path.join(reference_out, case, "grads"))
         ref = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         for d in other_outs:
@@ -88,7 +103,6 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--micro-batch-size", type=int, default=BATCH)
-    ap.add_argument("--variant", default="gspo")
     ap.add_argument("--weights", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--make-reference", action="store_true")
@@ -112,7 +126,7 @@ def main():
         return
     load_model_weights(policy.unwrapped(), args.weights)
 
-    batch, noise, rollout_noise = fixed_batch(seed=7)
+    batch, noise, rollout_noise, token_advantages = fixed_batch(seed=7)
     per_rank = BATCH // groups.dp_size
     rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
     local = batch.select(rows)
@@ -126,7 +140,7 @@ def main():
         local.old_logprobs = torch.zeros(local.tokens.shape)
         local.rollout_logprobs = torch.zeros(local.tokens.shape)
 
-    loss_cfg = PolicyLossConfig(variant=args.variant, clip_low=0.05, clip_high=0.05)
+    loss_cfg = GSPO
     policy.zero_grad()
     metrics = train_minibatch(policy.model, local, args.micro_batch_size, loss_cfg, scoring, groups)
 
@@ -144,6 +158,16 @@ def main():
         policy.zero_grad()
         metrics = train_minibatch(policy.model, local, args.micro_batch_size, loss_cfg, scoring,
                                   groups, correction=correction)
+        save_run(policy, groups, os.path.join(args.out, case), metrics)
+    for case, variant_cfg in VARIANTS.items():
+        load_model_weights(policy.unwrapped(), args.weights)
+        policy.zero_grad()
+        mb = local
+        if variant_cfg.variant == "gspo_token":
+            mb = local.select(slice(None))
+            mb.advantages = token_advantages[rows]
+        metrics = train_minibatch(policy.model, mb, args.micro_batch_size, variant_cfg, scoring,
+                                  groups)
         save_run(policy, groups, os.path.join(args.out, case), metrics)
     destroy_distributed()
 

@@ -16,6 +16,7 @@ from tests.helpers.torchrun import torchrun
 
 pytest.importorskip("transformers")
 
+from tests.helpers.hf import HF_LOGIT_TOL  # noqa: E402
 from tests.unit.test_hf_conversion import hf_logits, input_ids, save_hf_model  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -66,5 +67,5 @@ def test_megatron_logits_match_hf_under_layout(checkpoints, layout, args, ckpt):
         diff = (logits[..., :c["vocab"]] - c["ref"]).abs().max().item()
         print(f"{name} {layout} (checkpoint written by {'torchrun ' + CASES[name] if ckpt == 'multi' else 'one process'}): "
               f"max |logit diff| = {diff:.3g}")
-        assert diff < 1e-4, (name, layout, diff)
+        assert diff < HF_LOGIT_TOL, (name, layout, diff)
         assert not logits[..., c["vocab"]:].any()

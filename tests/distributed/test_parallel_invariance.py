@@ -1,4 +1,5 @@
-"""The GSPO loss and gradients of a tiny Megatron MoE do not depend on the parallel layout.
+"""The GSPO, GSPO-token and GRPO losses and gradients of a tiny Megatron MoE do not depend on the
+parallel layout.
 
 Same weights (one dist checkpoint), same batch of 8 sequences: single process vs TP=2 with sequence
 parallel, EP=2, PP=2 (1F1B) and DP=2, each with two microbatches per rank, and TP=2 x EP=2 on four
@@ -13,7 +14,8 @@ so each layout is compared with a single-process run that has the same microbatc
 The rollout/training mismatch correction keeps the guarantee: every worker run (the references
 included) also computes, in the same process, the loss and gradients with each correction case of
 ``invariance_worker.CORRECTIONS`` (token-level masked IS, sequence-level truncated IS) on the same
-batch, carrying ``rollout_logprobs = old_logprobs + 0.3 * randn``, and those are compared the same way.
+batch, carrying ``rollout_logprobs = old_logprobs + 0.3 * randn``, and those are compared the same way; so are GRPO (``seq_mean_token_mean`` and ``token_mean``) and
+GSPO-token with per-token advantages (``invariance_worker.VARIANTS``).
 """
 
 import json
@@ -67,8 +69,7 @@ def layout_runs(reference):
     outs = {mbs: {} for mbs in refs}
     for name, (nproc, mbs, args) in LAYOUTS.items():
         out = outs[mbs][name] = str(base / name)
-        run(nproc, "--weights", weights, "--out", out, "--variant", "gspo",
-            "--micro-batch-size", str(mbs), *args)
+        run(nproc, "--weights", weights, "--out", out, "--micro-batch-size", str(mbs), *args)
     return outs
 
 
@@ -123,6 +124,24 @@ def test_rollout_correction_loss_and_grads_match_across_layouts(reference, layou
             for key in ref:
                 if key.startswith("correction/"):
                     assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (name, case, key)
+
+
+@pytest.mark.parametrize("case", ["grpo_seq_mean", "grpo_token_mean", "gspo_token"])
+def test_other_variants_loss_and_grads_match_across_layouts(reference, layout_runs, grad_report,
+                                                            case):
+    """GRPO (both aggregations; token_mean's normaliser is the token count summed over DP ranks)
+    and GSPO-token (per-token advantages) keep the layout guarantee too."""
+    _, _, refs = reference
+    for mbs, ref_out in refs.items():
+        ref = load_metrics(os.path.join(ref_out, case))
+        gspo = load_metrics(ref_out)
+        assert 0 < ref["clip/fraction_low"] < 1 and 0 < ref["clip/fraction_high"] < 1, (mbs, ref)
+        assert ref["loss/policy"] != pytest.approx(gspo["loss/policy"], rel=1e-3), (mbs, case)
+        assert_matches(ref_out, layout_runs[mbs], grad_report[mbs], case)
+        for name, out in layout_runs[mbs].items():
+            got = load_metrics(os.path.join(out, case))
+            for key in ("clip/fraction", "clip/token_fraction", "response/num_tokens"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (name, case, key)
 
 
 def test_planner_counts_match_the_built_models(reference, layout_runs):

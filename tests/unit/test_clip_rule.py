@@ -53,6 +53,13 @@ def test_diagnostics_clip_set_equals_the_loss(variant, per_token_adv, seed):
     if variant == "gspo" and per_token_adv:  # gspo needs one advantage per sequence
         adv = adv.mean(-1, keepdim=True).expand_as(adv).clone()
     eps = (3e-4, 4e-4) if variant != "grpo" else (0.2, 0.27)
+    # Rows 2 and 3 put every ratio between the two bounds of one side (1 +- (eps_low +
+    # eps_high) / 2), with the advantage sign that can clip there: a rule that swapped eps_low
+    # and eps_high would clip row 2 and spare row 3.
+    mid = (eps[0] + eps[1]) / 2
+    logp, adv = logp.clone(), adv.clone()
+    logp[2], logp[3] = old[2] + math.log(1 + mid), old[3] + math.log(1 - mid)
+    adv[2], adv[3] = adv[2].abs() + 0.1, -(adv[3].abs() + 0.1)
     cfg = PolicyLossConfig(variant=variant, clip_low=eps[0], clip_high=eps[1])
     clipped = clipped_positions(logp, old, adv, mask, cfg)
     assert clipped.dtype == torch.bool and not (clipped & ~mask).any()
@@ -62,6 +69,10 @@ def test_diagnostics_clip_set_equals_the_loss(variant, per_token_adv, seed):
     assert float(m["clip/token_fraction"]) == pytest.approx(
         float(clipped.sum()) / float(mask.sum()), abs=1e-12)
     assert clipped.any()  # the inputs do exercise the rule
+    # ...and tell the two sides apart: with eps_low and eps_high swapped the set changes, so a
+    # rule that mixed them up would fail the reference comparison above.
+    swapped = PolicyLossConfig(variant=variant, clip_low=eps[1], clip_high=eps[0])
+    assert not torch.equal(clipped_positions(logp, old, adv, mask, swapped), clipped)
 
 
 def test_clip_rule_hand_computed():

@@ -21,6 +21,9 @@ from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logp
 pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 
 VOCAB, EOS, PAD = 12, 2, 0
+# The engine's reported log-probs vs the trainer's forward on the same tokens (fp32, CPU): 10x the
+# worst difference measured at 3b7e318 (3.8e-6, t0.7; MEASURED lines under -s).
+LOGPROB_TOL = 4e-5
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 
@@ -112,8 +115,10 @@ def test_seed_determinism_and_model_state(setup):
                          ids=["t0.7", "t1.3_topk4", "t0.8_topp0.9"])
 def test_logprobs_match_trainer(setup, cfg):
     samples = engine(setup, **cfg).generate(make_prompts(), seed=3)
-    for s, ref in zip(samples, trainer_logprobs(setup, samples, cfg["temperature"])):
-        torch.testing.assert_close(torch.tensor(s.response_logprobs), ref, atol=1e-4, rtol=0)
+    worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
+                for s, ref in zip(samples, trainer_logprobs(setup, samples, cfg["temperature"])))
+    print(f"MEASURED rollout vs trainer log-prob {cfg}: {worst:.3g}")
+    assert worst <= LOGPROB_TOL
 
 
 def test_greedy_equals_manual_argmax(setup):
@@ -137,8 +142,10 @@ def test_greedy_equals_manual_argmax(setup):
     gpt.train()
     assert {s.finish_reason for s in samples} == {"eos", "length"}
     # greedy (top_k=1) reports log-probs at the engine's temperature, like sampling does
-    for s, ref in zip(samples, trainer_logprobs(setup, samples, 0.5)):
-        torch.testing.assert_close(torch.tensor(s.response_logprobs), ref, atol=1e-4, rtol=0)
+    worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
+                for s, ref in zip(samples, trainer_logprobs(setup, samples, 0.5)))
+    print(f"MEASURED greedy rollout vs trainer log-prob: {worst:.3g}")
+    assert worst <= LOGPROB_TOL
 
 
 def test_with_sampling_shares_the_engine_and_samples_as_a_fresh_one(setup):

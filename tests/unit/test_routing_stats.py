@@ -77,3 +77,66 @@ def test_alignment_hand_computed():
     assert m["routing/abs_log_ratio_changed"] == pytest.approx(0.5)
     assert m["routing/abs_log_ratio_unchanged"] == pytest.approx(0.1)
     assert m["routing/clipfrac_changed"] == 1.0 and m["routing/clipfrac_unchanged"] == 0.0
+
+
+def _topk_sets(gen, shape, num_experts, k):
+    """Random top-k expert ids ``[*shape, k]`` (distinct within a position)."""
+    n = math.prod(shape)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(n)])
+    return ids.reshape(*shape, k).to(torch.uint8)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_routes_changed_at_prompt_and_padding_positions_are_not_counted(seed):
+    """Every prompt and padding position of a real label-aligned batch gets a different route; at
+    response positions a random share changes. Change rate, Jaccard, load and the alignment split
+    must equal a float64 reference over the response positions only (a mask leak of prompt or
+    padding positions, however mild, changes them)."""
+    from gspo_megatron.policy import make_policy_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    b, layers, experts, k = 6, 3, 8, 2
+    prompt_lens = torch.randint(2, 6, (b,), generator=gen).tolist()
+    seqs = [list(range(2, 2 + p + int(torch.randint(1, 8, (1,), generator=gen))))
+            for p in prompt_lens]
+    batch = make_policy_batch(seqs, prompt_lens, pad_id=0)
+    mask = batch.response_mask  # [B, T]: False at prompt and padding positions
+    assert (~mask).any(dim=1).all() and mask.any()
+    t = mask.shape[1]
+    old = _topk_sets(gen, (layers, b * t), experts, k)
+    flip = torch.rand(layers, b * t, generator=gen) < 0.3
+    new = torch.where((flip | ~mask.reshape(1, -1)).unsqueeze(-1),
+                      (old + 1) % experts, old)  # a shifted set always differs
+    s = stats.layer_sums(old, new, mask.reshape(-1), experts)
+
+    keep = mask.reshape(-1).tolist()
+    for layer in range(layers):
+        ch = jac = 0.0
+        load = [0] * experts
+        for pos, counted in enumerate(keep):
+            if not counted:
+                continue
+            a, c = set(old[layer, pos].tolist()), set(new[layer, pos].tolist())
+            ch += a != c
+            jac += len(a & c) / len(a | c)
+            for e in c:
+                load[e] += 1
+        assert s.tokens[layer] == sum(keep)
+        assert s.changed[layer] == ch and float(s.jaccard[layer]) == pytest.approx(jac, abs=1e-5)  # fp32 per position
+        assert s.load[layer].tolist() == load
+    assert stats.layer_sums(old, new, mask.reshape(-1), experts).metrics(
+        with_entropy=False)["routing/change_rate"] == pytest.approx(float(s.changed.sum()) / (
+            layers * sum(keep)))
+
+    # The alignment split: a position counts as changed if any layer changed it, response only.
+    changed_any = (flip | ~mask.reshape(1, -1)).any(0).reshape(b, t)
+    log_ratio = torch.randn(b, t, generator=gen, dtype=torch.float64)
+    clipped = torch.rand(b, t, generator=gen) < 0.5
+    a = stats.alignment_sums(changed_any, log_ratio, clipped, mask)
+    resp = mask.reshape(-1).tolist()
+    ch_pos = [i for i, (c, r) in enumerate(zip(changed_any.reshape(-1).tolist(), resp)) if c and r]
+    un_pos = [i for i, (c, r) in enumerate(zip(changed_any.reshape(-1).tolist(), resp)) if r and not c]
+    assert a.count.tolist() == [len(un_pos), len(ch_pos)]
+    flat_lr, flat_clip = log_ratio.reshape(-1), clipped.reshape(-1)
+    assert float(a.abs_log_ratio[1]) == pytest.approx(sum(abs(float(flat_lr[i])) for i in ch_pos))
+    assert float(a.clipped[0]) == sum(bool(flat_clip[i]) for i in un_pos)

@@ -120,9 +120,10 @@ def test_batch_aligns_rollout_logprobs_with_labels():
 
 
 def test_advantages_are_group_normalised():
-    adv, m = advantage_stage(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, normalize_std=True)
+    adv, m, tied = advantage_stage(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, normalize_std=True)
     assert adv[2:].tolist() == [0.0, 0.0] and adv[0] > 0 > adv[1]
-    assert "reward/zero_std_groups" in m or m  # metrics are returned, namespaced
+    assert tied.tolist() == [False, True]  # the second group's rewards tie
+    assert m["reward/zero_variance_group_fraction"] == 0.5 and m["reward/zero_variance_groups"] == 1
 
 
 def test_update_uses_every_row_once_in_num_minibatches(tmp_path):
