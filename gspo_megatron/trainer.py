@@ -371,7 +371,7 @@ class Trainer:
         if train_lp is not None:
             train_lp = faults.corrupt("nan_logprobs", train_lp)
         if not all_finite(train_lp, batch.response_mask):
-            return self._skip_step("faults/nonfinite_logprobs", reward_metrics, watch)
+            return self._skip_step("faults/nonfinite_logprobs", sampled.metrics, watch)
         extra: dict[str, float] = {}
         if cfg.routing.replay == "r3":
             old_routes, trainer_routes = hooks.replayed_store(), hooks.natural_store()
