@@ -421,7 +421,6 @@ class Trainer:
         ds, ol = cfg.dynamic_sampling, cfg.overlong
         batches: list[tuple[list, list, torch.Tensor, torch.Tensor]] = []
         metrics: dict[str, float] = {}
-        first_stats: dict = {}
         generated = 0
         while True:
             b = len(batches)
@@ -444,7 +443,7 @@ class Trainer:
                 advantages = mask_truncated(advantages, torch.tensor(
                     [s.finish_reason == "length" for s in samples]))
             if b == 0:  # reward/* describe the nominal batch, as without dynamic sampling
-                metrics, first_stats = {**stats, **adv_metrics}, stats
+                metrics = {**stats, **adv_metrics}
             batches.append((prompts, samples, advantages, tied))
             if not ds.enabled or b >= ds.max_extra_batches:
                 break
@@ -456,7 +455,7 @@ class Trainer:
             metrics.update(ds_metrics)
         advantages = self.faults.corrupt("nan_advantages", advantages)
         if not all_finite(advantages):
-            return "faults/nonfinite_advantages", first_stats
+            return "faults/nonfinite_advantages", metrics
         return StepSamples(prompts, samples, advantages, metrics, generated)
 
     def _select_groups(self, batches: list) -> tuple[list, list, torch.Tensor, dict[str, float]]:

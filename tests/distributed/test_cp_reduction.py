@@ -9,13 +9,13 @@ response tokens on rank 1, so rank 0 sees a locally empty row.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.dist import free_port
 from gspo_megatron.algorithms import PolicyLossConfig, masked_mean, policy_loss
 
 WORLD = 2
@@ -104,15 +104,10 @@ def _worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.distributed
 def test_cp_policy_loss_matches_single_process():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo backend not available")
     # fork: the children inherit the imported torch, which keeps the test fast
-    mp.start_processes(_worker, args=(_free_port(),), nprocs=WORLD, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="fork")

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -33,7 +34,7 @@ def run_gloo(fn, world_size: int, *args, timeout: float = 120.0):
     """Call ``fn(rank, world_size, *args)`` on each rank; return the per-rank results in rank order."""
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
              for r in range(world_size)]
     for p in procs:

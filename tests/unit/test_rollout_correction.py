@@ -9,7 +9,6 @@ and a 2-process gloo context-parallel check.
 from __future__ import annotations
 
 import math
-import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.dist import free_port
 from gspo_megatron.algorithms import (PolicyGradientObjective, PolicyLossConfig,
                                       RolloutCorrectionConfig, correction_weights, policy_loss)
 from gspo_megatron.sections import FieldError
@@ -536,11 +536,6 @@ def _cp_worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.distributed
 def test_context_parallel_weights_metrics_and_loss_match_single_process():
@@ -548,5 +543,5 @@ def test_context_parallel_weights_metrics_and_loss_match_single_process():
         pytest.skip("gloo backend not available")
     # spawn, not fork: a forked child would inherit a default process group that an earlier test
     # in this pytest process left initialised ("trying to initialize ... twice").
-    mp.start_processes(_cp_worker, args=(_free_port(),), nprocs=WORLD, join=True,
+    mp.start_processes(_cp_worker, args=(free_port(),), nprocs=WORLD, join=True,
                        start_method="spawn")
