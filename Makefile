@@ -32,9 +32,10 @@ test-fast: venv
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/gspo-train $(DEMO_ARGS)
 
-# The CPU benchmark set (docs/benchmarks.md): one table on stdout, JSON in runs/bench/bench.json.
+# The CPU benchmark set (docs/benchmarks.md): one table on stdout, the record (commit, date,
+# machine, every round) in docs/results/bench.json.
 bench: venv
-	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) -m tools.bench --out runs/bench/bench.json
+	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) -m tools.bench --out docs/results/bench.json
 
 # Plant known plausible bugs in the algorithms and show the unit test that catches each
 # (tools/mutate.py): one table on stdout, the committed record in docs/results/mutate.json.

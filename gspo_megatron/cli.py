@@ -36,7 +36,7 @@ def load_data(cfg: TrainConfig):
     from gspo_megatron import data as data_lib
     from gspo_megatron.tokenizer import build_tokenizer, train_sentencepiece
 
-    if cfg.data.source == "arithmetic":
+    if cfg.data.source != "file":
         train, heldout = _arithmetic_splits(cfg)
     else:
         keys = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
@@ -69,13 +69,19 @@ def _arithmetic_splits(cfg: TrainConfig) -> tuple[list, list]:
     from gspo_megatron import data as data_lib
 
     d = cfg.data
+    seed = cfg.trainer.seed if d.seed is None else d.seed
     splits = []
     for field, split, count in (("data.num_train_examples", "train", d.num_train_examples),
                                 ("data.num_eval_examples", "heldout", d.num_eval_examples)):
         try:
-            splits.append(data_lib.make_arithmetic_dataset(
-                count, seed=cfg.trainer.seed, split=split, max_operand=d.max_operand,
-                heldout_fraction=d.heldout_fraction))
+            if d.source == "arithmetic_chain":
+                splits.append(data_lib.make_chain_dataset(
+                    count, seed=seed, split=split, num_operands=d.chain_operands,
+                    max_operand=d.max_operand, heldout_fraction=d.heldout_fraction))
+            else:
+                splits.append(data_lib.make_arithmetic_dataset(
+                    count, seed=seed, split=split, max_operand=d.max_operand,
+                    heldout_fraction=d.heldout_fraction))
         except ValueError as e:  # "... has only N; <advice for Python callers>"
             raise ValueError(f"{field}={count}: {str(e).split(';')[0]} (data.max_operand="
                              f"{d.max_operand}, data.heldout_fraction={d.heldout_fraction}); "

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gspo_megatron.tools.provenance import git_commit
+
 ROOT = Path(__file__).resolve().parent.parent
 COPIED = ("gspo_megatron", "tests", "setup.py", "pytest.ini", "pyproject.toml", "setup.cfg",
           "conftest.py")
@@ -201,20 +203,6 @@ def machine() -> dict[str, object]:
             "python": platform.python_version()}
 
 
-def git_commit() -> str:
-    """HEAD's hash, with ``+dirty`` when ``gspo_megatron/`` or ``tests/`` differ from it (changed
-    or untracked files: the figures then describe uncommitted code)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "gspo_megatron",
-                                     "tests"], cwd=ROOT, capture_output=True, text=True,
-                                    check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def table(rows: list[dict]) -> str:
     """The Markdown results table (``|`` inside a cell escaped)."""
     lines = ["| # | planted bug | file | caught | first failing test |", "|---|---|---|---|---|"]
@@ -277,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     n_caught = sum(r["caught"] for r in rows)
     print(f"\n{n_caught}/{len(rows)} planted bugs caught; wall time {total:.0f} s")
-    report = {"commit": git_commit(),
+    report = {"commit": git_commit(("gspo_megatron", "tests")),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "command": " ".join([sys.executable, *sys.argv]),
               "wall_seconds": round(total, 1), "caught": n_caught, "total": len(rows),

@@ -71,8 +71,10 @@ class OptimConfig(Section, name="optim"):
 class DataConfig(Section, name="data"):
     """Where prompts come from (default: the built-in arithmetic task, which needs no download)."""
 
-    source: Literal["arithmetic", "file"] = "arithmetic"
-    """'arithmetic' = the built-in verifiable task (no download); 'file' = ``train_path``."""
+    source: Literal["arithmetic", "arithmetic_chain", "file"] = "arithmetic"
+    """'arithmetic' = the built-in verifiable task (no download); 'arithmetic_chain' = its long
+    form (``chain_operands`` operands, the answer worked out step by step, ~35 tokens for 6
+    single-digit operands; the routing study's task); 'file' = ``train_path``."""
     train_path: str | None = None
     """JSONL or Parquet prompts (verl and slime layouts work as-is)."""
     eval_path: str | None = None
@@ -87,6 +89,11 @@ class DataConfig(Section, name="data"):
     """Size of the built-in task's held-out set."""
     max_operand: int = 20
     """Built-in task: operands are drawn from [0, max_operand]."""
+    seed: int | None = None
+    """Built-in tasks: seed of the generated problem sets (null = ``trainer.seed``). Set it to vary
+    the RL seed over the same problems (the routing study's seeds)."""
+    chain_operands: int = 6
+    """'arithmetic_chain': operands per problem (the answer has ``chain_operands - 1`` steps)."""
     heldout_fraction: float = 0.2
     """Built-in task: share of all problems reserved for evaluation (never trained on)."""
     max_prompt_length: int = 1024
@@ -100,8 +107,10 @@ class DataConfig(Section, name="data"):
             if not getattr(self, name):
                 yield self._problem(name, "must be a non-empty field name")
         yield from self._at_least(1, "max_prompt_length")
-        if self.source == "arithmetic":  # the built-in task's knobs
+        if self.source != "file":  # the built-in tasks' knobs
             yield from self._at_least(1, "num_train_examples", "max_operand")
+            yield from self._at_least(2, "chain_operands")
+            yield from self._at_least(0, "seed", note=" or null")
             yield from self._at_least(0, "num_eval_examples")
             if not 0.0 < self.heldout_fraction < 1.0:
                 yield self._problem("heldout_fraction",

@@ -8,6 +8,7 @@ from gspo_megatron.data.arithmetic import (
     build_sft_sample,
     make_arithmetic_dataset,
     make_arithmetic_splits,
+    make_chain_dataset,
     sft_samples,
 )
 from gspo_megatron.data.prompts import (
@@ -31,5 +32,6 @@ __all__ = [
     "load_prompt_dataset",
     "make_arithmetic_dataset",
     "make_arithmetic_splits",
+    "make_chain_dataset",
     "sft_samples",
 ]

@@ -8,7 +8,13 @@ Train / held-out split: every problem belongs to exactly one split, decided by a
 (CRC32) of its text, so held-out problems never appear in any training set, whatever the seed or
 size asked for. Generation is deterministic given ``seed``.
 
-The matching reward is ``arithmetic_exact`` in :mod:`gspo_megatron.rewards.math`.
+A second, longer task for studies that need long responses (``data.source: arithmetic_chain``):
+``"7+5-3+9+2-6="`` with the answer written out one step at a time, ``"7+5=12,12-3=9,9+9=18,
+18+2=20,20-6=14"`` (about 35 characters, one token each with the character tokenizer). The
+running value never goes negative. :func:`make_chain_dataset` builds it.
+
+The matching reward is ``arithmetic_exact`` in :mod:`gspo_megatron.rewards.math` (for chains: the
+whole worked answer, so every step must be right).
 """
 
 from __future__ import annotations
@@ -29,13 +35,16 @@ __all__ = [
     "arithmetic_split_of",
     "arithmetic_tokenizer_corpus",
     "build_sft_sample",
+    "make_chain_dataset",
     "make_arithmetic_dataset",
     "make_arithmetic_splits",
     "sft_samples",
 ]
 
-#: Every character the task can produce; each must be a single token for the tiny model.
+#: Every character the task can produce; each must be a single token for the tiny model. The
+#: chain task adds the step separator ``,`` (kept out of this tuple: it seeds the demo's tokenizer).
 ARITHMETIC_SYMBOLS: tuple[str, ...] = tuple("0123456789+-*=")
+CHAIN_SEPARATOR = ","
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _ENUMERATE_LIMIT = 2_000_000  # enumerate the problem space up to this size, else rejection-sample
@@ -152,6 +161,64 @@ def make_arithmetic_dataset(
         )
         for i, (a, op, b) in enumerate(problems)
     ]
+
+
+def _chain(operands: Sequence[int], ops: Sequence[str]) -> tuple[str, str]:
+    """(prompt, worked answer) of one chain: ``"7+5-3="`` -> ``"7+5=12,12-3=9"``."""
+    prompt = str(operands[0]) + "".join(f"{op}{b}" for op, b in zip(ops, operands[1:])) + "="
+    steps, value = [], operands[0]
+    for op, b in zip(ops, operands[1:]):
+        new = _OPS[op](value, b)
+        steps.append(f"{value}{op}{b}={new}")
+        value = new
+    return prompt, CHAIN_SEPARATOR.join(steps)
+
+
+def make_chain_dataset(
+    num_examples: int,
+    seed: int = 0,
+    split: str = "train",
+    num_operands: int = 6,
+    max_operand: int = 9,
+    heldout_fraction: float = 0.1,
+) -> list[PromptExample]:
+    """``num_examples`` unique chain problems of one split (``+``/``-``, operands in
+    ``[0, max_operand]``, the running value kept >= 0), deterministic given ``seed``.
+
+    The answer is the worked chain, ``num_operands - 1`` steps joined by ``,``; with single-digit
+    operands and 6 of them it averages ~35 characters. Splits are disjoint by the same hash as
+    :func:`make_arithmetic_dataset`. Rejection-sampled (the space is ``(2 (max+1))^n``-sized).
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if num_examples <= 0:
+        raise ValueError(f"num_examples must be positive, got {num_examples}")
+    if num_operands < 2:
+        raise ValueError(f"num_operands must be >= 2, got {num_operands}")
+    _validate(0, max_operand, ("+", "-"), heldout_fraction)
+    rng = random.Random(f"gspo-arithmetic-chain:{seed}:{split}")
+    examples: list[PromptExample] = []
+    seen: set[str] = set()
+    for _ in range(50 * num_examples + 1000):
+        if len(examples) == num_examples:
+            break
+        operands = [rng.randint(0, max_operand) for _ in range(num_operands)]
+        ops, value = [], operands[0]
+        for b in operands[1:]:
+            op = "-" if value >= b and rng.random() < 0.5 else "+"
+            ops.append(op)
+            value = _OPS[op](value, b)
+        prompt, answer = _chain(operands, ops)
+        if prompt in seen or arithmetic_split_of(prompt, heldout_fraction) != split:
+            continue
+        seen.add(prompt)
+        examples.append(PromptExample(
+            prompt=prompt, answer=answer, index=len(examples), uid=f"chain-{split}-{len(examples)}",
+            metadata={"task": "arithmetic_chain", "operands": operands, "ops": ops, "split": split}))
+    if len(examples) < num_examples:
+        raise ValueError(f"Could not draw {num_examples} unique '{split}' chain problems; "
+                         f"raise max_operand or num_operands")
+    return examples
 
 
 def make_arithmetic_splits(

@@ -2,6 +2,7 @@
 process and produces a well-formed record, table and JSON report. Timings are not checked."""
 
 import json
+import re
 
 import pytest
 
@@ -23,6 +24,7 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     assert rc == 0 and not errors, errors
     assert [r["name"] for r in report["benchmarks"]] == list(BENCHMARKS)
     assert report["schema"] == 1 and report["smoke"] is True and "machine" in report
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", report["commit"])  # figures name their code
     for res in report["benchmarks"]:
         validate_result(res)
         assert all(isinstance(v, (int, float)) for v in res["ratios"].values())

@@ -38,6 +38,7 @@ RECIPE_WORLD_SIZES = {
     "qwen3_30b_a3b_grpo.yaml": 16,
     "qwen3_235b_a22b_gspo.yaml": 128,
     "gpu_qwen3_slice_rl.yaml": 1,
+    "routing_study.yaml": 1,
 }
 
 
@@ -170,7 +171,7 @@ def test_recipe_loads_and_validates_for_its_world_size(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(n for n in RECIPE_WORLD_SIZES if n.startswith("tiny"))
-                         + ["demo"])
+                         + ["routing_study.yaml", "demo"])
 def test_tiny_recipe_builds_its_data(name: str) -> None:
     """The CPU recipes run as committed: their built-in datasets can be drawn (validate_config does
     not draw them; a recipe asking for more unique problems than the task has used to fail at
@@ -181,6 +182,21 @@ def test_tiny_recipe_builds_its_data(name: str) -> None:
     cfg = load_config(DEMO_RECIPE if name == "demo" else RECIPES / name)
     _, train, heldout = load_data(cfg)
     assert len(train) == cfg.data.num_train_examples and len(heldout) == cfg.data.num_eval_examples
+
+
+def test_data_seed_fixes_the_problems_while_the_rl_seed_changes() -> None:
+    """data.seed (the routing study's seeds): the same problems whatever trainer.seed; unset, the
+    problem sets follow trainer.seed as before."""
+    from gspo_megatron.cli import load_data
+
+    def prompts(*overrides):
+        _, train, heldout = load_data(load_config(RECIPES / "routing_study.yaml", overrides))
+        return [e.prompt for e in train + heldout]
+
+    fixed = prompts("--data.seed=9", "--trainer.seed=1")
+    assert fixed == prompts("--data.seed=9", "--trainer.seed=2")
+    assert prompts("--trainer.seed=1") != prompts("--trainer.seed=2")
+    assert prompts("--trainer.seed=9") == fixed
 
 
 def test_qwen_recipes_use_their_preset_and_math_data() -> None:

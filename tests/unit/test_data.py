@@ -284,6 +284,47 @@ def test_arithmetic_options_and_errors() -> None:
     assert corpus[0] == "0123456789+-*=" and corpus[1] == exs[0].prompt + exs[0].answer
 
 
+def test_chain_answers_are_worked_step_by_step_and_right() -> None:
+    """Every step of every chain is recomputed independently: the step's left value is the
+    previous result, the operand and operator are the prompt's, the running value stays >= 0."""
+    import re
+
+    from gspo_megatron.data import make_chain_dataset
+
+    examples = make_chain_dataset(400, seed=7, split="train", num_operands=6, max_operand=9)
+    assert len({e.prompt for e in examples}) == 400
+    for e in examples:
+        tokens = re.findall(r"\d+|[+-]", e.prompt[:-1])
+        operands, ops = [int(t) for t in tokens[0::2]], tokens[1::2]
+        assert len(operands) == 6 and e.prompt.endswith("=")
+        steps = e.answer.split(",")
+        assert len(steps) == 5
+        value = operands[0]
+        for step, op, b in zip(steps, ops, operands[1:]):
+            new = value + b if op == "+" else value - b
+            assert step == f"{value}{op}{b}={new}" and new >= 0
+            value = new
+    mean_tokens = sum(len(e.answer) + 1 for e in examples) / len(examples)  # chars + EOS
+    assert mean_tokens >= 32  # the routing study's "answers average >= 32 tokens"
+
+
+def test_chain_splits_are_disjoint_and_seeded() -> None:
+    from gspo_megatron.data import make_chain_dataset
+
+    train = make_chain_dataset(300, seed=1, split="train", heldout_fraction=0.2)
+    held = make_chain_dataset(60, seed=1, split="heldout", heldout_fraction=0.2)
+    assert not {e.prompt for e in train} & {e.prompt for e in held}
+    assert all(arithmetic_split_of(e.prompt, 0.2) == "heldout" for e in held)
+    assert [e.prompt for e in make_chain_dataset(300, seed=1, split="train", heldout_fraction=0.2)] \
+        == [e.prompt for e in train]
+    assert [e.prompt for e in make_chain_dataset(300, seed=2, split="train", heldout_fraction=0.2)] \
+        != [e.prompt for e in train]
+    with pytest.raises(ValueError, match="num_operands"):
+        make_chain_dataset(5, num_operands=1)
+    with pytest.raises(ValueError, match="unique"):
+        make_chain_dataset(200, num_operands=2, max_operand=3)  # only 4 x 4 x ~2 problems
+
+
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

@@ -16,13 +16,15 @@ import os
 import sys
 import time
 
+from gspo_megatron.tools.provenance import git_commit
 from tools.bench import BENCHMARKS
 from tools.bench.common import (SCHEMA_VERSION, load_average, machine, make_result, now,
                                 row, run_child, validate_result)
 
 
 def run_benchmarks(names: list[str], smoke: bool = False, in_process: bool = False) -> dict:
-    report = {"schema": SCHEMA_VERSION, "date": now(), "machine": machine(),
+    report = {"schema": SCHEMA_VERSION, "date": now(), "commit": git_commit(("gspo_megatron", "tools")),
+              "machine": machine(),
               "command": " ".join(["python -m tools.bench", *sys.argv[1:]]),
               "smoke": smoke, "load_average_start": load_average(), "benchmarks": []}
     for name in names:
@@ -50,7 +52,7 @@ def run_benchmarks(names: list[str], smoke: bool = False, in_process: bool = Fal
 
 
 def format_table(report: dict) -> str:
-    lines = [f"benchmarks {report['date']}  load avg start {report['load_average_start']} "
+    lines = [f"benchmarks {report['date']}  commit {report.get('commit', '?')}  load avg start {report['load_average_start']} "
              f"end {report['load_average_end']}"]
     w = 62
     lines.append(f"{'benchmark':<14} {'metric':<{w}} {'value':>12} unit")
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     ap.add_argument("--smoke", action="store_true", help="toy sizes: checks the code, not timings")
     ap.add_argument("--in-process", action="store_true", help="run every benchmark in this process")
-    ap.add_argument("--out", default="runs/bench/bench.json", help="JSON report path")
+    ap.add_argument("--out", default="docs/results/bench.json",
+                    help="JSON report path (the committed record: docs/results/bench.json)")
     args = ap.parse_args(argv)
     names = list(BENCHMARKS) if not args.only else [n.strip() for n in args.only.split(",")]
     unknown = set(names) - set(BENCHMARKS)
