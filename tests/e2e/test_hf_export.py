@@ -207,5 +207,5 @@ def test_convert_train_export_loads_in_transformers(tmp_path):
     print(f"max |logit diff|: exported (fp32 compute) vs Megatron with bf16-rounded weights "
           f"{exact:.3g}; vs Megatron fp32 trained weights {vs_fp32:.3g} "
           f"(logit scale {ref.abs().max().item():.3g})")
-    assert exact < 1e-4
+    assert exact < 2e-6  # measured 1.5e-7 (docs/hf_conversion.md): fp32 kernels, summation order
     assert vs_fp32 < 0.1 * max(1.0, ref.abs().max().item())
