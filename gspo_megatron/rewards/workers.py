@@ -14,9 +14,13 @@ Cost: one pipe round trip per call (~0.1 ms), which is why cheap rewards (regist
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
+import signal
+import sys
 import time
 from collections import deque
 from typing import Any, Sequence
@@ -33,8 +37,26 @@ exception as ``"Type: message"``, or a timeout."""
 _STARTUP_TIMEOUT_S = 120.0  # a worker must import and resolve the reward within this
 
 
-def _worker_main(conn, spec: str, search_dirs: Sequence[str]) -> None:  # pragma: no cover - child
+def _die_with_parent(parent_pid: int) -> None:  # pragma: no cover - child
+    """The trainer owns its workers: Ctrl-C reaches the whole process group but only the trainer
+    acts on it, and a worker whose trainer dies (even SIGKILLed, mid-call) is killed by the
+    kernel (Linux ``PR_SET_PDEATHSIG``; elsewhere it exits when its pipe closes, after the
+    call)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(0)
+
+
+def _worker_main(conn, spec: str, search_dirs: Sequence[str],
+                 parent_pid: int) -> None:  # pragma: no cover - child
     """Resolve the reward, say ready (or why not), then answer calls until told to stop."""
+    _die_with_parent(parent_pid)
     from gspo_megatron.rewards.registry import _to_float, get_reward_fn, warmup_call
 
     try:
@@ -65,7 +87,8 @@ def _worker_main(conn, spec: str, search_dirs: Sequence[str]) -> None:  # pragma
 class _Worker:
     def __init__(self, ctx, spec: str, search_dirs: Sequence[str]) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, spec, list(search_dirs)),
+        self.process = ctx.Process(target=_worker_main,
+                                   args=(child, spec, list(search_dirs), os.getpid()),
                                    daemon=True, name="gspo-reward-worker")
         self.process.start()
         child.close()
@@ -135,11 +158,19 @@ class RewardWorkers:
         outcomes: list[Outcome | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
         while pending or any(w.call for w in self._workers):
-            for w in self._workers:
+            for i, w in enumerate(self._workers):
                 if w.call is None and pending:
+                    if not w.process.is_alive():  # died while idle (OOM killer, a signal)
+                        self._replace(i)
+                        w = self._workers[i]
                     self._await_ready(w)  # a replacement may still be starting
                     index = pending.popleft()
-                    w.conn.send(("call", index, tuple(calls[index])))
+                    try:
+                        w.conn.send(("call", index, tuple(calls[index])))
+                    except OSError:  # it died just now: the call goes to its replacement
+                        pending.appendleft(index)
+                        self._replace(i)
+                        continue
                     w.call = (index, time.monotonic() + self.timeout_s)
             busy = [w for w in self._workers if w.call]
             wait_s = max(0.0, min(w.call[1] for w in busy) - time.monotonic())

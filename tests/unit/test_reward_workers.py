@@ -7,6 +7,7 @@ import math
 import os
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from gspo_megatron.rewards import compute_rewards, get_reward_fn
 from gspo_megatron.rewards.math import math_exact
 from gspo_megatron.rewards.registry import is_cheap
 from gspo_megatron.rewards.workers import RewardWorkers, start_reward_workers
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MODULE = textwrap.dedent('''
     import math, os, time
@@ -139,3 +142,53 @@ def test_math_verify_warms_up_each_worker_on_its_verify_path():
         got, stats = compute_rewards(get_reward_fn("math_verify"), [r"\boxed{\frac{1}{2}}", "#### 7"],
                                      ["0.5", "8"], timeout_s=30, workers=pool)
     assert got.tolist() == [1.0, 0.0] and stats["reward/timeouts"] == 0.0
+
+
+ORPHAN_SCRIPT = textwrap.dedent('''
+    import sys
+    from gspo_megatron.rewards.workers import RewardWorkers
+
+    if __name__ == "__main__":  # spawn re-imports the main module in each worker
+        pool = RewardWorkers("pool_rewards:score", 2, timeout_s=600, search_dirs=[sys.argv[1]]).start()
+        with open(sys.argv[2], "w") as f:
+            f.write(" ".join(str(w.process.pid) for w in pool._workers))
+        pool.run([("hang", "x", None), ("hang", "y", None)])  # never returns: the test kills us
+''')
+
+
+def test_workers_die_with_a_killed_trainer_even_mid_call(reward_dir, tmp_path):
+    """SIGKILL the process that owns the pool while both workers are stuck in a call: the kernel
+    kills them too (PR_SET_PDEATHSIG), so no orphaned reward process keeps a core busy."""
+    import signal
+    import subprocess
+    import sys
+
+    script, pids_file = tmp_path / "owner.py", tmp_path / "pids"
+    script.write_text(ORPHAN_SCRIPT)
+    owner = subprocess.Popen([sys.executable, str(script), reward_dir, str(pids_file)],
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids_file.exists() and pids_file.read_text().strip()):
+            assert owner.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        pids = [int(p) for p in pids_file.read_text().split()]
+        time.sleep(0.5)  # both calls are now running in the workers
+        assert all(_running(p) for p in pids)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(p) for p in pids)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
