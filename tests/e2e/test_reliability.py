@@ -126,7 +126,7 @@ def test_a_hanging_reward_is_stopped_and_training_goes_on(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config", RECIPE,
            f"--logging.run_dir={run}", *SMALL, "--trainer.steps=2", "--trainer.eval_interval=0",
-           "--reward.fn=hanging_reward:score", "--reward.timeout_s=0.5", "--reward.num_workers=2"]
+           "--reward.fn=hanging_reward:score", "--reward.timeout_s=2", "--reward.num_workers=2"]
     # Run from tmp_path: the reward module is found in the working directory, by the trainer
     # and by its spawned workers alike (the user's "rewards.py where I launch" case).
     proc = subprocess.Popen(cmd, env=clean_env({"GSPO_TEST_REWARD_PIDS": str(pids_file)}),

@@ -18,6 +18,7 @@ from gspo_megatron.rewards.registry import is_cheap
 from gspo_megatron.rewards.workers import RewardWorkers, start_reward_workers
 
 ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 3.0
 
 MODULE = textwrap.dedent('''
     import math, os, time
@@ -73,10 +74,12 @@ def test_results_match_the_in_process_path_exactly(reward_dir):
 def test_a_hung_call_is_stopped_and_the_batch_goes_on(reward_dir):
     fn = get_reward_fn("pool_rewards:score", [reward_dir])
     responses = ["a", "hang", "b", "c", "hang", "d"]
-    with RewardWorkers("pool_rewards:score", 2, timeout_s=0.5, search_dirs=[reward_dir]) as pool:
+    # TIMEOUT_S is far above a normal call (~1 ms) so that a loaded machine cannot turn one
+    # into a timeout; each hang costs it once (the two hang in parallel).
+    with RewardWorkers("pool_rewards:score", 2, timeout_s=TIMEOUT_S, search_dirs=[reward_dir]) as pool:
         before = {w.process.pid for w in pool._workers}
         start = time.monotonic()
-        got, stats = compute_rewards(fn, responses, ["x"] * 6, timeout_s=0.5, workers=pool)
+        got, stats = compute_rewards(fn, responses, ["x"] * 6, timeout_s=TIMEOUT_S, workers=pool)
         took = time.monotonic() - start
         after = {w.process.pid for w in pool._workers}
         # the hung calls were stopped: their workers are dead, replaced by new ones
@@ -85,7 +88,7 @@ def test_a_hung_call_is_stopped_and_the_batch_goes_on(reward_dir):
         want, _ = _inline(fn, ["a", "b", "c", "d"], ["x"] * 4)
         assert got[[0, 2, 3, 5]].tolist() == want.tolist() and got[[1, 4]].tolist() == [0.0, 0.0]
         assert took < 20  # each hang costs its timeout, not forever
-        again, stats = compute_rewards(fn, ["a", "b"], ["x", "x"], timeout_s=0.5, workers=pool)
+        again, stats = compute_rewards(fn, ["a", "b"], ["x", "x"], timeout_s=TIMEOUT_S, workers=pool)
         assert again.tolist() == want[:2].tolist() and stats["reward/timeouts"] == 0.0
 
 
