@@ -28,6 +28,7 @@ class Prepared(NamedTuple):
     tokenizer: object
     train: list
     eval: list
+    reward_search_dirs: list
 
 
 def load_data(cfg: TrainConfig):
@@ -165,7 +166,7 @@ def prepare(cfg: TrainConfig, recipe_dir: str | None = None) -> Prepared:
                          f"tokenizer's vocabulary ({tokenizer.vocab_size})")
     check_data_sizes(cfg, train, heldout, dp_size)
     check_start_weights(cfg)
-    return Prepared(reward_fn, tokenizer, train, heldout)
+    return Prepared(reward_fn, tokenizer, train, heldout, search)
 
 
 def build(cfg: TrainConfig, prepared: Prepared, faults=None):
@@ -176,6 +177,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     from gspo_megatron.backends.megatron.rollout import RolloutEngine
     from gspo_megatron.config.loader import save_config
     from gspo_megatron.data import PromptSampler
+    from gspo_megatron.rewards.workers import start_reward_workers
     from gspo_megatron.trainer import Trainer
 
     tokenizer = prepared.tokenizer
@@ -207,10 +209,12 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     sampled_eval = sampling.with_sampling(
         dataclasses.replace(cfg.rollout, temperature=ev.temperature, top_p=ev.top_p, top_k=0)
     ) if ev.num_samples else None
+    workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
+                                   cfg.reward.timeout_s, prepared.reward_search_dirs)
     return Trainer(cfg, groups, actor, tokenizer, sampler,
                    {"train": prepared.train, "eval": prepared.eval}, prepared.reward_fn,
                    sampling, greedy, reference=reference, faults=faults,
-                   sampled_eval=sampled_eval)
+                   sampled_eval=sampled_eval, reward_workers=workers)
 
 
 @contextlib.contextmanager
@@ -278,11 +282,15 @@ def _run(args) -> int:
     except (ValueError, FileNotFoundError, ImportError, UnsupportedMegatronError,
             CheckpointError) as exc:
         return _user_error(exc)
+    trainer = None
     try:
-        summary = build(cfg, prepared, faults).fit()
+        trainer = build(cfg, prepared, faults)
+        summary = trainer.fit()
     except (CheckpointError, NonFiniteError) as exc:
         return _user_error(exc)
     finally:
+        if trainer is not None:
+            trainer.close()
         destroy_distributed()
     exit_code = int(summary.get("exit_code", 0))
     if cfg.checkpoint.export_hf and exit_code == 0 and int(os.environ.get("RANK", "0")) == 0:

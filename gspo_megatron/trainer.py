@@ -63,14 +63,16 @@ def rollout_stage(generator: Generator, tokenizer, prompts: list, group_size: in
 
 
 def reward_stage(reward_fn, tokenizer, prompts: list, samples: list[RolloutSample],
-                 group_size: int, timeout_s: float) -> tuple[torch.Tensor, dict]:
-    """Score every response against its prompt's answer. Returns (rewards [N], ``reward/`` stats)."""
+                 group_size: int, timeout_s: float, workers=None) -> tuple[torch.Tensor, dict]:
+    """Score every response against its prompt's answer (inline, in ``workers`` or in threads:
+    the rule is :mod:`gspo_megatron.rewards.registry`'s). Returns (rewards [N], ``reward/``
+    stats)."""
     from gspo_megatron.rewards import compute_rewards
 
     responses = [tokenizer.decode(s.response_ids) for s in samples]
     examples = [p for p in prompts for _ in range(group_size)]
     return compute_rewards(reward_fn, responses, [e.answer for e in examples], examples,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, workers=workers)
 
 
 def overlong_stage(rewards: torch.Tensor, samples: list[RolloutSample], max_new_tokens: int,
@@ -238,15 +240,16 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups, policy: Policy, tokenizer,
                  sampler, data: dict, reward_fn, generator: Generator, greedy: Generator,
                  reference: Policy | None = None, faults: FaultInjector | None = None,
-                 sampled_eval: Generator | None = None):
+                 sampled_eval: Generator | None = None, reward_workers=None):
         """``data``: ``{"train": [...], "eval": [...]}`` prompt examples; ``sampler`` yields the
         training prompts of each step (all DP ranks' prompts; this rank takes its slice).
         ``greedy`` decodes the held-out accuracy; ``sampled_eval`` (with
-        ``evaluation.num_samples`` > 0) samples its mean@n / pass@k."""
+        ``evaluation.num_samples`` > 0) samples its mean@n / pass@k. ``reward_workers``: the
+        reward process pool (:mod:`gspo_megatron.rewards.workers`), stopped by :meth:`close`."""
         self.cfg, self.groups, self.policy, self.reference = cfg, groups, policy, reference
         self.tokenizer, self.sampler, self.data = tokenizer, sampler, data
         self.reward_fn, self.generator, self.greedy = reward_fn, generator, greedy
-        self.sampled_eval = sampled_eval
+        self.sampled_eval, self.reward_workers = sampled_eval, reward_workers
         self.faults = faults or FaultInjector()
         self.step = 0
         self.consecutive_faults = 0
@@ -255,6 +258,11 @@ class Trainer:
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
         self.routes_on = cfg.routing.replay != "none" or cfg.routing.diagnostics
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
+
+    def close(self) -> None:
+        """Stop what the run started outside this process (the reward workers)."""
+        if self.reward_workers is not None:
+            self.reward_workers.close()
 
     def log(self, msg: str) -> None:
         if self.groups.is_logging_rank:
@@ -430,7 +438,7 @@ class Trainer:
             generated += sum(len(s.response_ids) for s in samples)
             watch.lap("perf/rollout_s")
             rewards, stats = reward_stage(self.reward_fn, self.tokenizer, prompts, samples, group,
-                                          cfg.reward.timeout_s)
+                                          cfg.reward.timeout_s, self.reward_workers)
             rewards = overlong_stage(rewards, samples, cfg.rollout.max_new_tokens,
                                      ol.buffer_tokens, ol.penalty_factor)
             rewards = self.faults.corrupt("nan_rewards", rewards)
@@ -502,7 +510,7 @@ class Trainer:
         local = examples[self.groups.dp_rank:: self.groups.dp_size]
         samples = rollout_stage(self.greedy, self.tokenizer, local, 1, seed=0)
         _, stats = reward_stage(self.reward_fn, self.tokenizer, local, samples, 1,
-                                self.cfg.reward.timeout_s)
+                                self.cfg.reward.timeout_s, self.reward_workers)
         correct = torch.tensor([stats["reward/accuracy"] * len(local), len(local)],
                                dtype=torch.float64)
         all_reduce_(correct, self.groups.dp_group)
@@ -520,7 +528,7 @@ class Trainer:
         samples = rollout_stage(self.sampled_eval, self.tokenizer, local, n,
                                 seed=self.cfg.evaluation.seed + self.groups.dp_rank)
         rewards, _ = reward_stage(self.reward_fn, self.tokenizer, local, samples, n,
-                                  self.cfg.reward.timeout_s)
+                                  self.cfg.reward.timeout_s, self.reward_workers)
         from gspo_megatron.rewards import is_correct
 
         correct = torch.tensor([is_correct(float(r)) for r in rewards]).view(-1, n).sum(1)

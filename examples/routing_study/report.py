@@ -66,11 +66,24 @@ def smooth(ys: list[float], width: int = SMOOTH) -> list[float]:
     return [_mean(ys[max(0, i - h):i + h + 1]) for i in range(len(ys))]
 
 
+def run_series(run: dict, key: str) -> tuple[list[float], list[float]]:
+    """``key`` over the steps of one run; held-out accuracy also gets its before-RL value at x=0
+    and its after-RL value at x=steps (``summary.json``)."""
+    xs, ys = series(run["rows"], key)
+    if key == "eval/accuracy":
+        before, after = run["summary"].get("accuracy_before"), run["summary"].get("accuracy_after")
+        if before is not None:
+            xs, ys = [0, *xs], [before, *ys]
+        if after is not None:
+            xs, ys = [*xs, len(run["rows"])], [*ys, after]
+    return xs, ys
+
+
 def band(seeds: list[dict], key: str, width: int = SMOOTH):
     """``(steps, mean, low, high)`` of ``key`` over seeds at the steps every seed logged it."""
     per_seed = []
     for run in seeds:
-        xs, ys = series(run["rows"], key)
+        xs, ys = run_series(run, key)
         per_seed.append(dict(zip(xs, smooth(ys, width) if width > 1 else ys)))
     common = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
     cols = [[d[x] for d in per_seed] for x in common]
@@ -127,10 +140,13 @@ def summary_rows(study: dict[str, list[dict]]) -> list[tuple[str, str, list[str]
     spec = [
         ("seeds", "{:.0f}", lambda run: 1.0),
         ("RL steps", "{:.0f}", lambda run: float(len(run["rows"]))),
-        ("route change per update, all layers", "{:.2%}", col("routing/change_rate")),
-        (f"route change per update, deepest {DEEPEST} layers", "{:.2%}",
+        ("routes changed vs the old policy, after 1 update", "{:.2%}",
+         col("routing/change_rate/after_update_0")),
+        ("routes changed vs the old policy, after 4 updates", "{:.2%}",
+         col("routing/change_rate/after_update_3")),
+        ("routes changed, mean over the 4 updates, all layers", "{:.2%}", col("routing/change_rate")),
+        (f"routes changed, mean over the 4 updates, deepest {DEEPEST} layers", "{:.2%}",
          deepest("routing/change_rate")),
-        ("route change after the 4th update (drift)", "{:.2%}", col("routing/drift/change_rate")),
         ("rollout vs trainer routes differing", "{:.2%}", col("routing/rollout/change_rate")),
         (f"rollout vs trainer, deepest {DEEPEST} layers", "{:.2%}",
          deepest("routing/rollout/change_rate")),
@@ -166,7 +182,7 @@ def summary_rows(study: dict[str, list[dict]]) -> list[tuple[str, str, list[str]
 CURVES = [
     ("reward/mean", "reward (mean over the rollout batch)", False),
     ("eval/accuracy", "held-out accuracy (greedy)", False),
-    ("routing/change_rate", "route change rate per update (all layers)", False),
+    ("routing/change_rate", "routes changed vs the old policy (all layers)", False),
     ("clip/token_fraction", "clipped token share (log scale)", True),
     ("optim/grad_norm", "gradient norm (before clipping)", False),
     ("kl/rollout_vs_train", "k3 KL, rollout engine vs trainer (log)", True),
@@ -193,11 +209,13 @@ def plot_curves(study, arms: list[str], out: str, name: str, title: str, plt) ->
             width = 1 if key == "eval/accuracy" else SMOOTH
             _plot_band(ax, *band(study[arm], key, width), arm, styles[arm])
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("RL step")
         if log:
             ax.set_yscale("log")
+    for ax in axes[1]:
+        ax.set_xlabel("RL step")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
     return _save(fig, out, name, plt)
 
 
@@ -205,7 +223,7 @@ def plot_depth(study, out: str, plt) -> str:
     styles = _styles(list(study))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4))
     for ax, stem, title in (
-            (axes[0], "routing/change_rate", "route change rate per update, by depth"),
+            (axes[0], "routing/change_rate", "routes changed vs the old policy (mean over the 4 updates), by depth"),
             (axes[1], "routing/rollout/change_rate", "rollout engine vs trainer routes differing, by depth")):
         for arm, seeds in study.items():
             layers, profiles = depth_profile(seeds, stem)
@@ -255,8 +273,8 @@ def plot_heatmaps(study, out: str, plt) -> str:
         im = ax.imshow(grids[arm], aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=vmax)
         ax.set_title(arm, fontsize=10)
         ax.set_xlabel("RL step")
-        ax.set_ylabel("MoE layer")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="route change per update")
+    axes[0][0].set_ylabel("MoE layer")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="routes changed vs the old policy")
     return _save(fig, out, "change_rate_heatmap.png", plt)
 
 
@@ -307,8 +325,10 @@ def write_report(runs_dir: str, out: str) -> str:
     path = os.path.join(out, "README.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump({label: dict(zip(arms, cells)) for label, _, cells in summary_rows(study)}, f, indent=1)
+    with open(os.path.join(out, "summary.json"), "w") as f:  # the record: how, where, what
+        json.dump({"settings": settings,
+                   "table": {label: dict(zip(arms, cells)) for label, _, cells in summary_rows(study)}},
+                  f, indent=1)
     return path
 
 

@@ -203,11 +203,17 @@ class RewardConfig(Section, name="reward"):
     """A registered reward name or a dotted path ``package.module:function``."""
     timeout_s: float = 5.0
     """A reward call that takes longer scores 0 and is counted under ``reward/timeouts``."""
+    num_workers: int = 2
+    """Worker processes per rank that score rewards: calls run in parallel, and a call past
+    ``timeout_s`` is stopped by killing its worker (replaced at once). 0 = threads in the trainer's
+    process (a hung call cannot be stopped, only counted in ``reward/hung_threads``). Rewards
+    registered as cheap (arithmetic_exact, math_exact, format_boxed) always run inline."""
 
     def _problems(self) -> Iterator[Problem]:
         if not self.fn:
             yield self._problem("fn", "must name a reward function")
         yield from self._positive("timeout_s")
+        yield from self._at_least(0, "num_workers")
 
 
 @dataclass

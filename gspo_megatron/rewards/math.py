@@ -116,7 +116,17 @@ def normalize_answer(text: str) -> str:
     return s
 
 
+_MAX_EXPONENT = 400
+"""Answers written with a larger decimal exponent are compared as text: ``Fraction("1e999999999")``
+builds a billion-digit integer (minutes of CPU and gigabytes for one model output)."""
+_EXPONENT_RE = re.compile(r"[eE][+-]?0*(\d+)")
+
+
 def _to_fraction(s: str) -> Fraction | None:
+    exponent = _EXPONENT_RE.search(s)
+    digits = exponent.group(1) if exponent else ""
+    if len(digits) > 3 or (digits and int(digits) > _MAX_EXPONENT):
+        return None
     try:
         return Fraction(s)  # ints, decimals, "a/b", "1e3"
     except (ValueError, ZeroDivisionError):
@@ -145,13 +155,13 @@ def _answers_match(pred: str, gold: str) -> bool:
     return p.lower() == g.lower()
 
 
-@register_reward("arithmetic_exact")
+@register_reward("arithmetic_exact", cheap=True)
 def arithmetic_exact(response: str, answer: str, example: "PromptExample | None" = None) -> float:
     """1.0 if the response (stripped, up to the first EOS marker) equals the answer exactly."""
     return 1.0 if _cut_eos(response).strip() == answer.strip() else 0.0
 
 
-@register_reward("math_exact")
+@register_reward("math_exact", cheap=True)
 def math_exact(response: str, answer: str, example: "PromptExample | None" = None) -> float:
     """1.0 if the extracted final answer equals the reference after normalisation (no deps)."""
     pred = extract_final_answer(response)
@@ -168,7 +178,8 @@ def _silence_math_verify_timeout_warning() -> None:
             module.TIMEOUT_WARNING_SHOWN = True
 
 
-@register_reward("math_verify", requires=("math_verify", "math-verify"))
+@register_reward("math_verify", requires=("math_verify", "math-verify"),
+                 warmup=("\\boxed{\\frac{\\sqrt{2}}{2} x^2 + 1}", "\\frac{x^2}{\\sqrt{2}} + 1"))
 def math_verify_reward(response: str, answer: str, example: "PromptExample | None" = None) -> float:
     """1.0 if math-verify finds the extracted final answer equivalent to the reference.
 
@@ -196,7 +207,7 @@ def math_verify_reward(response: str, answer: str, example: "PromptExample | Non
     return 1.0 if _answers_match(pred, gold) else 0.0
 
 
-@register_reward("format_boxed")
+@register_reward("format_boxed", cheap=True)
 def format_boxed(response: str, answer: str, example: "PromptExample | None" = None) -> float:
     """1.0 if the response contains a ``\\boxed{...}`` final answer (format-only reward)."""
     return 1.0 if extract_boxed(_cut_eos(response)) is not None else 0.0

@@ -14,10 +14,17 @@ with a dotted path (``"my_pkg.my_module:my_reward"`` or ``"my_pkg.my_module.my_r
 :func:`compute_rewards` scores a batch: an exception, a timeout or a non-numeric / non-finite
 return gives reward 0 for that response and is counted in the stats; the run goes on.
 
-Timeouts use one daemon thread per call, waited on with ``join(timeout)``. Python cannot kill a
-thread: a reward function that never returns keeps its thread (and a share of the GIL) alive
-until it returns or the process exits. Such threads are counted in ``reward/hung_threads``; if
-that number grows, fix the reward function (or make it check a deadline itself).
+Where a call runs (the rule, stated here once, applied in :func:`compute_rewards`):
+
+* **inline**, in the caller's thread, for rewards registered ``cheap=True`` (exact-match string
+  checks: bounded and ~microseconds; a thread or a process per call would cost 100x the call) and
+  when no timeout is asked for;
+* in a **pool of worker processes** (:class:`~gspo_megatron.rewards.workers.RewardWorkers`,
+  ``reward.num_workers``) when one is given: calls run in parallel across cores and a call past
+  its timeout is stopped by killing its worker, which is replaced;
+* otherwise in **one daemon thread per call**, waited on with ``join(timeout)``. Python cannot
+  kill a thread: a call that never returns keeps its thread (and a share of the GIL) alive until
+  the process exits; such threads are counted in ``reward/hung_threads``.
 """
 
 from __future__ import annotations
@@ -32,15 +39,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-import torch
-
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from gspo_megatron.data.prompts import PromptExample
+    from gspo_megatron.rewards.workers import Outcome, RewardWorkers
 
 __all__ = [
     "RewardFn",
     "compute_rewards",
     "get_reward_fn",
+    "is_cheap",
     "is_correct",
     "list_rewards",
     "register_reward",
@@ -57,19 +66,26 @@ class RewardFn(Protocol):
 
 _REGISTRY: dict[str, Callable[..., float]] = {}
 _REQUIRES: dict[str, tuple[str, str]] = {}  # name -> (module to import, pip package)
+_WARMUP: dict[str, tuple[str, str]] = {}  # name -> (response, answer) of a first, untimed call
 _HUNG: list[threading.Thread] = []  # timed-out threads, kept to report how many are still alive
 
 #: Rewards at or above this count as correct (``reward/accuracy``).
 CORRECT_THRESHOLD = 1.0
 
 
-def register_reward(name: str, requires: tuple[str, str] | None = None) -> Callable[[Callable[..., float]], Callable[..., float]]:
+def register_reward(name: str, requires: tuple[str, str] | None = None, cheap: bool = False,
+                    warmup: tuple[str, str] | None = None,
+                    ) -> Callable[[Callable[..., float]], Callable[..., float]]:
     """Decorator registering a reward function under ``name``.
 
     Args:
         name: Registry name (used in configs).
         requires: Optional ``(module, pip_package)``: :func:`get_reward_fn` checks the module is
             importable and otherwise fails at lookup, before any compute, saying what to install.
+        cheap: The function always returns quickly (a string comparison, no parsing that can
+            blow up): it runs inline, with no timeout, thread or worker process.
+        warmup: ``(response, answer)`` for one untimed call in each new reward worker (a reward
+            whose first call imports or builds something slow).
     """
 
     def deco(fn: Callable[..., float]) -> Callable[..., float]:
@@ -78,9 +94,24 @@ def register_reward(name: str, requires: tuple[str, str] | None = None) -> Calla
         _REGISTRY[name] = fn
         if requires is not None:
             _REQUIRES[name] = requires
+        if cheap:
+            fn.reward_is_cheap = True  # type: ignore[attr-defined]
+        if warmup is not None:
+            _WARMUP[name] = warmup
         return fn
 
     return deco
+
+
+def warmup_call(name: str) -> tuple[str, str] | None:
+    """``(response, answer)`` a registered reward is called with once in each new worker, before
+    it takes real calls (``register_reward(warmup=...)``), else None."""
+    return _WARMUP.get(name)
+
+
+def is_cheap(fn: Callable[..., float]) -> bool:
+    """Whether ``fn`` was registered ``cheap=True`` (it runs inline)."""
+    return bool(getattr(fn, "reward_is_cheap", False))
 
 
 def _ensure_builtins() -> None:
@@ -179,8 +210,8 @@ def _to_float(value: Any) -> float | None:
     """A finite float, or None for anything else (strings, None, NaN, inf, multi-element)."""
     if isinstance(value, (str, bytes)) or value is None:
         return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
+    if hasattr(value, "numel") and hasattr(value, "item"):  # a tensor (torch is not imported
+        if value.numel() != 1:                              # in reward worker processes)
             return None
         value = value.item()
     try:
@@ -209,6 +240,40 @@ class _Call:
         self.done = True
 
 
+def _run_inline(fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list["Outcome"]:
+    outcomes: list[Outcome] = []
+    for args in calls:
+        try:
+            outcomes.append((fn(*args), None, False))
+        except Exception as e:  # noqa: BLE001 - never crash the run
+            outcomes.append((None, f"{type(e).__name__}: {e}", False))
+    return outcomes
+
+
+def _run_in_threads(fn: Callable[..., Any], calls: list[tuple[Any, ...]], timeout_s: float,
+                    max_workers: int, hung: list[threading.Thread]) -> list["Outcome"]:
+    """Calls in groups of ``max_workers`` daemon threads; a call past ``timeout_s`` is abandoned
+    (its thread is appended to ``hung``: it cannot be stopped)."""
+    outcomes: list[Outcome] = []
+    step = max(1, int(max_workers))
+    for lo in range(0, len(calls), step):
+        group = [_Call(fn, args) for args in calls[lo:lo + step]]
+        starts = []
+        for call in group:
+            starts.append(time.monotonic())
+            call.thread.start()
+        for start, call in zip(starts, group):
+            call.thread.join(max(0.0, start + timeout_s - time.monotonic()))
+            if not call.done:
+                hung.append(call.thread)
+                outcomes.append((None, None, True))
+            elif call.error is not None:
+                outcomes.append((None, f"{type(call.error).__name__}: {call.error}", False))
+            else:
+                outcomes.append((call.result, None, False))
+    return outcomes
+
+
 def compute_rewards(
     fn: Callable[..., float],
     responses: Sequence[str],
@@ -217,7 +282,8 @@ def compute_rewards(
     timeout_s: float | None = 10.0,
     max_workers: int = 1,
     correct_threshold: float = CORRECT_THRESHOLD,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    workers: "RewardWorkers | None" = None,
+) -> tuple["torch.Tensor", dict[str, float]]:
     """Score ``responses`` against ``answers`` with ``fn``, never raising for a bad call.
 
     Args:
@@ -226,34 +292,44 @@ def compute_rewards(
         examples: Optional examples (length N), passed as the third argument.
         timeout_s: Wall-clock limit per call; ``None`` or ``<= 0`` calls ``fn`` directly in this
             thread with no limit (and exceptions are still caught).
-        max_workers: Calls run concurrently in groups of this size (helps I/O-bound rewards, e.g.
-            remote judges; with CPU-bound Python rewards keep 1, since threads share the GIL and
-            the timeout is wall-clock).
+        max_workers: Thread path only: calls run concurrently in groups of this size (helps
+            I/O-bound rewards, e.g. remote judges).
         correct_threshold: Reward at or above which a response counts as correct.
+        workers: A started pool of reward processes for ``fn`` (the module docstring says when it
+            is used); its own ``timeout_s`` applies.
 
     Returns:
         ``(rewards, stats)``: a float32 tensor ``[N]`` and a dict with ``reward/mean``,
         ``reward/std``, ``reward/accuracy``, ``reward/errors``, ``reward/timeouts``,
         ``reward/invalid`` and ``reward/hung_threads``.
     """
+    import torch
+
     n = len(responses)
     if len(answers) != n or (examples is not None and len(examples) != n):
         raise ValueError(
             f"compute_rewards: {n} responses, {len(answers)} answers, "
             f"{'no' if examples is None else len(examples)} examples; lengths must match"
         )
+    calls = [(responses[i], answers[i], None if examples is None else examples[i]) for i in range(n)]
+    if is_cheap(fn) or timeout_s is None or timeout_s <= 0:
+        outcomes = _run_inline(fn, calls)
+    elif workers is not None:
+        outcomes = workers.run(calls)
+        timeout_s = workers.timeout_s
+    else:
+        outcomes = _run_in_threads(fn, calls, timeout_s, max_workers, _HUNG)
+
     rewards = [0.0] * n
     errors = timeouts = invalid = 0
     first_problem: str | None = None
-
-    def record(i: int, value: Any, error: BaseException | None, timed_out: bool) -> None:
-        nonlocal errors, timeouts, invalid, first_problem
+    for i, (value, error, timed_out) in enumerate(outcomes):
         if timed_out:
             timeouts += 1
             first_problem = first_problem or f"response {i}: timed out after {timeout_s}s"
         elif error is not None:
             errors += 1
-            first_problem = first_problem or f"response {i}: {type(error).__name__}: {error}"
+            first_problem = first_problem or f"response {i}: {error}"
         else:
             out = _to_float(value)
             if out is None:
@@ -261,31 +337,6 @@ def compute_rewards(
                 first_problem = first_problem or f"response {i}: non-numeric or non-finite reward {value!r:.80}"
             else:
                 rewards[i] = out
-
-    def args_of(i: int) -> tuple[Any, ...]:
-        return (responses[i], answers[i], None if examples is None else examples[i])
-
-    if timeout_s is None or timeout_s <= 0:
-        for i in range(n):
-            try:
-                record(i, fn(*args_of(i)), None, False)
-            except Exception as e:  # noqa: BLE001
-                record(i, None, e, False)
-    else:
-        step = max(1, int(max_workers))
-        for lo in range(0, n, step):
-            group = [(i, _Call(fn, args_of(i))) for i in range(lo, min(n, lo + step))]
-            starts = {}
-            for i, call in group:
-                starts[i] = time.monotonic()
-                call.thread.start()
-            for i, call in group:
-                call.thread.join(max(0.0, starts[i] + timeout_s - time.monotonic()))
-                if not call.done:
-                    _HUNG.append(call.thread)
-                    record(i, None, None, True)
-                else:
-                    record(i, call.result, call.error, False)
 
     _HUNG[:] = [t for t in _HUNG if t.is_alive()]
     if first_problem is not None:

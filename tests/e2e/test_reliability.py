@@ -2,6 +2,7 @@
 run), NaN injection at every guarded point, too many faults in a row, SIGTERM/SIGUSR1."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -101,3 +102,59 @@ def test_stop_signal_checkpoints_and_exits_for_requeue(tmp_path, sig):
     step = int((run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= step < 200
     assert json.loads((run / "summary.json").read_text())["exit_code"] == 75
+
+
+HANGING_REWARD = '''
+import os, time
+
+def score(response, answer, example=None):
+    with open(os.environ["GSPO_TEST_REWARD_PIDS"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    if example is not None and example.index % 5 == 0:
+        while True:  # never returns: only killing the process stops it
+            time.sleep(0.05)
+    return 1.0 if response.strip() == answer else 0.0
+'''
+
+
+def test_a_hanging_reward_is_stopped_and_training_goes_on(tmp_path):
+    """reward.num_workers=2 with a user reward that never returns for one prompt in five: every
+    such call is stopped at reward.timeout_s (its worker killed and replaced), scored 0 and
+    counted in reward/timeouts; the run finishes, and no reward worker outlives it."""
+    (tmp_path / "hanging_reward.py").write_text(HANGING_REWARD)
+    pids_file = tmp_path / "pids"
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config", RECIPE,
+           f"--logging.run_dir={run}", *SMALL, "--trainer.steps=2", "--trainer.eval_interval=0",
+           "--reward.fn=hanging_reward:score", "--reward.timeout_s=2", "--reward.num_workers=2"]
+    # Run from tmp_path: the reward module is found in the working directory, by the trainer
+    # and by its spawned workers alike (the user's "rewards.py where I launch" case).
+    proc = subprocess.Popen(cmd, env=clean_env({"GSPO_TEST_REWARD_PIDS": str(pids_file)}),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        metrics = read_metrics(run / "metrics.jsonl")
+        assert [m["step"] for m in metrics] == [0, 1]
+        assert sum(m["reward/timeouts"] for m in metrics) >= 1
+        assert all(m["reward/hung_threads"] == 0 for m in metrics)
+        worker_pids = {int(p) for p in pids_file.read_text().split()}
+        assert len(worker_pids) >= 3 and proc.pid not in worker_pids  # killed ones were replaced
+        time.sleep(1.0)
+        alive = [p for p in worker_pids if _alive(p)]
+        assert not alive, f"reward workers outlived the run: {alive}"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is not running
+        return f.read().split(")")[-1].split()[0] != "Z"

@@ -80,7 +80,7 @@ def test_bands_table_depth_profile_and_collapse_rule(tmp_path):
     assert rows["seeds"] == ["3", "3"] and rows["seeds collapsed"] == ["0", "1"]
     deep = [sum(r["routing/change_rate/layer_1"] + r["routing/change_rate/layer_0"]
                 for r in truth[("gspo", s)]) / 60 for s in (1, 2, 3)]
-    assert rows["route change per update, deepest 2 layers"][0] == (
+    assert rows["routes changed, mean over the 4 updates, deepest 2 layers"][0] == (
         f"{sum(deep) / 3:.2%} ({min(deep):.2%}..{max(deep):.2%})")
 
 
@@ -93,4 +93,5 @@ def test_report_writes_every_plot(tmp_path):
     for name in ("depth_profile.png", "curves.png", "flip_vs_ratio.png", "change_rate_heatmap.png"):
         assert f"![{name}]({name})" in text and (tmp_path / "out" / name).stat().st_size > 0
     assert "| seeds collapsed | 0 | 1 |" in text
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["seeds"] == {"gspo": "3", "grpo": "3"}
+    record = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert record["table"]["seeds"] == {"gspo": "3", "grpo": "3"} and record["settings"]["commit"] == "c"
