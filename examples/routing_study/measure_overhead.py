@@ -136,11 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "routing_overhead"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    from gspo_megatron.tools.provenance import git_commit, utc_now
+
+    record = {"settings": vars(args), "command": " ".join([sys.executable, *sys.argv]),
+              "commit": git_commit(), "machine": f"{os.cpu_count()} CPU cores"}
     if args.in_process:
         out = in_process(args.repeats)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"settings": vars(args), "median_cpu_s": out}, f, indent=2)
+                json.dump({**record, "date": utc_now(), "median_cpu_s": out}, f, indent=2)
         return 0
     rows: dict[str, list[dict]] = {n: [] for n in VARIANTS}
     for rep in range(args.repeats):
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
               + f"{100 * t['overhead_vs_baseline']:>13.1f}%")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "median_s": table}, f, indent=2)
+            json.dump({**record, "date": utc_now(), "median_s": table}, f, indent=2)
     return 0
 
 

@@ -73,13 +73,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/rollout_mismatch")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--json", default=None, help="also write the record (commit, date, means) here")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lines = ["| arm | " + " | ".join(c[1] for c in COLUMNS) + " | routes differing per layer |",
              "|---" * (len(COLUMNS) + 2) + "|"]
+    means: dict[str, dict] = {}
     for name, extra in ARMS.items():
         records = run_arm(args.out, name, extra, args.steps)
         cells = []
+        means[name] = {key: mean(records, key) for key, _, _ in COLUMNS}
+        means[name]["routes differing per layer"] = per_layer(records)
         for key, _, fmt in COLUMNS:
             value = mean(records, key)
             cells.append("-" if value is None else fmt.format(value))
@@ -88,6 +92,14 @@ def main() -> int:
     table = "\n".join(lines)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(f"{' '.join(sys.argv)}\n\nMeans over {args.steps} RL steps.\n\n{table}\n")
+    if args.json:  # the committed record docs/routing.md quotes
+        from gspo_megatron.tools.provenance import git_commit, utc_now
+
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
+                       "date": utc_now(), "machine": f"{os.cpu_count()} CPU cores",
+                       "steps": args.steps, "base": BASE, "arms": ARMS,
+                       "columns": [c[1] for c in COLUMNS], "means": means}, f, indent=1)
     print(table)
     return 0
 
