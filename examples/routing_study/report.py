@@ -321,7 +321,8 @@ def write_report(runs_dir: str, out: str) -> str:
               f"{settings['machine']}. Wall time: {settings['wall_s']['total'] / 60:.1f} min "
               f"(SFT warm-up {settings['wall_s']['sft'] / 60:.1f} min). Date {settings['date']}, "
               f"commit {settings['commit']}.", ""]
-    lines += [f"![{p}]({p})" for p in plots]
+    for p in plots:
+        lines += [f"![{p}]({p})", ""]
     path = os.path.join(out, "README.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
