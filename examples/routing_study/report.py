@@ -90,10 +90,6 @@ def band(seeds: list[dict], key: str, width: int = SMOOTH):
     return common, [_mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
 
 
-def per_seed_stat(seeds: list[dict], fn) -> list[float]:
-    return [fn(run) for run in seeds]
-
-
 def depth_profile(seeds: list[dict], stem: str) -> tuple[list[int], list[list[float]]]:
     """Layer indices and, per seed, the mean over steps of ``stem/layer_i`` ``[seeds][layers]``."""
     keys = layer_keys(seeds[0]["rows"], stem)
@@ -168,7 +164,7 @@ def summary_rows(study: dict[str, list[dict]]) -> list[tuple[str, str, list[str]
     for label, fmt, fn in spec:
         cells = []
         for seeds in study.values():
-            values = per_seed_stat(seeds, fn)
+            values = [fn(run) for run in seeds]
             if label in ("seeds", "seeds collapsed"):
                 cells.append(f"{sum(values):.0f}")
             else:
@@ -310,7 +306,8 @@ def write_report(runs_dir: str, out: str) -> str:
              "rollout-vs-trainer on every token of the rollout batch (docs/routing.md). "
              f"Curves: centred {SMOOTH}-step moving average per seed, band = min..max over seeds.", "",
              "| metric | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
-    for label, _, cells in summary_rows(study):
+    table = summary_rows(study)
+    for label, _, cells in table:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "## Arms", "", "| arm | overrides on top of the base recipe |", "|---|---|"]
     for arm in arms:
@@ -328,7 +325,7 @@ def write_report(runs_dir: str, out: str) -> str:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "summary.json"), "w") as f:  # the record: how, where, what
         json.dump({"settings": settings,
-                   "table": {label: dict(zip(arms, cells)) for label, _, cells in summary_rows(study)}},
+                   "table": {label: dict(zip(arms, cells)) for label, _, cells in table}},
                   f, indent=1)
     return path
 

@@ -64,7 +64,7 @@ def gspo_train(run_dir: str, overrides: list[str], log) -> float:
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    with open(os.path.join(run_dir, "stdout.log") if os.path.isdir(run_dir) else os.devnull, "w") as f:
+    with open(os.path.join(run_dir, "stdout.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -70,6 +70,13 @@ def _validate(min_operand: int, max_operand: int, ops: Sequence[str], heldout_fr
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
 
 
+def _check_request(split: str, num_examples: int) -> None:
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if num_examples <= 0:
+        raise ValueError(f"num_examples must be positive, got {num_examples}")
+
+
 def _valid(a: int, op: str, b: int, allow_negative: bool) -> bool:
     return allow_negative or op != "-" or a >= b
 
@@ -102,10 +109,7 @@ def make_arithmetic_dataset(
         ``PromptExample(prompt="12+7=", answer="19", ...)`` items, with ``metadata`` holding
         ``task``, ``a``, ``op``, ``b`` and ``split``.
     """
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    if num_examples <= 0:
-        raise ValueError(f"num_examples must be positive, got {num_examples}")
+    _check_request(split, num_examples)
     ops = tuple(ops)
     _validate(min_operand, max_operand, ops, heldout_fraction)
     rng = random.Random(f"gspo-arithmetic:{seed}:{split}")
@@ -189,10 +193,7 @@ def make_chain_dataset(
     operands and 6 of them it averages ~35 characters. Splits are disjoint by the same hash as
     :func:`make_arithmetic_dataset`. Rejection-sampled (the space is ``(2 (max+1))^n``-sized).
     """
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    if num_examples <= 0:
-        raise ValueError(f"num_examples must be positive, got {num_examples}")
+    _check_request(split, num_examples)
     if num_operands < 2:
         raise ValueError(f"num_operands must be >= 2, got {num_operands}")
     _validate(0, max_operand, ("+", "-"), heldout_fraction)

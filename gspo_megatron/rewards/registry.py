@@ -66,7 +66,6 @@ class RewardFn(Protocol):
 
 _REGISTRY: dict[str, Callable[..., float]] = {}
 _REQUIRES: dict[str, tuple[str, str]] = {}  # name -> (module to import, pip package)
-_WARMUP: dict[str, tuple[str, str]] = {}  # name -> (response, answer) of a first, untimed call
 _HUNG: list[threading.Thread] = []  # timed-out threads, kept to report how many are still alive
 
 #: Rewards at or above this count as correct (``reward/accuracy``).
@@ -97,16 +96,16 @@ def register_reward(name: str, requires: tuple[str, str] | None = None, cheap: b
         if cheap:
             fn.reward_is_cheap = True  # type: ignore[attr-defined]
         if warmup is not None:
-            _WARMUP[name] = warmup
+            fn.reward_warmup = warmup  # type: ignore[attr-defined]
         return fn
 
     return deco
 
 
-def warmup_call(name: str) -> tuple[str, str] | None:
-    """``(response, answer)`` a registered reward is called with once in each new worker, before
-    it takes real calls (``register_reward(warmup=...)``), else None."""
-    return _WARMUP.get(name)
+def warmup_call(fn: Callable[..., float]) -> tuple[str, str] | None:
+    """``(response, answer)`` ``fn`` is called with once in each new worker, before it takes real
+    calls (``register_reward(warmup=...)``), else None."""
+    return getattr(fn, "reward_warmup", None)
 
 
 def is_cheap(fn: Callable[..., float]) -> bool:

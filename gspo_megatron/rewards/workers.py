@@ -61,7 +61,7 @@ def _worker_main(conn, spec: str, search_dirs: Sequence[str],
 
     try:
         fn = get_reward_fn(spec, search_dirs)
-        warm = warmup_call(spec)
+        warm = warmup_call(fn)
         if warm is not None:  # math-verify: seconds of imports and parser set-up on the first
             fn(*warm)         # call, which must not count against that call's timeout
     except Exception as e:  # noqa: BLE001 - reported to the parent, which falls back

@@ -138,7 +138,7 @@ def test_math_verify_warms_up_each_worker_on_its_verify_path():
     pytest.importorskip("math_verify")
     from gspo_megatron.rewards.registry import warmup_call
 
-    pair = warmup_call("math_verify")
+    pair = warmup_call(get_reward_fn("math_verify"))
     assert pair is not None and get_reward_fn("math_verify")(*pair) == 1.0
     assert pair[0].replace(" ", "") != "\\boxed{" + pair[1].replace(" ", "") + "}"  # not textual
     with RewardWorkers("math_verify", 1, timeout_s=30) as pool:
