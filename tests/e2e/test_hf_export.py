@@ -9,14 +9,12 @@ source, equal to the checkpoint's rounded to bf16) and give the trained Megatron
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
 
+from tests.helpers import warm
 from tests.helpers.hf import sharpen_random_init
 
 pytestmark = pytest.mark.slow
@@ -43,21 +41,9 @@ def _env() -> dict:
 
 
 def _run(args, timeout=300) -> subprocess.CompletedProcess:
-    """Run ``python -m <args>`` in its own process group (killed afterwards: the checkpoint writer
-    can leave helper processes), output in files."""
-    log_dir = tempfile.mkdtemp(prefix="gspo_hf_export_")
-    out_path, err_path = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", *args], env=_env(), stdout=out, stderr=err,
-                                cwd=ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return subprocess.CompletedProcess(args, rc, open(out_path).read(), open(err_path).read())
+    """Run ``python -m <args>`` forked from the warm interpreter (:mod:`tests.helpers.warm`), in
+    its own process group, killed afterwards (the checkpoint writer can leave helper processes)."""
+    return warm.run(["-m", *args], env=_env(), cwd=ROOT, timeout=timeout)
 
 
 def make_hf_dir(directory):

@@ -4,14 +4,13 @@ run), NaN injection at every guarded point, too many faults in a row, SIGTERM/SI
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from gspo_megatron.metrics import read_metrics
-from tests.e2e.test_train_e2e import RECIPE, SMALL, clean_env, gspo_train
+from tests.e2e.test_train_e2e import RECIPE, ROOT, SMALL, clean_env, gspo_train
+from tests.helpers import warm
 
 pytestmark = pytest.mark.slow
 
@@ -87,18 +86,20 @@ def test_too_many_faults_in_a_row_stop_the_run_and_keep_the_checkpoint(tmp_path)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_stop_signal_checkpoints_and_exits_for_requeue(tmp_path, sig):
     run = tmp_path / "signalled"
-    env = clean_env()
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config", RECIPE,
-           f"--logging.run_dir={run}", *SMALL, "--trainer.steps=200"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics_path = run / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not (metrics_path.exists() and metrics_path.read_text().strip()):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.2)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, err[-3000:]
+    argv = ["-m", "gspo_megatron.cli", "--config", RECIPE, f"--logging.run_dir={run}", *SMALL,
+            "--trainer.steps=200"]
+    proc = warm.launch(argv, env=clean_env(), cwd=ROOT)
+    try:
+        metrics_path = run / "metrics.jsonl"
+        deadline = time.time() + 300
+        while not (metrics_path.exists() and metrics_path.read_text().strip()):
+            assert proc.poll() is None and time.time() < deadline, proc.output()
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill_group()
+    assert proc.returncode == 75, proc.output()[1][-3000:]
     step = int((run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= step < 200
     assert json.loads((run / "summary.json").read_text())["exit_code"] == 75
@@ -124,17 +125,16 @@ def test_a_hanging_reward_is_stopped_and_training_goes_on(tmp_path):
     (tmp_path / "hanging_reward.py").write_text(HANGING_REWARD)
     pids_file = tmp_path / "pids"
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config", RECIPE,
-           f"--logging.run_dir={run}", *SMALL, "--trainer.steps=2", "--trainer.eval_interval=0",
-           "--reward.fn=hanging_reward:score", "--reward.timeout_s=2", "--reward.num_workers=2"]
+    argv = ["-m", "gspo_megatron.cli", "--config", RECIPE, f"--logging.run_dir={run}", *SMALL,
+            "--trainer.steps=2", "--trainer.eval_interval=0", "--sft.steps=0",
+            "--data.num_eval_examples=5", "--reward.fn=hanging_reward:score",
+            "--reward.timeout_s=2", "--reward.num_workers=2"]
     # Run from tmp_path: the reward module is found in the working directory, by the trainer
     # and by its spawned workers alike (the user's "rewards.py where I launch" case).
-    proc = subprocess.Popen(cmd, env=clean_env({"GSPO_TEST_REWARD_PIDS": str(pids_file)}),
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = warm.launch(argv, env=clean_env({"GSPO_TEST_REWARD_PIDS": str(pids_file)}), cwd=tmp_path)
     try:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+        proc.wait(timeout=600)
+        assert proc.returncode == 0, proc.output()[1][-3000:]
         metrics = read_metrics(run / "metrics.jsonl")
         assert [m["step"] for m in metrics] == [0, 1]
         assert sum(m["reward/timeouts"] for m in metrics) >= 1
@@ -145,10 +145,7 @@ def test_a_hanging_reward_is_stopped_and_training_goes_on(tmp_path):
         alive = [p for p in worker_pids if _alive(p)]
         assert not alive, f"reward workers outlived the run: {alive}"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        proc.kill_group()
 
 
 def _alive(pid: int) -> bool:

@@ -3,14 +3,13 @@ SIGKILL, and a 2-process expert-parallel run."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from gspo_megatron.metrics import read_metrics
+from tests.helpers import warm
 
 pytestmark = pytest.mark.slow
 
@@ -44,35 +43,15 @@ def clean_env(extra=None) -> dict:
 
 
 def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout=600):
-    """Run gspo-train in its own process group; returns a CompletedProcess with stdout/stderr.
-
-    Output goes to files, not pipes, and the whole group is killed afterwards: a run that SIGKILLs
-    itself can leave helper processes (the checkpoint writer) that would hold a pipe open."""
-    env = clean_env(env_extra)
+    """Run gspo-train (forked from the warm interpreter, :mod:`tests.helpers.warm`: a process of
+    its own, in its own process group, killed with everything it left once it exits); returns a
+    CompletedProcess with stdout/stderr."""
     args = ["--config", RECIPE, f"--logging.run_dir={run_dir}", *SMALL, *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "gspo_megatron.cli", *args]
-    else:
-        from gspo_megatron.backends.megatron.parallel import _free_port
-
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", "-m", "gspo_megatron.cli", *args]
     os.makedirs(run_dir, exist_ok=True)
-    log_dir = tempfile.mkdtemp(prefix="gspo_train_log_")
-    out_path, err_path = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=ROOT,
-                                start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # leftovers of this run only (its own group)
-            except ProcessLookupError:
-                pass
-    result = subprocess.CompletedProcess(cmd, returncode, open(out_path).read(), open(err_path).read())
+    result = warm.run(["-m", "gspo_megatron.cli", *args], env=clean_env(env_extra), cwd=ROOT,
+                      nproc=nproc, timeout=timeout)
     if check:
-        assert returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
 
@@ -135,7 +114,10 @@ def test_gspo_raises_reward(tmp_path):
 
 def test_recipe_without_loss_optim_sft_trains_with_the_papers_defaults(tmp_path):
     """A recipe with only model, data, rollout and trainer sections: gspo-train runs it with the
-    paper's GSPO eps, the fine-tuning optimiser and no supervised warm-up."""
+    paper's GSPO eps, the fine-tuning optimiser and no supervised warm-up.
+
+    Started the way a user starts it, a fresh ``python -m gspo_megatron.cli`` (the other runs here
+    are forked from the warm interpreter), so the cold start stays covered end to end."""
     recipe = tmp_path / "minimal.yaml"
     recipe.write_text(
         "model: {preset: tiny, seq_length: 16}\n"
