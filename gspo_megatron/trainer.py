@@ -1,7 +1,7 @@
 """The RL loop: prompts -> rollout -> reward -> advantages -> old log-probs -> minibatch updates ->
 log -> checkpoint.
 
-Each stage is a plain function of explicit inputs (tested alone in ``tests/unit/test_trainer_stages``);
+Each stage is a plain function of explicit inputs (:mod:`gspo_megatron.stages`);
 :class:`Trainer` owns the state (policy, data position, step) and :meth:`Trainer.fit` the run:
 resume, the optional supervised warm-up, evaluation, checkpoints, stop signals and the loop. The
 trainer talks to a :class:`~gspo_megatron.policy.Policy` and a :class:`~gspo_megatron.policy.Generator`
@@ -14,20 +14,21 @@ import json
 import logging
 import os
 import signal
-from typing import NamedTuple
 
 import torch
 
-from gspo_megatron.algorithms import (NLLObjective, PolicyGradientObjective, group_advantages,
-                                      rollout_mismatch)
-from gspo_megatron.algorithms.dapo import mask_truncated, select_groups, soft_overlong_penalty
+from gspo_megatron.algorithms import rollout_mismatch
+from gspo_megatron.algorithms.dapo import mask_truncated, select_groups
 from gspo_megatron.algorithms.pass_at_k import pass_at_k_ladder, sampled_eval_metrics
-from gspo_megatron.config import OptimConfig, TrainConfig
+from gspo_megatron.config import TrainConfig
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
-from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, make_policy_batch
+from gspo_megatron.policy import Generator, Policy, PolicyBatch, make_policy_batch
+from gspo_megatron.stages import (StepSamples, advantage_stage, all_finite, batch_stage,
+                                  overlong_stage, reward_stage, rollout_stage, sft_stage,
+                                  update_stage)
 
 logger = logging.getLogger(__name__)
 
@@ -43,195 +44,6 @@ times this (batch 0 keeps the step's seed, so runs without dynamic sampling are 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had NaN/Inf; the run stops, the last checkpoint is untouched."""
 
-
-def all_finite(tensor: torch.Tensor | None, mask: torch.Tensor | None = None) -> bool:
-    """True when ``tensor`` (masked) is finite on every rank; ranks without it vote yes."""
-    bad = tensor is not None and not bool(
-        torch.isfinite(tensor[mask] if mask is not None else tensor).all())
-    return not any_rank(bad)
-
-
-# ----------------------------------------------------------------------------- stages
-
-def rollout_stage(generator: Generator, tokenizer, prompts: list, group_size: int,
-                  seed: int) -> list[RolloutSample]:
-    """Sample ``group_size`` responses for every prompt. Returns the samples, prompt-major:
-    sample ``i * G + g`` is response ``g`` to prompt ``i``."""
-    prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template(p.model_input)) for p in prompts]
-    repeated = [ids for ids in prompt_ids for _ in range(group_size)]
-    return generator.generate(repeated, seed=seed)
-
-
-def reward_stage(reward_fn, tokenizer, prompts: list, samples: list[RolloutSample],
-                 group_size: int, timeout_s: float, workers=None) -> tuple[torch.Tensor, dict]:
-    """Score every response against its prompt's answer (inline, in ``workers`` or in threads:
-    the rule is :mod:`gspo_megatron.rewards.registry`'s). Returns (rewards [N], ``reward/``
-    stats)."""
-    from gspo_megatron.rewards import compute_rewards
-
-    responses = [tokenizer.decode(s.response_ids) for s in samples]
-    examples = [p for p in prompts for _ in range(group_size)]
-    return compute_rewards(reward_fn, responses, [e.answer for e in examples], examples,
-                           timeout_s=timeout_s, workers=workers)
-
-
-def overlong_stage(rewards: torch.Tensor, samples: list[RolloutSample], max_new_tokens: int,
-                   buffer_tokens: int, penalty_factor: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Eq. 13) added to ``rewards`` ``[N]``; unchanged (the same
-    tensor) when ``buffer_tokens`` is 0."""
-    if buffer_tokens <= 0:
-        return rewards
-    lengths = torch.tensor([len(s.response_ids) for s in samples])
-    penalty = soft_overlong_penalty(lengths, max_new_tokens, buffer_tokens, penalty_factor)
-    return rewards + penalty.to(rewards.dtype)
-
-
-def advantage_stage(rewards: torch.Tensor, group_size: int, normalize_std: bool):
-    """Group-normalised advantages A_i (paper Eq. 6). Returns (advantages [N], metrics, tied
-    [N / G] bool: groups whose rewards all tie, so their advantages are 0)."""
-    result = group_advantages(rewards, group_size, normalize_std=normalize_std)
-    return (result.advantages.float(), {k: float(v) for k, v in result.metrics.items()},
-            result.zero_variance_mask)
-
-
-class StepSamples(NamedTuple):
-    """What :meth:`Trainer.sample` hands to the rest of the step: the groups it trains on."""
-
-    prompts: list
-    """``P`` prompt examples (``rollout.prompts_per_step``)."""
-    samples: list[RolloutSample]
-    """``P x G`` responses, prompt-major."""
-    advantages: torch.Tensor
-    """``[P x G]`` float32 group-normalised advantages (truncated responses zeroed under
-    ``overlong.mask_truncated``)."""
-    metrics: dict[str, float]
-    """``reward/*`` of the step's first rollout batch, ``sampling/*`` under dynamic sampling."""
-    generated_tokens: int
-    """Response tokens decoded in the step, every rollout batch included."""
-
-
-def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) -> PolicyBatch:
-    """A label-aligned :class:`PolicyBatch` ``[N, T]`` of the samples, with their advantages
-    ``[N]`` and the rollout engine's log-probs ``[N, T]``. ``pack(sequences, prompt_lengths)``
-    pads (:meth:`Trainer.pack`)."""
-    batch = pack([s.prompt_ids + s.response_ids for s in samples],
-                 [len(s.prompt_ids) for s in samples])
-    rollout_lp = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-    for i, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        rollout_lp[i, p - 1: p - 1 + len(s.response_logprobs)] = torch.tensor(s.response_logprobs)
-    batch.rollout_logprobs = rollout_lp
-    batch.advantages = advantages
-    return batch
-
-
-def diagnoses_routing(cfg: TrainConfig, step: int) -> bool:
-    """Whether RL step ``step`` runs the routing diagnostics (``routing.diagnostics_interval``)."""
-    return cfg.routing.diagnostics and step % cfg.routing.diagnostics_interval == 0
-
-
-def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int, step: int = 0,
-                 old_routes=None, faults: FaultInjector | None = None) -> dict[str, float]:
-    """Split the rollout batch into ``num_minibatches`` (shuffled, same order on every rank), one
-    optimiser step each. Returns metrics averaged over the minibatches.
-
-    MoE routing (``old_routes``: the batch's routes from the old-policy pass, or None): with
-    ``routing.replay`` 'r2' or 'r3' every update forward replays the old routes (under R3 those
-    are the rollout engine's); on a diagnosed step
-    (``routing.diagnostics`` every ``diagnostics_interval`` steps) each optimiser step is followed
-    by the ``routing/*`` statistics on the minibatch it was computed on. Whenever ``old_routes``
-    are given, the update forwards also record the routes free routing takes, at no extra forward,
-    and ``routing/drift/*`` compares them with the old policy's: minibatch ``i`` runs after ``i``
-    optimiser steps, so ``routing/drift/after_{i}_updates`` is the route change after ``i``
-    updates (~0 for ``i = 0``: the on-policy check) and ``routing/drift/change_rate`` averages
-    ``i >= 1``. Under R2 the recorded routes are each router's own top-k on the hidden states that
-    replay produced (the share of routes replay overrides)."""
-    faults = faults or FaultInjector()
-    objective = PolicyGradientObjective(cfg.loss, cfg.rollout.temperature, faults.corrupt,
-                                        correction=cfg.rollout_correction)
-    order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
-    shuffled = batch.select(order)
-    per_minibatch = batch.size // cfg.trainer.num_minibatches
-    drift = old_routes is not None
-    replay = drift and cfg.routing.replay in ("r2", "r3")
-    diagnose = drift and diagnoses_routing(cfg, step)
-    history: list[dict[str, float]] = []
-    diag_s = 0.0
-    for i, minibatch in enumerate(shuffled.split(per_minibatch)):
-        if i == 1:
-            faults.maybe_fail("mid_update", step)
-        mb_routes = (old_routes.select(order[i * per_minibatch:(i + 1) * per_minibatch])
-                     if drift else None)
-        hooks = None
-        if replay:
-            hooks = policy.replay_routes(mb_routes, capture_natural=True)
-        elif drift:
-            hooks = policy.record_routes()
-        policy.zero_grad()
-        metrics = policy.train_minibatch(minibatch, objective, routing=hooks)
-        if drift:
-            taken = hooks.natural_store() if replay else hooks.store()
-            metrics.update(drift_metrics(policy, mb_routes, taken, minibatch, i))
-        if any_rank(bool(metrics.get("faults/nonfinite_loss"))):
-            applied, grad_norm = False, float("nan")
-        else:  # skips non-finite gradients itself
-            applied, grad_norm = policy.optimizer_step(
-                corrupt_grad=lambda g: faults.corrupt("nan_grads", g))
-        metrics.update({"optim/grad_norm": grad_norm, "optim/skipped": float(not applied),
-                        "faults/skipped_updates": float(not applied)})
-        if diagnose:
-            watch = Stopwatch()
-            diag = policy.routing_diagnostics(minibatch, mb_routes, cfg.loss,
-                                              cfg.rollout.temperature,
-                                              replay_gap=cfg.routing.replay_gap)
-            if "routing/change_rate" in diag:
-                diag[f"routing/change_rate/after_update_{i}"] = diag["routing/change_rate"]
-            metrics.update(diag)
-            diag_s += watch.elapsed()
-        history.append(metrics)
-    keys = set().union(*history)
-    out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
-    out["optim/lr"] = policy.lr
-    if diagnose:
-        out["perf/routing_diagnostics_s"] = diag_s
-    return out
-
-
-def drift_metrics(policy: Policy, old_routes, taken_routes, minibatch: PolicyBatch,
-                  i: int) -> dict[str, float]:
-    """``routing/drift/*`` of minibatch ``i`` from the routes its training forward took."""
-    rate, per_layer = policy.route_drift(old_routes, taken_routes, minibatch.response_mask)
-    out = {f"routing/drift/after_{i}_updates": rate}
-    if i >= 1:
-        out["routing/drift/change_rate"] = rate
-        out.update({f"routing/drift/change_rate/layer_{layer}": v
-                    for layer, v in enumerate(per_layer)})
-    return out
-
-
-def sft_stage(policy: Policy, samples: list, cfg: TrainConfig, groups: ParallelGroups, pack,
-              log) -> None:
-    """Supervised warm-up on prompt -> answer + EOS (``samples``: ``input_ids``/``prompt_len``)
-    through the policy's own minibatch update, with a fresh optimizer (RL's Adam state and LR
-    schedule start untouched afterwards)."""
-    optim = OptimConfig(lr=cfg.sft.lr, lr_warmup_steps=min(10, cfg.sft.steps), weight_decay=0.0,
-                        clip_grad=1.0)
-    gen = torch.Generator().manual_seed(cfg.trainer.seed)
-    per_rank = cfg.sft.batch_size // groups.dp_size
-    objective = NLLObjective()
-    with policy.temporary_optimizer(optim, cfg.sft.steps):
-        for step in range(cfg.sft.steps):
-            idx = torch.randint(len(samples), (cfg.sft.batch_size,), generator=gen)
-            idx = idx[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank].tolist()
-            batch = pack([samples[i].input_ids for i in idx], [samples[i].prompt_len for i in idx])
-            policy.zero_grad()
-            metrics = policy.train_minibatch(batch, objective)
-            policy.optimizer_step()
-            if step % 50 == 0 or step == cfg.sft.steps - 1:
-                log(f"sft step {step}: nll {metrics.get('loss/sft_nll', float('nan')):.4f}")
-
-
-# ----------------------------------------------------------------------------- trainer
 
 class Trainer:
     """Owns the policy, data position and step. :meth:`fit` runs everything after the build;
@@ -252,6 +64,8 @@ class Trainer:
         self.sampled_eval, self.reward_workers = sampled_eval, reward_workers
         self.faults = faults or FaultInjector()
         self.step = 0
+        self.saved_step: int | None = None
+        """The step of the latest checkpoint this process started (committed or in flight)."""
         self.consecutive_faults = 0
         self._stop_signal: int | None = None
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
@@ -260,7 +74,10 @@ class Trainer:
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
 
     def close(self) -> None:
-        """Stop what the run started outside this process (the reward workers)."""
+        """Stop what the run started outside this process: the reward workers, and the writer of
+        a background checkpoint that was not committed (only after an error: :meth:`fit` commits
+        every checkpoint it starts)."""
+        self.policy.abort_checkpoint()
         if self.reward_workers is not None:
             self.reward_workers.close()
 
@@ -297,7 +114,22 @@ class Trainer:
             summary["accuracy_before"] = self.evaluate()
             self.log(f"held-out accuracy before RL: {summary['accuracy_before']:.3f}")
             summary.update(self._sampled_eval_summary("before"))
-        exit_code = 0
+        try:
+            exit_code = self._train(start_step, metrics_log, summary)
+        except NonFiniteError:
+            self.commit_checkpoint()  # the last good checkpoint stays the one to resume from
+            raise
+        summary.update(steps=self.step, exit_code=exit_code)
+        if self.groups.is_logging_rank:
+            with open(os.path.join(cfg.logging.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+        metrics_log.close()
+        return summary
+
+    def _train(self, start_step: int, metrics_log: MetricsLogger, summary: dict) -> int:
+        """The RL loop with its checkpoints, then the final save and evaluation; returns the exit
+        code. Every checkpoint it starts is committed before it returns."""
+        cfg = self.cfg
         while self.step < cfg.trainer.steps:
             metrics = self.rl_step()
             if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 \
@@ -309,22 +141,17 @@ class Trainer:
                 metrics["perf/checkpoint_s"] = self.save()
             metrics_log.log(self.step - 1, metrics)
             if stop:
+                self.commit_checkpoint()
                 self.log(f"stop signal: checkpoint at step {self.step} written; exiting for requeue")
-                exit_code = REQUEUE_EXIT_CODE
-                break
-        else:
-            if self.step > start_step:
-                self.save()
-            if self.data["eval"]:
-                summary["accuracy_after"] = self.evaluate()
-                self.log(f"held-out accuracy after RL: {summary['accuracy_after']:.3f}")
-                summary.update(self._sampled_eval_summary("after"))
-        summary.update(steps=self.step, exit_code=exit_code)
-        if self.groups.is_logging_rank:
-            with open(os.path.join(cfg.logging.run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
-        metrics_log.close()
-        return summary
+                return REQUEUE_EXIT_CODE
+        if self.step > start_step:
+            self.save()  # the final weights (written while the held-out set is evaluated)
+        if self.data["eval"]:
+            summary["accuracy_after"] = self.evaluate()
+            self.log(f"held-out accuracy after RL: {summary['accuracy_after']:.3f}")
+            summary.update(self._sampled_eval_summary("after"))
+        self.commit_checkpoint()
+        return 0
 
     def _resume_or_init(self) -> int:
         """The latest checkpoint in ``load_dir`` if any (weights, optimizer, RNG, data position),
@@ -338,12 +165,22 @@ class Trainer:
         return self.step
 
     def save(self) -> float:
-        """Checkpoint the current step; returns the seconds it took."""
+        """Checkpoint the current step (once: a second call for the same step does nothing);
+        returns the seconds the step was stalled (with ``checkpoint.async_save``, building the
+        state dict and forking the writer; :meth:`commit_checkpoint` finishes it)."""
+        if self.saved_step == self.step:
+            return 0.0
         watch = Stopwatch()
         self.policy.save_checkpoint(self.save_dir, self.step, {"sampler": self.sampler.state_dict()},
                                     keep_last=self.cfg.checkpoint.keep_last,
-                                    before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s))
+                                    before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s),
+                                    background=self.cfg.checkpoint.async_save)
+        self.saved_step = self.step
         return watch.elapsed()
+
+    def commit_checkpoint(self) -> float:
+        """Wait for a background checkpoint and make it the latest; the seconds waited."""
+        return self.policy.wait_for_checkpoint()
 
     def warm_up(self) -> None:
         from gspo_megatron.data import sft_samples
@@ -397,6 +234,10 @@ class Trainer:
             batch.ref_logprobs = self.reference.logprobs(batch, temperature=cfg.rollout.temperature)
         watch.lap("perf/old_logprobs_s")
 
+        # A background checkpoint of an earlier step was written during this step's rollout; it
+        # becomes the latest before the weights change again (a crash from here on resumes from it).
+        self.commit_checkpoint()
+        watch.lap("perf/checkpoint_wait_s")
         update_metrics = update_stage(self.policy, batch, cfg, seed, self.step,
                                       old_routes=old_routes, faults=faults)
         watch.lap("perf/update_s")

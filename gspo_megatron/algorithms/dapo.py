@@ -21,7 +21,7 @@ Scale", arXiv 2503.14476): dynamic sampling (Sec. 3.2) and overlong handling (Se
   last case cannot occur). ``|y|`` counts the EOS token when one was produced (verl's
   ``valid_response_length`` does too).
 
-Pure torch; the trainer (:func:`gspo_megatron.trainer.sampling_stage`) decides when to call what.
+Pure torch; the trainer (:meth:`gspo_megatron.trainer.Trainer.sample`) decides when to call what.
 """
 
 from __future__ import annotations

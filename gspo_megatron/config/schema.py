@@ -350,6 +350,11 @@ class CheckpointConfig(Section, name="checkpoint"):
     """Resume from here (None = save_dir if it holds a checkpoint)."""
     keep_last: int = 2
     """Older checkpoints beyond this many are deleted."""
+    async_save: bool = True
+    """Write checkpoints in the background (Megatron-LM's ``--async-save``): the step pays for
+    building the state dict and forking the writer; the write overlaps the next step's rollout,
+    and the checkpoint is committed (renamed, made the latest) before that step's first update.
+    False writes and commits inside the step."""
     init_weights: str | None = None
     """Initial policy weights when not resuming: a ``gspo-convert-hf`` output directory or a run's
     ``sft_weights``. A converted directory's ``model_config.json`` then defines the model's

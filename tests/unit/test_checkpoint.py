@@ -61,6 +61,40 @@ def test_resume_is_exact_and_layout_is_megatrons(groups, tmp_path):
     assert train_steps(policy, groups, 2) == expected  # bitwise: weights, Adam, schedule, RNG
 
 
+def test_background_save_holds_the_state_at_save_time(groups, tmp_path):
+    """checkpoint.async_save: the forked writer writes the weights as they were when save() was
+    called while training goes on; nothing is the latest until wait() commits it, and resuming
+    from it continues exactly as the run did from that point."""
+    policy = make_policy(groups)
+    train_steps(policy, groups, 1)
+    writer = ckpt.AsyncCheckpointWriter()
+    ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(1, {"k": 1}), writer=writer)
+    assert writer.pending
+    assert ckpt.read_latest(str(tmp_path)) is None and ckpt.list_checkpoints(str(tmp_path)) == []
+    expected = train_steps(policy, groups, 2)  # weights and Adam state change meanwhile
+    assert writer.wait() >= 0 and not writer.pending and writer.wait() == 0.0
+    assert ckpt.read_latest(str(tmp_path)) == 1 and ckpt.list_checkpoints(str(tmp_path)) == [1]
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    state = ckpt.load_checkpoint(policy, str(tmp_path))
+    assert state.step == 1 and state.extra == {"k": 1}
+    assert train_steps(policy, groups, 2) == expected
+
+
+def test_an_aborted_background_save_never_becomes_the_latest(groups, tmp_path):
+    policy = make_policy(groups)
+    train_steps(policy, groups, 1)
+    ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(1, {}))
+    writer = ckpt.AsyncCheckpointWriter()
+    ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(2, {}), writer=writer)
+    writer.abort()
+    assert not writer.pending
+    assert ckpt.read_latest(str(tmp_path)) == 1 and ckpt.list_checkpoints(str(tmp_path)) == [1]
+    # A later save of the same step replaces the abandoned .tmp directory.
+    ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(2, {}), writer=writer)
+    writer.wait()
+    assert ckpt.read_latest(str(tmp_path)) == 2 and ckpt.list_checkpoints(str(tmp_path)) == [1, 2]
+
+
 def test_keep_last_rotates(groups, tmp_path):
     policy = make_policy(groups)
     for step in (1, 2, 3):

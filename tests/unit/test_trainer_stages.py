@@ -10,8 +10,8 @@ from gspo_megatron.config import TrainConfig
 from gspo_megatron.data import PromptExample, PromptSampler
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.policy import RolloutSample
-from gspo_megatron.trainer import (Trainer, advantage_stage, batch_stage, rollout_stage,
-                                   update_stage)
+from gspo_megatron.stages import advantage_stage, batch_stage, rollout_stage, update_stage
+from gspo_megatron.trainer import Trainer
 
 
 class CharTokenizer:
@@ -70,8 +70,20 @@ class FakePolicy:
     def has_checkpoint(self, d):
         return d in self.saved
 
-    def save_checkpoint(self, d, step, extra, keep_last, before_commit=None):
-        self.saved[d] = (step, json.loads(json.dumps(extra)), self.steps)
+    def save_checkpoint(self, d, step, extra, keep_last, before_commit=None, background=False):
+        # A background save holds the state of now and becomes loadable only once committed.
+        self.pending = (d, (step, json.loads(json.dumps(extra)), self.steps))
+        if not background:
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self):
+        if getattr(self, "pending", None) is not None:
+            d, state = self.pending
+            self.saved[d], self.pending = state, None
+        return 0.0
+
+    def abort_checkpoint(self):
+        self.pending = None
 
     def load_checkpoint(self, d):
         step, extra, self.steps = self.saved[d]

@@ -21,7 +21,7 @@ Training phase (``train_*``), as :meth:`Trainer.rl_step` runs it after the rewar
 of the recording engine's rollout (the batch the trainer would see):
 
 * ``off`` (``routing.replay: none``): the old-policy log-prob pass, then
-  :func:`gspo_megatron.trainer.update_stage` (``num_minibatches`` optimiser steps);
+  :func:`gspo_megatron.stages.update_stage` (``num_minibatches`` optimiser steps);
 * ``r3``: the rollout's :class:`RouteStore` (:func:`rollout_route_store`, with ``known``), the
   old-policy pass replaying it while capturing the routers' natural top-k, the rollout-vs-trainer
   disagreement metrics (``routing/rollout/*``), then ``update_stage`` whose forwards and
@@ -117,7 +117,7 @@ def _measure(name: str, overrides: dict, smoke: bool, rounds: int, batch: int, p
     from gspo_megatron.config import DEMO_RECIPE, RolloutConfig, load_config
     from gspo_megatron.config.model import model_config_from_preset
     from gspo_megatron.policy import make_policy_batch
-    from gspo_megatron.trainer import update_stage
+    from gspo_megatron.stages import update_stage
     from tools.bench import _model
     seq = prompt_len + new_tokens
     cfg = model_config_from_preset("tiny", seq_length=max(64, seq), **overrides)

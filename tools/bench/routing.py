@@ -4,7 +4,7 @@
 
 Same model and batch as the update-step benchmark (``tools/bench/_model.py`` SMALL). One timed
 "training phase" is what the trainer does after the rewards: the old-policy log-prob pass
-(:func:`compute_logprobs`) and :func:`gspo_megatron.trainer.update_stage` (2 minibatches, one
+(:func:`compute_logprobs`) and :func:`gspo_megatron.stages.update_stage` (2 minibatches, one
 optimiser step each), with
 
 * ``off``: no :class:`ModelRouting` attached (``routing.replay='none'``, no diagnostics);
@@ -44,7 +44,7 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
                                     quiet_megatron, row)
 
     try:
-        from gspo_megatron.trainer import update_stage
+        from gspo_megatron.stages import update_stage
         if not hasattr(TrainConfig(), "routing"):
             raise ImportError("TrainConfig has no routing section")
     except ImportError as exc:  # routing replay not in this checkout

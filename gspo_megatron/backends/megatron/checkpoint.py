@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,14 +164,63 @@ class TrainingState:
     """Trainer state: data sampler position, counters (JSON-like values only)."""
 
 
+class AsyncCheckpointWriter:
+    """Checkpoints written in the background: Megatron's ``AsyncCallsQueue`` (the
+    ``--async-save`` machinery of Megatron-LM), one checkpoint in flight at a time.
+
+    :func:`save_checkpoint` builds the sharded state dict and plans the write on the training
+    process (the stall a step sees), then a forked writer process holds the state as it was at
+    the fork (on GPU, after Megatron staged the shards to host memory) and writes the shards while
+    training goes on. The commit - metadata, the rename of ``iter_XXXXXXX.tmp``, the tracker file,
+    pruning - runs on the training ranks in :meth:`wait` (collective), so a write that is killed
+    or fails never becomes the latest checkpoint, exactly as in the synchronous path.
+    """
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._queue = AsyncCallsQueue(persistent=False)
+
+    @property
+    def pending(self) -> bool:
+        """A checkpoint is being written or waits for its commit."""
+        return self._queue.get_num_unfinalized_calls() > 0
+
+    def schedule(self, request) -> None:
+        if self.pending:
+            raise RuntimeError("internal: a checkpoint is already in flight")
+        self._queue.schedule_async_request(request)
+
+    def wait(self) -> float:
+        """Block until the checkpoint in flight is written, then commit it (collective: every
+        rank calls it at the same point). Returns the seconds spent here; 0 when none is pending."""
+        if not self.pending:
+            return 0.0
+        start = time.perf_counter()
+        self._queue.maybe_finalize_async_calls(blocking=True)
+        return time.perf_counter() - start
+
+    def abort(self) -> None:
+        """Kill the writer of an uncommitted checkpoint (after an error): it never becomes the
+        latest, and its ``.tmp`` directory is removed by the next save into the same step.
+        (``AsyncCallsQueue.close(abort=True)`` leaves non-persistent writers running in
+        megatron-core 0.16, so each active call's writer is killed here.)"""
+        while self._queue.async_calls:
+            self._queue.async_calls.popleft().async_caller.close(abort=True)
+
+
 def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int = 2,
-                    before_commit=None) -> str:
+                    before_commit=None, writer: AsyncCheckpointWriter | None = None) -> str:
     """Write model, optimizer, scheduler, RNG and ``state`` for ``state.step`` (collective).
 
     ``before_commit(step)`` runs once the shards are written, before they are renamed into place
-    (fault injection: a crash there must leave the previous checkpoint the latest)."""
+    (fault injection: a crash there must leave the previous checkpoint the latest). With a
+    ``writer`` the shards are written in the background and the commit happens in
+    ``writer.wait()`` (which this call makes first for a checkpoint still in flight)."""
     from megatron.core import dist_checkpointing
 
+    if writer is not None:
+        writer.wait()
     final = iteration_dir(save_dir, state.step)
     tmp = final + ".tmp"
     if _rank() == 0:
@@ -191,26 +241,45 @@ def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int 
     }
     if with_optimizer:
         sharded["optimizer"] = policy.optimizer.sharded_state_dict(model_sd)
-    dist_checkpointing.save(sharded, tmp)
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
-    if before_commit is not None:
-        before_commit(state.step)
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = os.path.join(save_dir, TRACKER_FILE)
-        with open(pointer + ".tmp", "w") as f:
-            f.write(str(state.step))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer + ".tmp", pointer)
-        for old in list_checkpoints(save_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(iteration_dir(save_dir, old), ignore_errors=True)
-    _barrier()
-    logger.info("saved checkpoint %s", final)
+
+    def save_rng() -> None:  # after dist_checkpointing.save: it warns about a non-empty directory
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+
+    def commit() -> None:
+        if before_commit is not None:
+            before_commit(state.step)
+        _barrier()
+        if _rank() == 0:
+            _commit_on_rank0(save_dir, tmp, final, state.step, keep_last)
+        _barrier()
+        logger.info("saved checkpoint %s", final)
+
+    if writer is None:
+        dist_checkpointing.save(sharded, tmp)
+        save_rng()
+        commit()
+    else:
+        request = dist_checkpointing.save(sharded, tmp, async_sharded_save=True)
+        save_rng()
+        request.add_finalize_fn(commit)
+        writer.schedule(request)
     return final
+
+
+def _commit_on_rank0(save_dir: str, tmp: str, final: str, step: int, keep_last: int) -> None:
+    """Rename the written ``tmp`` into place, then point the tracker file at it (atomically,
+    fsynced), then prune checkpoints beyond ``keep_last``."""
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = os.path.join(save_dir, TRACKER_FILE)
+    with open(pointer + ".tmp", "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer + ".tmp", pointer)
+    for old in list_checkpoints(save_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(iteration_dir(save_dir, old), ignore_errors=True)
 
 
 def load_checkpoint(policy, load_dir: str, step: int | None = None) -> TrainingState:

@@ -38,6 +38,7 @@ class MegatronPolicy:
         self.scoring = ScoringConfig(vocab_size=vocab_size)
         """The tokenizer's real vocabulary: padded entries are excluded from every softmax."""
         self._routing = None
+        self._checkpoint_writer: ckpt.AsyncCheckpointWriter | None = None
 
     def unwrapped(self):
         """The ``GPTModel`` inside DDP (single chunk: no virtual pipeline)."""
@@ -173,10 +174,27 @@ class MegatronPolicy:
         return ckpt.read_latest(load_dir) is not None
 
     def save_checkpoint(self, save_dir: str, step: int, extra: dict, keep_last: int,
-                        before_commit=None) -> str:
-        """Model, optimizer, scheduler, RNG and ``(step, extra)`` (collective, atomic)."""
+                        before_commit=None, background: bool = False) -> str:
+        """Model, optimizer, scheduler, RNG and ``(step, extra)`` (collective, atomic). With
+        ``background`` the shards are written by a forked process and committed by
+        :meth:`wait_for_checkpoint` (:class:`.checkpoint.AsyncCheckpointWriter`)."""
+        writer = None
+        if background:
+            if self._checkpoint_writer is None:
+                self._checkpoint_writer = ckpt.AsyncCheckpointWriter()
+            writer = self._checkpoint_writer
         return ckpt.save_checkpoint(self, save_dir, ckpt.TrainingState(step, extra),
-                                    keep_last=keep_last, before_commit=before_commit)
+                                    keep_last=keep_last, before_commit=before_commit,
+                                    writer=writer)
+
+    def wait_for_checkpoint(self) -> float:
+        """Finish and commit a background checkpoint (collective); the seconds it blocked."""
+        return 0.0 if self._checkpoint_writer is None else self._checkpoint_writer.wait()
+
+    def abort_checkpoint(self) -> None:
+        """Drop a background checkpoint that is not committed (after an error)."""
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.abort()
 
     def load_checkpoint(self, load_dir: str) -> tuple[int, dict]:
         """Restore the latest loadable checkpoint; returns ``(step, extra)``."""
