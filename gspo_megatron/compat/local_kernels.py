@@ -10,7 +10,9 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
 * :class:`RopeOnceSelfAttention`: Megatron's static KV cache stores keys *before* RoPE and
   re-rotates the whole cache at every decoding step, O(context) per token per layer (at batch 128
   that was 30 % of a generate call). This rotates each key once, when it enters the cache, as
-  Megatron's dynamic engine and flash decoding already do; the attention output is unchanged.
+  Megatron's dynamic engine and flash decoding already do, and keeps the cache batch-major
+  (``[batch, groups, seq, dim]``) so decoding reads each sequence's keys contiguously; the
+  attention output is unchanged.
 * :class:`SDPADotProductAttention`: one ``scaled_dot_product_attention`` call (GQA without
   expanding the keys) instead of ``repeat_interleave`` + ``baddbmm`` + masked softmax + ``bmm``.
 * :class:`DirectColumnParallelLinear` / :class:`DirectRowParallelLinear`: at tensor-parallel size 1
@@ -49,13 +51,23 @@ def _linear(module, x: torch.Tensor):
 
 
 class RopeOnceSelfAttention(SelfAttention):
-    """``SelfAttention`` whose static-batching KV cache holds keys with RoPE already applied.
+    """``SelfAttention`` whose static-batching KV cache holds keys with RoPE already applied, laid
+    out batch-major.
 
-    ``Attention.forward`` applies the key rotation after ``_adjust_key_value_for_inference`` has
-    returned the cache ``[:sequence_end]``; this override rotates only the new keys ``[sq, b, ng,
-    hn]`` at their absolute positions ``[offset, offset + sq)`` and returns no key embedding, so
-    the forward leaves the (already rotated) cache alone. Training and the dynamic engine (which
-    already rotates before caching) take Megatron's path unchanged.
+    * RoPE once: ``Attention.forward`` applies the key rotation after
+      ``_adjust_key_value_for_inference`` has returned the cache ``[:sequence_end]``; this override
+      rotates only the new keys ``[sq, b, ng, hn]`` at their absolute positions
+      ``[offset, offset + sq)`` and returns no key embedding, so the forward leaves the (already
+      rotated) cache alone.
+    * Batch-major cache: Megatron's static cache is ``[max_seq, max_batch, ng, hn]``, so one
+      sequence's keys for one head are ``max_batch * ng * hn`` floats apart and every decoding step
+      reads the whole cache with that stride. Here the cache is ``[max_batch, ng, max_seq, hn]``
+      (Hugging Face's layout) and the returned keys/values are ``[sk, b, ng, hn]`` *views* of it,
+      which :class:`SDPADotProductAttention` hands to SDPA as contiguous ``[b, ng, sk, hn]`` runs:
+      ~2x faster attention at 272 cached positions, batch 128, on one CPU thread.
+
+    Training and the dynamic engine (which already rotates before caching into its paged cache)
+    take Megatron's path unchanged.
     """
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
@@ -64,15 +76,30 @@ class RopeOnceSelfAttention(SelfAttention):
                 or rotary_pos_emb is None or self.config.flash_decode):
             return super()._adjust_key_value_for_inference(
                 inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
-        _, k_pos_emb = rotary_pos_emb
+        q_pos_emb, k_pos_emb = rotary_pos_emb
         start = inference_context.sequence_len_offset
-        key = apply_rotary_pos_emb(key, k_pos_emb[start:start + key.size(0)], config=self.config,
+        end = start + key.size(0)
+        key = apply_rotary_pos_emb(key, k_pos_emb[start:end], config=self.config,
                                    mscale=_yarn_get_concentration_factor_from_config(self.config),
                                    cp_group=self.pg_collection.cp)
-        query, key, value, (q_pos_emb, _), mask_type, block_table = \
-            super()._adjust_key_value_for_inference(inference_context, query, key, value,
-                                                    rotary_pos_emb, *args, **kwargs)
-        return query, key, value, (q_pos_emb, None), mask_type, block_table
+        memory = inference_context.key_value_memory_dict
+        if self.layer_number not in memory:
+            shape = (inference_context.max_batch_size, key.size(2),
+                     inference_context.max_sequence_length, key.size(3))  # [B, ng, S, hn]
+            memory[self.layer_number] = (key.new_empty(shape), value.new_empty(shape))
+        key_memory, value_memory = memory[self.layer_number]
+        if end > key_memory.size(2):
+            raise ValueError("Current sequence length is longer than expected maximum sequence "
+                             "length! Increase inference_max_seq_length.")
+        b0 = inference_context.batch_size_offset
+        b1 = b0 + key.size(1)
+        key_memory[b0:b1, :, start:end] = key.permute(1, 2, 0, 3)  # [sq, b, ng, hn] -> [b, ng, sq, hn]
+        value_memory[b0:b1, :, start:end] = value.permute(1, 2, 0, 3)
+        # Megatron's rule: prefill keeps the layer's causal mask, decoding (offset > 0) needs none.
+        mask_type = AttnMaskType.no_mask if start > 0 else self.attn_mask_type
+        return (query, key_memory[b0:b1, :, :end].permute(2, 0, 1, 3),
+                value_memory[b0:b1, :, :end].permute(2, 0, 1, 3),
+                (q_pos_emb[start:end], None), mask_type, None)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -90,8 +117,9 @@ class SDPADotProductAttention(DotProductAttention):
         if (attention_bias is not None or packed_seq_params is not None
                 or self.config.softmax_type != "vanilla" or self.config.window_size is not None
                 or (self.training and self.attention_dropout.p > 0)):
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, packed_seq_params)
+            # Megatron's kernel views its inputs: the batch-major KV cache's keys are strided.
+            return super().forward(query, key.contiguous(), value.contiguous(), attention_mask,
+                                   attn_mask_type, attention_bias, packed_seq_params)
         sq, b, np_, hn = query.shape
         sk = key.shape[0]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]

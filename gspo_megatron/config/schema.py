@@ -144,6 +144,9 @@ class RolloutConfig(Section, name="rollout"):
     """Prompts per RL step (per data-parallel rank); the rollout batch is prompts x G."""
     max_new_tokens: int = 1024
     """Generation budget per response."""
+    ignore_eos: bool = False
+    """Sample ``max_new_tokens`` for every response, EOS being an ordinary token (vLLM's
+    ``ignore_eos``): for throughput benchmarks at a fixed response length, not for training."""
     temperature: float = 1.0
     """Sampling temperature, > 0 (also applied when the trainer scores tokens). For greedy
     decoding set ``top_k: 1``."""

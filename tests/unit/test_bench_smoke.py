@@ -38,6 +38,8 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     assert "ours_vs_hf_tokens_per_s_batch2" in by_name["rollout"]["ratios"]
     assert by_name["rollout"]["rows"][-1]["value"] == 1.0  # greedy tokens identical to HF's
     assert by_name["rl_step"]["met"] is None and by_name["rl_step"]["rows"]
+    assert {"critical_path_async_over_sync", "step_async_over_sync"} <= set(by_name["checkpoint"]["ratios"])
+    assert any(r["metric"].startswith("ours n=2 G=2") for r in by_name["scaling"]["rows"])
     gpu = by_name["gpu_qwen3_slice"]
     assert gpu["met"] is None
     if "CPU code-path check" in gpu["rows"][-1]["metric"]:  # no CUDA: the slice code ran on CPU
@@ -45,6 +47,15 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     table = format_table(report)
     for name in BENCHMARKS:
         assert name in table
+
+
+def test_trl_peer_without_trl_says_how_to_install_it(monkeypatch):
+    from tools.bench import trl_peer
+
+    monkeypatch.setattr(trl_peer, "trl_available", lambda: None)
+    res = trl_peer.run(smoke=True)
+    validate_result(res)
+    assert res["met"] is None and "pip install -e '.[bench]'" in res["rows"][0]["value"]
 
 
 def test_validate_result_rejects_malformed():

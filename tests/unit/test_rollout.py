@@ -90,6 +90,23 @@ def test_lengths_finish_reasons_and_vocab(setup):
     assert_valid_samples(prompts, samples)
 
 
+def test_ignore_eos_samples_the_full_budget(setup):
+    """rollout.ignore_eos (vLLM's): every response is max_new_tokens long, EOS an ordinary token;
+    the same seed without it gives the same tokens up to and including the first EOS, and the
+    log-probs are still the trainer's."""
+    prompts = make_prompts()
+    full = engine(setup, temperature=1.0, ignore_eos=True).generate(prompts, seed=1)
+    assert all(len(s.response_ids) == 8 and s.finish_reason == "length" for s in full)
+    assert any(EOS in s.response_ids[:-1] for s in full)  # sampled, and it did not stop the response
+    plain = engine(setup, temperature=1.0).generate(prompts, seed=1)
+    for a, b in zip(full, plain, strict=True):
+        assert a.response_ids[:len(b.response_ids)] == b.response_ids
+        assert a.response_logprobs[:len(b.response_logprobs)] == b.response_logprobs
+    worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
+                for s, ref in zip(full, trainer_logprobs(setup, full, 1.0)))
+    assert worst <= LOGPROB_TOL
+
+
 def test_seed_determinism_and_model_state(setup):
     policy, _ = setup
     eng = engine(setup, temperature=1.0)

@@ -6,6 +6,5 @@ process by default), prints one table and writes one JSON file.
 """
 
 BENCHMARKS = ("logprobs", "update_step", "rollout", "routing", "r3_cost", "reward", "rl_step",
-              "checkpoint",
-              "gpu_qwen3_slice")
+              "checkpoint", "trl_peer", "scaling", "gpu_qwen3_slice")
 """Run order; ``gpu_qwen3_slice`` reports "not run" without CUDA."""

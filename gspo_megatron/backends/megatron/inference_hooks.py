@@ -95,19 +95,21 @@ class RolloutTextGenerationController(TextGenerationController):
         result = super().generate_all_output_tokens_static_batch(active_requests, active_streams)
         recorder = self.inference_wrapped_model.route_recorder
         routes = recorder.take() if recorder is not None else None  # [L, b, S, k]
+        # One host copy of everything recorded: position -> row of [b] tokens / log-probs.
+        positions = sorted(self._records)
+        first = positions[0] if positions else 0
+        if positions != list(range(first, first + len(positions))):
+            raise RuntimeError("internal: the recorded decoding positions are not contiguous")
+        tok_rows = torch.stack([self._records[p][0] for p in positions]).T.tolist() if positions else []
+        lp_rows = torch.stack([self._records[p][1] for p in positions]).T.tolist() if positions else []
         for idx, request in enumerate(result.values()):
             request.gspo_routes = None if routes is None else routes[:, idx]
             p = len(request.prompt_tokens)
             n = request.sampling_params.num_tokens_to_generate
-            toks, lps = [], []
-            for pos in range(p, p + n):
-                if pos not in self._records:
-                    break
-                tok_row, lp_row = self._records[pos]
-                toks.append(int(tok_row[idx]))
-                lps.append(float(lp_row[idx]))
-            request.gspo_sampled_tokens = toks
-            request.gspo_sampled_logprobs = lps
+            # Positions p .. p + n - 1 that were decoded (all of them unless generation stopped).
+            lo, hi = p - first, min(p + n, first + len(positions)) - first
+            request.gspo_sampled_tokens = [int(t) for t in tok_rows[idx][lo:hi]] if positions else []
+            request.gspo_sampled_logprobs = lp_rows[idx][lo:hi] if positions else []
         self._records = {}
         return result
 

@@ -414,8 +414,10 @@ class RolloutEngine:
             # static path records them itself (RolloutTextGenerationController).
             return_log_probs=self.backend == "dynamic",
             skip_prompt_log_probs=self.backend == "dynamic",
-            termination_id=self.eos_id,
+            termination_id=-1 if c.ignore_eos else self.eos_id,
         )
+        if c.ignore_eos:  # the static path stops on the tokenizer's EOS unless told not to
+            sp.add_attributes({"no_early_termination": True})
         return sp, score_t
 
     # ------------------------------------------------------------------ public API
@@ -521,7 +523,7 @@ class RolloutEngine:
 
     def _finish(self, prompt, tokens, logprobs) -> RolloutSample:
         """Cut at the first EOS (kept) and name the finish reason."""
-        if self.eos_id in tokens:
+        if self.eos_id in tokens and not self.config.ignore_eos:
             end = tokens.index(self.eos_id) + 1
             return RolloutSample(list(prompt), tokens[:end], logprobs[:end], "eos")
         n = self.config.max_new_tokens

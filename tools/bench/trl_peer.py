@@ -1,0 +1,270 @@
+"""Benchmark: our GSPO step against TRL's ``GRPOTrainer`` in GSPO mode, on TRL's own workload.
+
+    pip install -e '.[bench]'                      # TRL 1.16.0, the peer (optional)
+    python -m tools.bench.trl_peer [--rounds 3] [--steps 3]
+
+The workload (issue 16): a random Qwen3-MoE with hidden 64, 2 layers, 8 experts top-2, expert width
+32, 4 heads / 2 KV heads, head_dim 16, vocabulary 128; 16 prompts x 8 completions of at most 16 new
+tokens per generation; 4 optimiser steps per generation batch (one microbatch of 32 each); fp32 on
+CPU, one thread, temperature 1, no KL term.
+
+* TRL 1.16.0: ``GRPOTrainer`` with ``importance_sampling_level="sequence"``, eps 3e-4 / 4e-4,
+  ``beta=0``, ``loss_type="grpo"``, ``steps_per_generation=4``, Hugging Face ``generate``, on the
+  arithmetic prompts (character tokenizer) with an exact-match reward.
+* Ours: ``gspo-train``'s trainer on ``examples/configs/tiny_gspo.yaml`` with the same shapes (8
+  experts, expert width 32, 16 new tokens, GSPO eps 3e-4 / 4e-4, no SFT), one
+  :meth:`Trainer.rl_step` per generation.
+
+Each side runs in a fresh process per round (alternating which goes first); in each, the first
+generation is a warm-up and ``--steps`` generations are timed. Per generation + 4 updates it reports
+the median of: the whole RL step; the rollout (TRL: ``_generate_single_turn``, i.e. HF
+``generate``; ours: ``perf/rollout_s``) and its tokens/s; the rest of the step (reward, old
+log-probs, the 4 updates: the step minus the rollout, on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+SHAPE = dict(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
+             num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2,
+             moe_ffn_hidden_size=32)
+PROMPTS, GROUP, NEW_TOKENS, UPDATES = 16, 8, 16, 4
+
+
+def trl_available() -> str | None:
+    """TRL's version, or None when it is not installed."""
+    try:
+        from importlib.metadata import version
+
+        return version("trl")
+    except Exception:  # noqa: BLE001 - any failure means "not installed"
+        return None
+
+
+def _arithmetic(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        out.append((f"{a}+{b}=", str(a + b)))
+    return out
+
+
+def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
+              full_length: bool = False) -> dict:
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import (PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                              TrainerCallback)
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"], intermediate_size=128,
+        num_hidden_layers=SHAPE["num_layers"], num_attention_heads=SHAPE["num_attention_heads"],
+        num_key_value_heads=SHAPE["num_query_groups"], head_dim=SHAPE["kv_channels"],
+        moe_intermediate_size=SHAPE["moe_ffn_hidden_size"], num_experts=SHAPE["num_moe_experts"],
+        num_experts_per_tok=SHAPE["moe_router_topk"], norm_topk_prob=True,
+        max_position_embeddings=16 + new_tokens, tie_word_embeddings=False)).float()
+    chars = "0123456789+-="
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                        eos_token="<eos>", unk_token="<unk>")
+    prompts_per_gen = 2 if smoke else PROMPTS
+    group = 2 if smoke else group
+    generations = 1 + steps
+    data = _arithmetic(prompts_per_gen * generations)
+    dataset = Dataset.from_dict({"prompt": [p for p, _ in data], "answer": [a for _, a in data]})
+
+    def exact(completions, answer, **_):
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    batch = prompts_per_gen * group // UPDATES
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="gspo_bench_trl_"), use_cpu=True, bf16=False,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        steps_per_generation=UPDATES, num_generations=group,
+        max_completion_length=2 if smoke else new_tokens,
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
+        beta=0.0, temperature=1.0, top_p=1.0, learning_rate=1e-6, max_steps=UPDATES * generations,
+        report_to=[], save_strategy="no", logging_steps=10_000, disable_tqdm=True, seed=0,
+        shuffle_dataset=False, dataloader_num_workers=0,
+        # full_length: EOS masked until the last token, every completion max_completion_length long
+        generation_kwargs={"min_new_tokens": new_tokens} if full_length else None)
+    step_end: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_end.append(time.perf_counter())
+
+    trainer = GRPOTrainer(model=model, reward_funcs=exact, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[StepTimes()])
+    gen_s, gen_tokens, phase_s = [], [], []
+    generate_single, generate_and_score = (trainer._generate_single_turn,
+                                           trainer._generate_and_score_completions)
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        out = generate_single(*a, **k)
+        gen_s.append(time.perf_counter() - t)
+        gen_tokens.append(sum(len(c) for c in out[0]))  # (completion_ids, logprobs)
+        return out
+
+    def timed_phase(*a, **k):
+        t = time.perf_counter()
+        out = generate_and_score(*a, **k)
+        phase_s.append(time.perf_counter() - t)
+        return out
+
+    trainer._generate_single_turn = timed_generate
+    trainer._generate_and_score_completions = timed_phase
+    start = time.perf_counter()
+    trainer.train()
+    ends = [start] + step_end
+    step_s = [ends[UPDATES * (g + 1)] - ends[UPDATES * g] for g in range(generations)]
+    return {"step_s": step_s[1:], "rollout_s": gen_s[1:], "rollout_tokens": gen_tokens[1:],
+            "updates_s": [s - g for s, g in zip(step_s, gen_s)][1:],
+            "phase_s": phase_s[1:]}
+
+
+def _our_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
+              full_length: bool = False) -> dict:
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed
+    from gspo_megatron.cli import build, prepare
+    from gspo_megatron.config.loader import load_config
+    from tools.bench.common import quiet_megatron
+
+    quiet_megatron()
+    torch.set_num_threads(1)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_dir = tempfile.mkdtemp(prefix="gspo_bench_ours_")
+    prompts, group = (2, 2) if smoke else (PROMPTS, group)
+    overrides = [
+        f"logging.run_dir={run_dir}", "logging.progress=false", "sft.steps=0",
+        f"model.num_moe_experts={SHAPE['num_moe_experts']}",
+        f"model.moe_ffn_hidden_size={SHAPE['moe_ffn_hidden_size']}",
+        f"model.moe_router_topk={SHAPE['moe_router_topk']}",
+        f"rollout.max_new_tokens={2 if smoke else new_tokens}",
+        f"model.seq_length={16 + (2 if smoke else new_tokens)}",
+        f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
+        f"trainer.num_minibatches={UPDATES}",
+        f"trainer.micro_batch_size={prompts * group // UPDATES}",
+        "loss.clip_low=3e-4", "loss.clip_high=4e-4",
+        "data.num_eval_examples=2", "trainer.eval_interval=0", f"trainer.steps={1 + steps}",
+        f"rollout.ignore_eos={str(full_length).lower()}"]
+    try:
+        cfg = load_config(os.path.join(root, "examples", "configs", "tiny_gspo.yaml"), overrides)
+        trainer = build(cfg, prepare(cfg))
+        try:
+            records = [trainer.rl_step() for _ in range(1 + steps)][1:]
+        finally:
+            trainer.close()
+            destroy_distributed()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {"step_s": [r["perf/step_s"] for r in records],
+            "rollout_s": [r["perf/rollout_s"] for r in records],
+            "rollout_tokens": [r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"]
+                               for r in records],
+            "updates_s": [r["perf/step_s"] - r["perf/rollout_s"] for r in records],
+            "stages_s": {k[5:-2]: [r[k] for r in records] for k in
+                         ("perf/rollout_s", "perf/reward_s", "perf/old_logprobs_s",
+                          "perf/update_s")}}
+
+
+def run(smoke: bool = False, rounds: int = 3, steps: int = 3) -> dict:
+    from tools.bench.common import make_result, median, row, run_child
+
+    version = trl_available()
+    if version is None:
+        return make_result(
+            "trl_peer", "GSPO RL step vs TRL GRPOTrainer (GSPO mode), TRL's workload",
+            "ours <= 1.0x TRL's RL step; rollout tokens/s >= 1.0x", None,
+            [row("skipped", "TRL is not installed: pip install -e '.[bench]' (trl==1.16.0)", "")],
+            notes=["not run: TRL is not installed"])
+    if smoke:
+        rounds, steps = 1, 1
+    sides: dict[str, list[dict]] = {"trl": [], "ours": []}
+    for r in range(rounds):
+        for side in (("trl", "ours") if r % 2 == 0 else ("ours", "trl")):
+            args = ["--side", side, "--steps", str(steps)] + (["--smoke"] if smoke else [])
+            sides[side].append(run_child("tools.bench.trl_peer", args))
+
+    def pooled(side, key):
+        return [x for rec in sides[side] for x in rec[key]]
+
+    med = {side: {"step": median(pooled(side, "step_s")),
+                  "rollout": median(pooled(side, "rollout_s")),
+                  "updates": median(pooled(side, "updates_s")),
+                  "tok_s": median(t / s for t, s in zip(pooled(side, "rollout_tokens"),
+                                                        pooled(side, "rollout_s")))}
+           for side in sides}
+    step_ratio = med["ours"]["step"] / med["trl"]["step"]
+    tok_ratio = med["ours"]["tok_s"] / med["trl"]["tok_s"]
+    upd_ratio = med["ours"]["updates"] / med["trl"]["updates"]
+    rows = []
+    for side, label in (("trl", f"TRL {version}"), ("ours", "ours")):
+        rows += [row(f"{label}: RL step (generation + {UPDATES} updates)", med[side]["step"], "s"),
+                 row(f"{label}: rollout", med[side]["rollout"], "s"),
+                 row(f"{label}: rollout tokens/s", med[side]["tok_s"], "tok/s"),
+                 row(f"{label}: rest of the step (reward, old log-probs, {UPDATES} updates)",
+                     med[side]["updates"], "s")]
+    rows += [row("RL step, ours / TRL (time)", step_ratio, "x"),
+             row("rollout tokens/s, ours / TRL", tok_ratio, "x"),
+             row("rest of the step, ours / TRL (time)", upd_ratio, "x")]
+    return make_result(
+        "trl_peer", "GSPO RL step vs TRL GRPOTrainer (GSPO mode), TRL's workload",
+        "ours <= 1.0x TRL's RL step; rollout tokens/s >= 1.0x",
+        step_ratio <= 1.0 and tok_ratio >= 1.0, rows,
+        {"step_ours_over_trl": step_ratio, "rollout_tokens_per_s_ours_over_trl": tok_ratio,
+         "updates_ours_over_trl": upd_ratio},
+        config={"trl": version, "rounds": rounds, "steps": steps, "shape": SHAPE,
+                "prompts": PROMPTS, "group": GROUP, "new_tokens": NEW_TOKENS,
+                "updates": UPDATES, "per_round": sides},
+        notes=[f"median over {rounds} fresh processes per side x {steps} generations (1 warm-up "
+               "generation each), alternating which side runs first; fp32, 1 thread"])
+
+
+def _child(argv: list[str]) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--side", choices=("trl", "ours"))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument("--group", type=int, default=GROUP)
+    ap.add_argument("--full-length", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json-out")
+    args = ap.parse_args(argv)
+    if args.side is None:
+        from tools.bench.common import module_main
+
+        module_main(run, argv, extra_args=lambda p: (p.add_argument("--rounds", type=int),
+                                                     p.add_argument("--steps", type=int)))
+        return
+    side = _trl_side if args.side == "trl" else _our_side
+    print(json.dumps(side(args.steps, args.smoke, args.new_tokens, args.group, args.full_length)),
+          flush=True)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
