@@ -116,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "hn), k, v, scale=self.softmax_scale)",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "greedy_generation")),
     Mutant("local kernel: cached keys rotated from position 0", LK,
-           "k_pos_emb[start:start + key.size(0)]", "k_pos_emb[:key.size(0)]",
+           "k_pos_emb[start:end]", "k_pos_emb[:key.size(0)]",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "greedy_generation")),
 )
 
