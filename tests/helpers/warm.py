@@ -116,15 +116,11 @@ class WarmProcess:
             return out.read(), err.read()
 
 
-def launch(argv: list[str], *, env: dict[str, str], cwd: str, stdout: str | None = None,
-           stderr: str | None = None, nproc: int = 1) -> WarmProcess:
+def launch(argv: list[str], *, env: dict[str, str], cwd: str, nproc: int = 1) -> WarmProcess:
     """Start ``python <argv>`` (``argv`` is ``["-m", module, *args]`` or ``[script, *args]``) on
-    ``nproc`` ranks; output goes to the files ``stdout``/``stderr`` (fresh temporary ones when
-    not given)."""
-    if stdout is None or stderr is None:
-        log_dir = tempfile.mkdtemp(prefix="gspo_warm_")
-        stdout = stdout or os.path.join(log_dir, "stdout")
-        stderr = stderr or os.path.join(log_dir, "stderr")
+    ``nproc`` ranks; output goes to fresh temporary files (:meth:`WarmProcess.output`)."""
+    log_dir = tempfile.mkdtemp(prefix="gspo_warm_")
+    stdout, stderr = os.path.join(log_dir, "stdout"), os.path.join(log_dir, "stderr")
     for path in (stdout, stderr):
         open(path, "a").close()  # there even when the child dies before it writes
     port = 0

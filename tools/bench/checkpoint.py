@@ -20,38 +20,21 @@ MODES = {"sync": "false", "async": "true"}
 
 
 def _one_run(steps: int, async_save: str, smoke: bool) -> list[dict]:
-    import json
     import os
-    import shutil
-    import tempfile
 
-    from gspo_megatron.backends.megatron.parallel import destroy_distributed
-    from gspo_megatron.cli import build, prepare
-    from gspo_megatron.config.loader import load_config
+    from gspo_megatron.metrics import read_metrics
+    from tools.bench.common import tiny_trainer
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    recipe = os.path.join(root, "examples", "configs", "tiny_gspo.yaml")
-    run_dir = tempfile.mkdtemp(prefix="gspo_bench_ckpt_")
-    overrides = [f"logging.run_dir={run_dir}", "logging.progress=false", "sft.steps=0",
-                 "checkpoint.save_interval=1", "checkpoint.keep_last=1",
+    overrides = ["sft.steps=0", "checkpoint.save_interval=1", "checkpoint.keep_last=1",
                  f"checkpoint.async_save={async_save}", "data.num_eval_examples=2",
                  "trainer.eval_interval=0", f"trainer.steps={steps}"]
     if smoke:
         overrides += ["rollout.group_size=2", "rollout.prompts_per_step=2",
                       "rollout.max_new_tokens=2", "trainer.num_minibatches=1",
                       "trainer.micro_batch_size=4", "data.num_train_examples=64"]
-    try:
-        cfg = load_config(recipe, overrides)
-        trainer = build(cfg, prepare(cfg))
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-            destroy_distributed()
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with tiny_trainer(overrides) as (trainer, run_dir):
+        trainer.fit()
+        return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def run(smoke: bool = False, steps: int = 6, rounds: int = 2, threads: int = 1) -> dict:

@@ -7,6 +7,7 @@ during a run shifts both sides of a round alike.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -144,6 +145,34 @@ def run_child(module: str, args: list[str], timeout: float = 900) -> dict:
         raise RuntimeError(f"{module} {' '.join(args)} failed (rc {proc.returncode}):\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1])
+
+
+@contextlib.contextmanager
+def tiny_trainer(overrides: list[str]):
+    """``gspo-train``'s trainer (``build(cfg, prepare(cfg))``, in this process) on
+    ``examples/configs/tiny_gspo.yaml`` with ``overrides`` and a temporary run directory. Yields
+    ``(trainer, run_dir)``; afterwards the trainer is closed, the distributed state destroyed and
+    the directory removed."""
+    import shutil
+    import tempfile
+
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed
+    from gspo_megatron.cli import build, prepare
+    from gspo_megatron.config.loader import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_dir = tempfile.mkdtemp(prefix="gspo_bench_")
+    try:
+        cfg = load_config(os.path.join(root, "examples", "configs", "tiny_gspo.yaml"),
+                          [f"logging.run_dir={run_dir}", "logging.progress=false", *overrides])
+        trainer = build(cfg, prepare(cfg))
+        try:
+            yield trainer, run_dir
+        finally:
+            trainer.close()
+            destroy_distributed()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def quiet_megatron() -> None:

@@ -18,25 +18,16 @@ PARTS = ("perf/rollout_s", "perf/reward_s", "perf/old_logprobs_s", "perf/checkpo
 
 
 def run(smoke: bool = False, steps: int = 4, threads: int = 1) -> dict:
-    import json
     import os
-    import shutil
-    import tempfile
 
     import torch
 
-    from gspo_megatron.config.loader import load_config
-    from gspo_megatron.backends.megatron.parallel import destroy_distributed
-    from gspo_megatron.cli import build, prepare
-    from tools.bench.common import make_result, median, quiet_megatron, row
+    from gspo_megatron.metrics import read_metrics
+    from tools.bench.common import make_result, median, quiet_megatron, row, tiny_trainer
 
     quiet_megatron()
     torch.set_num_threads(threads)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    recipe = os.path.join(root, "examples", "configs", "tiny_gspo.yaml")
-    run_dir = tempfile.mkdtemp(prefix="gspo_bench_rl_")
-    overrides = [f"logging.run_dir={run_dir}", "logging.progress=false",
-                 "checkpoint.save_interval=1", "checkpoint.keep_last=1",
+    overrides = ["checkpoint.save_interval=1", "checkpoint.keep_last=1",
                  "data.num_eval_examples=16", "trainer.eval_interval=0"]
     if smoke:
         steps = 2
@@ -45,16 +36,9 @@ def run(smoke: bool = False, steps: int = 4, threads: int = 1) -> dict:
                       "trainer.micro_batch_size=4", "data.num_train_examples=64",
                       "data.num_eval_examples=2", "sft.steps=2"]
     overrides.append(f"trainer.steps={steps}")
-    try:
-        cfg = load_config(recipe, overrides)
-        try:
-            summary = build(cfg, prepare(cfg)).fit()
-        finally:
-            destroy_distributed()
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with tiny_trainer(overrides) as (trainer, run_dir):
+        summary = trainer.fit()
+        records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     records = [r for r in records if "perf/step_s" in r]
     if not records:
         raise RuntimeError("gspo-train wrote no perf/* metrics")

@@ -44,17 +44,6 @@ def trl_available() -> str | None:
         return None
 
 
-def _arithmetic(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 20), rng.randint(0, 20)
-        out.append((f"{a}+{b}=", str(a + b)))
-    return out
-
-
 def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
               full_length: bool = False) -> dict:
     import tempfile
@@ -65,6 +54,8 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
     from transformers import (PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                               TrainerCallback)
     from trl import GRPOConfig, GRPOTrainer
+
+    from gspo_megatron.data.arithmetic import make_arithmetic_dataset
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -84,8 +75,10 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
     prompts_per_gen = 2 if smoke else PROMPTS
     group = 2 if smoke else group
     generations = 1 + steps
-    data = _arithmetic(prompts_per_gen * generations)
-    dataset = Dataset.from_dict({"prompt": [p for p, _ in data], "answer": [a for _, a in data]})
+    # The project's arithmetic problems ("12+7=" -> "19"), drawn with replacement.
+    data = make_arithmetic_dataset(prompts_per_gen * generations, ops=("+",), unique=False)
+    dataset = Dataset.from_dict({"prompt": [e.prompt for e in data],
+                                 "answer": [e.answer for e in data]})
 
     def exact(completions, answer, **_):
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
@@ -110,9 +103,8 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepTimes()])
-    gen_s, gen_tokens, phase_s = [], [], []
-    generate_single, generate_and_score = (trainer._generate_single_turn,
-                                           trainer._generate_and_score_completions)
+    gen_s, gen_tokens = [], []
+    generate_single = trainer._generate_single_turn
 
     def timed_generate(*a, **k):
         t = time.perf_counter()
@@ -121,64 +113,38 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
         gen_tokens.append(sum(len(c) for c in out[0]))  # (completion_ids, logprobs)
         return out
 
-    def timed_phase(*a, **k):
-        t = time.perf_counter()
-        out = generate_and_score(*a, **k)
-        phase_s.append(time.perf_counter() - t)
-        return out
-
     trainer._generate_single_turn = timed_generate
-    trainer._generate_and_score_completions = timed_phase
     start = time.perf_counter()
     trainer.train()
     ends = [start] + step_end
     step_s = [ends[UPDATES * (g + 1)] - ends[UPDATES * g] for g in range(generations)]
     return {"step_s": step_s[1:], "rollout_s": gen_s[1:], "rollout_tokens": gen_tokens[1:],
-            "updates_s": [s - g for s, g in zip(step_s, gen_s)][1:],
-            "phase_s": phase_s[1:]}
+            "updates_s": [s - g for s, g in zip(step_s, gen_s)][1:]}
 
 
 def _our_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
               full_length: bool = False) -> dict:
-    import os
-    import shutil
-    import tempfile
-
     import torch
 
-    from gspo_megatron.backends.megatron.parallel import destroy_distributed
-    from gspo_megatron.cli import build, prepare
-    from gspo_megatron.config.loader import load_config
-    from tools.bench.common import quiet_megatron
+    from tools.bench.common import quiet_megatron, tiny_trainer
 
     quiet_megatron()
     torch.set_num_threads(1)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run_dir = tempfile.mkdtemp(prefix="gspo_bench_ours_")
     prompts, group = (2, 2) if smoke else (PROMPTS, group)
+    new_tokens = 2 if smoke else new_tokens
     overrides = [
-        f"logging.run_dir={run_dir}", "logging.progress=false", "sft.steps=0",
-        f"model.num_moe_experts={SHAPE['num_moe_experts']}",
+        "sft.steps=0", f"model.num_moe_experts={SHAPE['num_moe_experts']}",
         f"model.moe_ffn_hidden_size={SHAPE['moe_ffn_hidden_size']}",
         f"model.moe_router_topk={SHAPE['moe_router_topk']}",
-        f"rollout.max_new_tokens={2 if smoke else new_tokens}",
-        f"model.seq_length={16 + (2 if smoke else new_tokens)}",
+        f"rollout.max_new_tokens={new_tokens}", f"model.seq_length={16 + new_tokens}",
         f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
         f"trainer.num_minibatches={UPDATES}",
         f"trainer.micro_batch_size={prompts * group // UPDATES}",
         "loss.clip_low=3e-4", "loss.clip_high=4e-4",
         "data.num_eval_examples=2", "trainer.eval_interval=0", f"trainer.steps={1 + steps}",
         f"rollout.ignore_eos={str(full_length).lower()}"]
-    try:
-        cfg = load_config(os.path.join(root, "examples", "configs", "tiny_gspo.yaml"), overrides)
-        trainer = build(cfg, prepare(cfg))
-        try:
-            records = [trainer.rl_step() for _ in range(1 + steps)][1:]
-        finally:
-            trainer.close()
-            destroy_distributed()
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with tiny_trainer(overrides) as (trainer, _):
+        records = [trainer.rl_step() for _ in range(1 + steps)][1:]
     return {"step_s": [r["perf/step_s"] for r in records],
             "rollout_s": [r["perf/rollout_s"] for r in records],
             "rollout_tokens": [r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"]
@@ -242,29 +208,32 @@ def run(smoke: bool = False, rounds: int = 3, steps: int = 3) -> dict:
                "generation each), alternating which side runs first; fp32, 1 thread"])
 
 
-def _child(argv: list[str]) -> None:
+def _side_main(argv: list[str]) -> None:
+    """``--side trl|ours``: one side in this process (the child ``run`` starts); prints its JSON."""
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--side", choices=("trl", "ours"))
+    ap.add_argument("--side", choices=("trl", "ours"), required=True)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int)
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--group", type=int, default=GROUP)
     ap.add_argument("--full-length", action="store_true")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--json-out")
     args = ap.parse_args(argv)
-    if args.side is None:
-        from tools.bench.common import module_main
-
-        module_main(run, argv, extra_args=lambda p: (p.add_argument("--rounds", type=int),
-                                                     p.add_argument("--steps", type=int)))
-        return
     side = _trl_side if args.side == "trl" else _our_side
     print(json.dumps(side(args.steps, args.smoke, args.new_tokens, args.group, args.full_length)),
           flush=True)
 
 
+def _args(ap) -> None:
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--steps", type=int)
+
+
 if __name__ == "__main__":
-    _child(sys.argv[1:])
+    if "--side" in sys.argv:
+        _side_main(sys.argv[1:])
+    else:
+        from tools.bench.common import module_main
+
+        module_main(run, extra_args=_args)

@@ -95,21 +95,23 @@ class RolloutTextGenerationController(TextGenerationController):
         result = super().generate_all_output_tokens_static_batch(active_requests, active_streams)
         recorder = self.inference_wrapped_model.route_recorder
         routes = recorder.take() if recorder is not None else None  # [L, b, S, k]
-        # One host copy of everything recorded: position -> row of [b] tokens / log-probs.
+        # One host copy of everything recorded: [b, positions] tokens / log-probs, the positions
+        # consecutive from the first one decoded (the batch's shortest prompt length).
         positions = sorted(self._records)
         first = positions[0] if positions else 0
         if positions != list(range(first, first + len(positions))):
             raise RuntimeError("internal: the recorded decoding positions are not contiguous")
-        tok_rows = torch.stack([self._records[p][0] for p in positions]).T.tolist() if positions else []
-        lp_rows = torch.stack([self._records[p][1] for p in positions]).T.tolist() if positions else []
+        tokens, logprobs = ((torch.stack(rows).T.tolist() for rows in
+                             zip(*(self._records[p] for p in positions)))
+                            if positions else ([[]] * len(result), [[]] * len(result)))
         for idx, request in enumerate(result.values()):
             request.gspo_routes = None if routes is None else routes[:, idx]
             p = len(request.prompt_tokens)
             n = request.sampling_params.num_tokens_to_generate
             # Positions p .. p + n - 1 that were decoded (all of them unless generation stopped).
             lo, hi = p - first, min(p + n, first + len(positions)) - first
-            request.gspo_sampled_tokens = [int(t) for t in tok_rows[idx][lo:hi]] if positions else []
-            request.gspo_sampled_logprobs = lp_rows[idx][lo:hi] if positions else []
+            request.gspo_sampled_tokens = tokens[idx][lo:hi]
+            request.gspo_sampled_logprobs = logprobs[idx][lo:hi]
         self._records = {}
         return result
 
