@@ -199,7 +199,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
 
     sampling = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
                              pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
-                             config=cfg.rollout, tokenizer=tokenizer, backend=cfg.rollout.engine,
+                             config=cfg.rollout, backend=cfg.rollout.engine,
                              dynamic_buffer_size_gb=cfg.rollout.dynamic_buffer_size_gb,
                              record_routes=cfg.routing.records_rollout_routes)
     # Greedy evaluation shares the engine and its KV cache.

@@ -111,13 +111,21 @@ MUTANTS: tuple[Mutant, ...] = (
     # The two kernel bugs docs/benchmarks.md (section on the local kernels) says
     # test_local_kernels.py catches; that file is marked slow, hence the -m override.
     Mutant("local SDPA kernel: GQA heads folded group-minor", LK,
-           "q.reshape(b, ng, np_ // ng * sq, hn), k, v, scale=self.softmax_scale)",
+           "q.reshape(b, ng, np_ // ng * sq, hn), k, v, attn_mask=mask,",
            "q.reshape(b, np_ // ng, ng, sq, hn).transpose(1, 2).reshape(b, ng, np_ // ng * sq, "
-           "hn), k, v, scale=self.softmax_scale)",
+           "hn), k, v, attn_mask=mask,",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "greedy_generation")),
     Mutant("local kernel: cached keys rotated from position 0", LK,
-           "k_pos_emb[start:end]", "k_pos_emb[:key.size(0)]",
+           "return q_pos_emb[start:end], k_pos_emb[start:end]",
+           "return q_pos_emb[start:end], k_pos_emb[:end - start]",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "greedy_generation")),
+    Mutant("grouped experts: rows handed to the wrong experts", LK,
+           "offs = tokens_per_expert.cumsum(0).to(torch.int32)",
+           "offs = tokens_per_expert.flip(0).cumsum(0).to(torch.int32)",
+           ("-m", "slow", T + "test_local_kernels.py", "-k", "grouped")),
+    Mutant("left-padded rollouts: pad keys not masked", "gspo_megatron/backends/megatron/"
+           "inference_hooks.py", "masked = (j > i) | ((j < pads.view(-1, 1, 1)) & (j != i))",
+           "masked = j > i", ("-m", "slow", T + "test_rollout.py", "-k", "left_padded")),
 )
 
 

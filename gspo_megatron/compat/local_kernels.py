@@ -20,11 +20,18 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
   backward is the same two matmuls) and the per-call process-group queries.
 * :class:`LoopedSequentialMLP`: Megatron's ``SequentialMLP`` calls one ``MLP`` module (two linear
   modules, an activation closure) per expert; this runs the same per-expert GEMM pair as plain
-  ``F.linear`` calls and, without autograd, skips experts that received no token.
+  ``F.linear`` calls and, without autograd, skips experts that received no token. Inside
+  :func:`stacked_expert_weights` (the rollout engine's generate) the experts of a CPU model run as
+  two ``torch._grouped_mm`` calls instead, bitwise equal to the loop (the HF model's path).
+* :class:`DirectMoELayer`: without autograd on one expert and one tensor rank, the token dispatch
+  is Megatron's ``permute``/``unpermute`` pair alone; the all-to-all dispatcher's single-rank
+  collectives and its chunk sorts (identity permutations at EP=1, ~40 tensor ops per layer and
+  decoding step) are skipped. Bitwise the dispatcher's result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -37,6 +44,9 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import permute, unpermute
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 
 def _single_rank(group) -> bool:
@@ -66,6 +76,14 @@ class RopeOnceSelfAttention(SelfAttention):
       which :class:`SDPADotProductAttention` hands to SDPA as contiguous ``[b, ng, sk, hn]`` runs:
       ~2x faster attention at 272 cached positions, batch 128, on one CPU thread.
 
+    * One rotation table per step: the cos/sin of the window's positions are computed once per
+      forward step (Megatron recomputes them for queries and keys in every layer) and applied with
+      Megatron's own formula, so the rotated tensors are bitwise Megatron's.
+    * Left padding: when the context carries ``left_padding`` (``[B]`` pad tokens in front of each
+      prompt; :meth:`~gspo_megatron.backends.megatron.rollout.RolloutEngine._left_pad`), queries
+      and keys are rotated at their positions in the unpadded sequence, ``j - pads[b]``, as Hugging
+      Face derives ``position_ids`` from the attention mask; the pad keys are masked by the mask.
+
     Training and the dynamic engine (which already rotates before caching into its paged cache)
     take Megatron's path unchanged.
     """
@@ -79,9 +97,18 @@ class RopeOnceSelfAttention(SelfAttention):
         q_pos_emb, k_pos_emb = rotary_pos_emb
         start = inference_context.sequence_len_offset
         end = start + key.size(0)
-        key = apply_rotary_pos_emb(key, k_pos_emb[start:end], config=self.config,
-                                   mscale=_yarn_get_concentration_factor_from_config(self.config),
-                                   cp_group=self.pg_collection.cp)
+        b0 = inference_context.batch_size_offset
+        rope = self._rotary(inference_context, q_pos_emb, k_pos_emb, start, end, b0, key)
+        if rope is None:  # Megatron's rotation (fused kernels, MLA): keys here, queries in forward
+            q_emb, k_emb = self._positions(inference_context, q_pos_emb, k_pos_emb, start, end,
+                                           b0, key.size(1))
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config,
+                                       mscale=_yarn_get_concentration_factor_from_config(self.config),
+                                       cp_group=self.pg_collection.cp)
+            rotary_out = (q_emb, None)
+        else:  # one cos/sin per forward step, shared by the layers, queries and keys
+            query, key = _rotate(query, *rope), _rotate(key, *rope)
+            rotary_out = None
         memory = inference_context.key_value_memory_dict
         if self.layer_number not in memory:
             shape = (inference_context.max_batch_size, key.size(2),
@@ -91,7 +118,6 @@ class RopeOnceSelfAttention(SelfAttention):
         if end > key_memory.size(2):
             raise ValueError("Current sequence length is longer than expected maximum sequence "
                              "length! Increase inference_max_seq_length.")
-        b0 = inference_context.batch_size_offset
         b1 = b0 + key.size(1)
         key_memory[b0:b1, :, start:end] = key.permute(1, 2, 0, 3)  # [sq, b, ng, hn] -> [b, ng, sq, hn]
         value_memory[b0:b1, :, start:end] = value.permute(1, 2, 0, 3)
@@ -99,7 +125,50 @@ class RopeOnceSelfAttention(SelfAttention):
         mask_type = AttnMaskType.no_mask if start > 0 else self.attn_mask_type
         return (query, key_memory[b0:b1, :, :end].permute(2, 0, 1, 3),
                 value_memory[b0:b1, :, :end].permute(2, 0, 1, 3),
-                (q_pos_emb[start:end], None), mask_type, None)
+                rotary_out, mask_type, None)
+
+    @staticmethod
+    def _positions(context, q_pos_emb, k_pos_emb, start: int, end: int, b0: int, b: int):
+        """Rotary embeddings of the window ``[start, end)``: ``[sq, 1, 1, rot]`` slices of the
+        tables, or per sequence ``[sq, b, 1, rot]`` at ``j - pads[b]`` for a left-padded batch
+        (sequence b's token at cache position j is at position j - pads[b] unpadded)."""
+        pads = getattr(context, "left_padding", None)
+        if pads is None:
+            return q_pos_emb[start:end], k_pos_emb[start:end]
+        pos = (torch.arange(start, end).view(-1, 1)
+               - pads[b0:b0 + b].view(1, -1)).clamp_(min=0)  # [sq, b]
+        return q_pos_emb[pos, 0], k_pos_emb[pos, 0]
+
+    def _rotary(self, context, q_pos_emb, k_pos_emb, start: int, end: int, b0: int, key):
+        """``(cos, sin, rot_dim)`` for the window, computed as Megatron's unfused
+        ``_apply_rotary_pos_emb_bshd`` does (so the rotation is bitwise its) once per forward step
+        and kept on the context for the other layers; None where Megatron's own rotation must run
+        (fused RoPE, MLA, interleaved, queries and keys with different tables)."""
+        c = self.config
+        if (c.apply_rope_fusion or c.multi_latent_attention or c.rotary_interleaved
+                or q_pos_emb is not k_pos_emb):
+            return None
+        pads = getattr(context, "left_padding", None)
+        mscale = _yarn_get_concentration_factor_from_config(c)
+        tag = (start, end, b0, key.size(1), key.dtype, mscale, k_pos_emb.data_ptr())
+        cached = getattr(context, "rotary_cos_sin", None)
+        if cached is None or cached[0] != tag or cached[1] is not pads:
+            _, freqs = self._positions(context, q_pos_emb, k_pos_emb, start, end, b0, key.size(1))
+            cached = (tag, pads, ((torch.cos(freqs) * mscale).to(key.dtype),
+                                  (torch.sin(freqs) * mscale).to(key.dtype), freqs.shape[-1]))
+            context.rotary_cos_sin = cached
+        return cached[2]
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """Megatron's (non-interleaved) RoPE, ``t * cos + rotate_half(t) * sin`` on the first
+    ``rot_dim`` channels of ``t [sq, b, heads, hn]``, with precomputed ``cos``/``sin``."""
+    if rot_dim == t.shape[-1]:
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+    head, tail = t[..., :rot_dim], t[..., rot_dim:]
+    x1, x2 = torch.chunk(head, 2, dim=-1)
+    return torch.cat((head * cos + torch.cat((-x2, x1), dim=-1) * sin, tail), dim=-1)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -132,13 +201,15 @@ class SDPADotProductAttention(DotProductAttention):
             else:
                 mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
         ng = k.shape[1]
-        if mask is None and not is_causal and np_ != ng:
-            # Unmasked GQA (decoding): fold each group's np/ng query heads into the query length,
-            # [b, np, sq, hn] -> [b, ng, np/ng * sq, hn], so SDPA sees plain MHA with no key
-            # expansion. Query head i reads KV head i // (np/ng), Megatron's layout. ~20 % faster
-            # than enable_gqa on CPU at batch 128.
+        if not is_causal and np_ != ng and (mask is None or (sq == 1 and mask.shape[1] == 1)):
+            # GQA decoding (no mask, or one key mask per sequence [b|1, 1, 1, sk]): fold each
+            # group's np/ng query heads into the query length, [b, np, sq, hn] -> [b, ng,
+            # np/ng * sq, hn], so SDPA sees plain MHA with no key expansion. Query head i reads
+            # KV head i // (np/ng), Megatron's layout. ~20 % faster than enable_gqa on CPU at
+            # batch 128.
             out = F.scaled_dot_product_attention(
-                q.reshape(b, ng, np_ // ng * sq, hn), k, v, scale=self.softmax_scale)
+                q.reshape(b, ng, np_ // ng * sq, hn), k, v, attn_mask=mask,
+                scale=self.softmax_scale)
             return out.reshape(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.softmax_scale,
@@ -192,10 +263,15 @@ class LoopedSequentialMLP(SequentialMLP):
                 and c.activation_func_clamp_value is None and not c.bias_activation_fusion
                 and not c.gradient_accumulation_fusion)
 
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(W1 [E, H, (2)F], W2 [E, F, H])``: the local experts' weights stacked, as transposed views
+    (the memory layout ``F.linear`` reads), while :func:`stacked_expert_weights` is active."""
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self._direct:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        c = self.config
+        if self.stacked is not None and not torch.is_grad_enabled():
+            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         counts = tokens_per_expert.tolist()
         # Without autograd an empty expert is skipped; with it, the empty GEMMs still run so every
         # weight gets a (zero) gradient, as Megatron's DDP bucketing expects.
@@ -207,13 +283,98 @@ class LoopedSequentialMLP(SequentialMLP):
             if skip_empty and x.shape[0] == 0:
                 continue
             h = F.linear(x, expert.linear_fc1.weight)  # [n_e, H] -> [n_e, (2) F]
-            if c.gated_linear_unit:
-                gate, up = torch.chunk(h, 2, dim=-1)
-                h = c.activation_func(gate) * (up + c.glu_linear_offset)
-            else:
-                h = c.activation_func(h)
-            h = (h * p.unsqueeze(-1)).to(x.dtype)
-            outputs.append(F.linear(h, expert.linear_fc2.weight))  # [n_e, F] -> [n_e, H]
+            outputs.append(F.linear(self._activate(h, p, x.dtype),  # [n_e, F] -> [n_e, H]
+                                    expert.linear_fc2.weight))
         if not outputs:  # no expert got a token on this rank
             return permuted_local_hidden_states.new_zeros(permuted_local_hidden_states.shape), None
         return torch.cat(outputs, dim=0), None
+
+    def _activate(self, h: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p_e * act(h)`` (SwiGLU when gated): ``[n, (2)F] -> [n, F]``."""
+        c = self.config
+        if c.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            h = c.activation_func(gate) * (up + c.glu_linear_offset)
+        else:
+            h = c.activation_func(h)
+        return (h * probs.unsqueeze(-1)).to(dtype)
+
+    def _grouped(self, x, tokens_per_expert, probs):
+        """All local experts in two grouped GEMMs over the rows ``x [N, H]`` sorted by expert:
+        ``offs`` are the cumulative row counts (int32), an empty expert is an empty group. One
+        kernel call per GEMM instead of ``2 E`` (the loop's Python and dispatch cost per expert is
+        most of a decoding step's MoE time at small widths)."""
+        w1, w2 = self.stacked
+        offs = tokens_per_expert.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x, w1, offs=offs)  # [N, H] x [E, H, (2)F] -> [N, (2)F]
+        return torch._grouped_mm(self._activate(h, probs, x.dtype), w2, offs=offs), None
+
+
+def _grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+@contextlib.contextmanager
+def stacked_expert_weights(model):
+    """While active, every CPU :class:`LoopedSequentialMLP` of ``model`` that takes its short path
+    runs its experts without autograd as two ``torch._grouped_mm`` calls over weights stacked on
+    entry (bitwise equal to the per-expert loop: the stacked weights are transposed views with
+    ``F.linear``'s memory layout).
+
+    Valid only while the weights do not change: the rollout engine wraps one ``generate`` in it.
+    Cost: one extra copy of this rank's expert weights for the duration (a ``torch.stack`` per
+    layer on entry, ~10 us per layer on the tiny model); nothing on CUDA (TE's or Megatron's grouped
+    GEMM runs there) or without ``torch._grouped_mm``.
+    """
+    mlps = [m for m in model.modules() if isinstance(m, LoopedSequentialMLP) and m._direct
+            and m.local_experts and m.local_experts[0].linear_fc1.weight.device.type == "cpu"
+            and _grouped_mm_available()]
+    try:
+        with torch.no_grad():
+            for m in mlps:
+                m.stacked = (
+                    torch.stack([e.linear_fc1.weight for e in m.local_experts]).transpose(1, 2),
+                    torch.stack([e.linear_fc2.weight for e in m.local_experts]).transpose(1, 2))
+        yield
+    finally:
+        for m in mlps:
+            m.stacked = None
+
+
+class DirectMoELayer(MoELayer):
+    """``MoELayer`` whose no-grad forward on a single expert/tensor rank routes, permutes and
+    combines with Megatron's own ``permute``/``unpermute`` directly.
+
+    At EP = TP = 1 the all-to-all dispatcher's work reduces to: ``permute`` the tokens ``[T, H]``
+    into expert-major order (with their router probs), run the experts, ``unpermute`` (scatter-add
+    the ``k`` expert outputs of each token back). Its all-to-alls are then copies to a group of one
+    and its ``sort_chunks_by_idxs`` calls identity permutations (host syncs, a split and a cat
+    each), which this path leaves out; the arithmetic, and so the result, is the dispatcher's.
+    The router is still called as a module (forward hooks, R2/R3 route recording and replay see
+    it). Training, EP/TP > 1, capacity factors, fused permutes, shared experts and latent
+    projections take Megatron's path.
+    """
+
+    @functools.cached_property  # layout and config are fixed once built: decided on first call
+    def _direct(self) -> bool:
+        c, d = self.config, self.token_dispatcher
+        return (isinstance(d, MoEAlltoAllTokenDispatcher) and d.ep_size == 1 and d.tp_size == 1
+                and not d.drop_and_pad and c.moe_expert_capacity_factor is None
+                and not c.moe_permute_fusion and not c.moe_router_padding_for_quantization
+                and not c.moe_latent_size and not self.use_shared_expert
+                and not self.moe_layer_recompute
+                and self.fwd_execution_map == ["route", "expert_compute", "postprocess"])
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if torch.is_grad_enabled() or intermediate_tensors is not None or not self._direct:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        probs, routing_map = self.route(hidden_states, padding_mask)  # [T, E] each
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])  # [T, H]
+        permuted, permuted_probs, mapping = permute(
+            tokens, routing_map, probs=probs,
+            num_out_tokens=routing_map.size(0) * self.config.moe_router_topk)  # [T k, H]
+        out, bias = self.experts(permuted, routing_map.sum(dim=0).long(), permuted_probs)
+        out = unpermute(out, mapping, restore_shape=tokens.shape, routing_map=routing_map)
+        return out.view(hidden_states.shape), bias

@@ -50,7 +50,7 @@ def test_the_swap_happened(setup):
     _, _, fast, ref = setup
     kinds = {type(m) for m in fast.unwrapped().modules()}
     assert {lk.RopeOnceSelfAttention, lk.SDPADotProductAttention, lk.DirectColumnParallelLinear,
-            lk.DirectRowParallelLinear, lk.LoopedSequentialMLP} <= kinds
+            lk.DirectRowParallelLinear, lk.LoopedSequentialMLP, lk.DirectMoELayer} <= kinds
     assert not any(type(m).__module__ == lk.__name__ for m in ref.unwrapped().modules())
     # Same parameters under the same names: checkpoints and converters see no difference.
     assert list(fast.unwrapped().state_dict()) == list(ref.unwrapped().state_dict())
@@ -135,21 +135,93 @@ def test_greedy_generation_matches_megatron_modules(setup):
 
     model, groups, fast, ref = setup
     gen = torch.Generator().manual_seed(5)
-    # Prompts of different lengths: the static engine prefills the shortest, then decodes one
-    # position at a time (forcing the longer prompts' tokens), so both attention paths run.
+    # Prompts of different lengths (the fast engine left-pads them and prefills all at once,
+    # Megatron's modules prefill the shortest and feed the others' tails one step at a time),
+    # and prompts of one length (no padding): prefill and KV-cache decoding on every path.
     prompts = [torch.randint(1, model.vocab_size, (int(n),), generator=gen).tolist()
-               for n in torch.randint(3, 9, (5,), generator=gen)]
+               for n in [*torch.randint(3, 9, (5,), generator=gen).tolist(), 6, 6, 6]]
     out = {}
     for name, pol in (("fast", fast), ("ref", ref)):
         engine = RolloutEngine(pol.model, groups, eos_id=model.vocab_size - 1, pad_id=0,
                                vocab_size=model.vocab_size,
                                config=RolloutConfig(max_new_tokens=12, top_k=1, max_batch_size=8),
                                max_sequence_length=MODEL["seq_length"])
-        out[name] = engine.generate(prompts, seed=0)
-    for a, b in zip(out["fast"], out["ref"]):
+        out[name] = engine.generate(prompts[:5], seed=0) + engine.generate(prompts[5:], seed=0)
+    for a, b in zip(out["fast"], out["ref"], strict=True):
         assert a.response_ids == b.response_ids
         torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs),
                                    rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rot_dim", [16, 8])
+def test_shared_rotation_is_megatrons_bitwise(rot_dim):
+    """The decode path's RoPE (cos/sin computed once per step, ``_rotate``) gives exactly
+    Megatron's unfused ``_apply_rotary_pos_emb_bshd``, for full and partial rotary dims."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from gspo_megatron.compat.local_kernels import _rotate
+
+    gen = torch.Generator().manual_seed(rot_dim)
+    t = torch.randn(5, 3, 4, 16, generator=gen)
+    freqs = torch.rand(5, 3, 1, rot_dim, generator=gen) * 20
+    ref = _apply_rotary_pos_emb_bshd(t, freqs, mscale=1.0)
+    out = _rotate(t, torch.cos(freqs) * 1.0, torch.sin(freqs) * 1.0, rot_dim)
+    assert torch.equal(out, ref) and not torch.equal(out, t)
+
+
+def test_direct_moe_layer_is_the_dispatchers_result_bitwise(setup):
+    """Without autograd the MoE layer skips the all-to-all dispatcher (single rank): the output
+    equals Megatron's dispatcher path bit for bit, and the router still runs as a module (its
+    forward hooks fire: R2/R3 record and replay there)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from gspo_megatron.compat.local_kernels import DirectMoELayer
+
+    fast = setup[2]
+    layer = next(m for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer))
+    assert layer._direct
+    x = torch.randn(7, 3, layer.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    seen = []
+    hook = layer.router.register_forward_hook(lambda m, a, out: seen.append(out[1].sum().item()))
+    try:
+        with torch.no_grad():
+            direct, _ = layer(x)
+            megatron, _ = MoELayer.forward(layer, x)
+    finally:
+        hook.remove()
+    assert torch.equal(direct, megatron) and direct.abs().sum() > 0
+    assert seen == [7 * 3 * layer.config.moe_router_topk] * 2
+
+
+def test_grouped_experts_inside_the_rollout_scope_equal_the_loop(setup):
+    """Inside ``stacked_expert_weights`` (one generate) a CPU MoE layer's experts run as two
+    ``torch._grouped_mm`` calls: bitwise the per-expert loop's output, including an expert that
+    gets no token; with autograd on, or after the scope, the loop runs (weights may change)."""
+    from gspo_megatron.compat.local_kernels import LoopedSequentialMLP, stacked_expert_weights
+
+    fast = setup[2]
+    mlps = [m for m in fast.unwrapped().modules() if isinstance(m, LoopedSequentialMLP)]
+    assert len(mlps) == 2
+    mlp = mlps[0]
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 3, 7, 1, 0, 4, 2])
+    x = torch.randn(int(counts.sum()), mlp.config.hidden_size, generator=gen)
+    probs = torch.rand(int(counts.sum()), generator=gen)
+    with torch.no_grad():
+        loop, _ = mlp(x, counts, probs)
+        with stacked_expert_weights(fast.unwrapped()):
+            assert all(m.stacked is not None for m in mlps)
+            grouped, _ = mlp(x, counts, probs)
+    assert all(m.stacked is None for m in mlps)
+    assert torch.equal(grouped, loop) and loop.abs().sum() > 0
+    calls = []
+    with stacked_expert_weights(fast.unwrapped()), torch.enable_grad():
+        mlp._grouped = lambda *a: calls.append(a)  # must not be reached with autograd on
+        try:
+            out, _ = mlp(x, counts, probs)
+        finally:
+            del mlp._grouped
+    assert not calls and torch.equal(out.detach(), loop)
 
 
 # ---------------------------------------------------------------- bf16 (rollout.precision=bf16)

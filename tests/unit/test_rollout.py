@@ -165,6 +165,30 @@ def test_greedy_equals_manual_argmax(setup):
     assert worst <= LOGPROB_TOL
 
 
+def test_mixed_prompt_lengths_are_left_padded_and_prefilled_at_once(setup):
+    """Prompts of 2-6 tokens in one static batch are left-padded to the longest and prefilled
+    together: max_new_tokens forward steps (Megatron's ragged batch would take max_new_tokens +
+    longest - shortest, feeding the longer prompts' tails one step at a time). Each sample is
+    what its prompt gets alone (no padding there): the same greedy tokens, log-probs within
+    LOGPROB_TOL, and the trainer's log-probs of the padded batch's samples within LOGPROB_TOL."""
+    prompts = make_prompts(12, seed=5)
+    assert min(map(len, prompts)) == 2 and max(map(len, prompts)) == 6
+    eng = engine(setup, top_k=1, ignore_eos=True)
+    eng.wrapper.forward_calls = 0
+    batch = eng.generate(prompts, seed=0)
+    assert eng.wrapper.forward_calls == 8
+    assert eng.wrapper.left_padding is None  # reset after the call
+    for p, s in zip(prompts, batch, strict=True):
+        alone = eng.generate([p], seed=0)[0]
+        assert s.prompt_ids == p and s.response_ids == alone.response_ids
+        torch.testing.assert_close(torch.tensor(s.response_logprobs),
+                                   torch.tensor(alone.response_logprobs),
+                                   rtol=0, atol=LOGPROB_TOL)
+    worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
+                for s, ref in zip(batch, trainer_logprobs(setup, batch, 1.0)))
+    assert worst <= LOGPROB_TOL
+
+
 def test_with_sampling_shares_the_engine_and_samples_as_a_fresh_one(setup):
     """The greedy evaluator is a view of the rollout engine (one KV cache, one Megatron engine: the
     dynamic engine's cache is gigabytes on a GPU), and samples exactly as an engine built with its

@@ -18,6 +18,7 @@ import torch
 from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.backends.megatron.model import build_gpt_model
 from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, run_objective
+from gspo_megatron.compat.local_kernels import stacked_expert_weights
 from gspo_megatron.config import ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
 from gspo_megatron.policy import PolicyBatch
@@ -49,8 +50,9 @@ class MegatronPolicy:
                  ) -> torch.Tensor | None:
         """``[B, T]`` log-probs of ``batch.labels`` (no grad) on the last pipeline stage, else None."""
         scoring = dataclasses.replace(self.scoring, temperature=temperature)
-        lp, _ = compute_logprobs(self.model, batch, self.micro_batch_size, scoring, self.groups,
-                                 routing=routing)
+        with stacked_expert_weights(self.unwrapped()):  # weights fixed: CPU grouped expert GEMMs
+            lp, _ = compute_logprobs(self.model, batch, self.micro_batch_size, scoring,
+                                     self.groups, routing=routing)
         return lp
 
     def train_minibatch(self, batch: PolicyBatch, objective, *, routing=None) -> dict[str, float]:
