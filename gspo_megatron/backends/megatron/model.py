@@ -238,6 +238,12 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
     )
+    if local_kernels and impl == "local" and post_process:
+        # GPTModel builds its output layer itself, outside the spec: give it the same one-F.linear
+        # short path at TP=1 (a subclass without state of its own; parameters unchanged).
+        from gspo_megatron.compat.local_kernels import DirectColumnParallelLinear
+
+        gpt.output_layer.__class__ = DirectColumnParallelLinear
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
