@@ -145,6 +145,9 @@ class RolloutTextGenerationController(TextGenerationController):
         wrapper = self.inference_wrapped_model
         lengths = [len(r.prompt_tokens) for r in requests]
         shortest, longest, n_new = min(lengths), max(lengths), sp.num_tokens_to_generate
+        if n_new < 1:
+            raise ValueError("the rollout controller generates at least one token "
+                             f"(num_tokens_to_generate={n_new})")
         total = longest + n_new  # [B, total]: prompts, then what is generated
         if total > wrapper.inference_wrapper_config.inference_max_seq_length:
             raise ValueError(f"prompt + generated tokens ({total}) exceed the inference max "
