@@ -19,6 +19,10 @@ by ``--deadline`` still answers most):
                    tokens against the measured bf16 matmul peak; log-prob memory at full vocabulary.
 ``tiny_resume``    the same run stopped at step 4 and resumed to 8: metrics compared with
                    ``tiny_dynamic`` field by field.
+``tiny_r3``        ``tiny_dynamic`` with R3 (routes recorded by the rollout engine and replayed by the
+                   trainer; R3 records on the static engine), and ``tiny_r3_bf16_rollout``: an fp32
+                   trainer sampling from a bf16 copy (``rollout.precision=bf16``) with R3, the
+                   rollout/training mismatch R3 is for (``routing/rollout/*``, ``kl/rollout_vs_train``).
 ``tiny_static``    ``tiny_dynamic`` with the static engine (the CPU path), and ``tiny_fp32`` in fp32:
                    ``kl/rollout_vs_train`` and rollout speed per engine and precision.
 """
@@ -76,6 +80,10 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
                           else ["--layers", "4", "--seq", "4096", "--iters", "3"])], 480),
         ("tiny_resume", [_tiny(w("tiny_resume"), "--trainer.steps=4"),
                          _tiny(w("tiny_resume"))], 300),
+        ("tiny_r3", [_tiny(w("tiny_r3"), "--routing.replay=r3", "--rollout.engine=static")], 300),
+        ("tiny_r3_bf16_rollout", [_tiny(w("tiny_r3_bf16_rollout"), "--precision.bf16=false",
+                                        "--rollout.precision=bf16", "--routing.replay=r3",
+                                        "--rollout.engine=static")], 300),
         ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
         ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
     ]
@@ -179,7 +187,8 @@ def run_figures(run_dir: str) -> dict:
             "reward/mean", "eval/accuracy", "perf/step_s", "perf/rollout_s", "perf/reward_s",
             "perf/old_logprobs_s", "perf/update_s", "perf/checkpoint_s",
             "perf/rollout_tokens_per_s", "perf/peak_mem_gib", "response/mean_length",
-            "routing/drift/after_1_updates", "routing/drift/after_3_updates")
+            "routing/drift/after_1_updates", "routing/drift/after_3_updates",
+            "routing/rollout/change_rate", "routing/rollout/token_change_rate")
     out: dict = {"steps": [r.get("step") for r in rows]}
     for k in keys:
         vals = [r[k] for r in rows if k in r]
