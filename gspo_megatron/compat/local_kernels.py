@@ -36,7 +36,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half, apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -100,8 +100,9 @@ class RopeOnceSelfAttention(SelfAttention):
         b0 = inference_context.batch_size_offset
         rope = self._rotary(inference_context, q_pos_emb, k_pos_emb, start, end, b0, key)
         if rope is None:  # Megatron's rotation (fused kernels, MLA): keys here, queries in forward
-            q_emb, k_emb = self._positions(inference_context, q_pos_emb, k_pos_emb, start, end,
-                                           b0, key.size(1))
+            b = key.size(1)
+            q_emb = _positions(inference_context, q_pos_emb, start, end, b0, b)
+            k_emb = _positions(inference_context, k_pos_emb, start, end, b0, b)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config,
                                        mscale=_yarn_get_concentration_factor_from_config(self.config),
                                        cp_group=self.pg_collection.cp)
@@ -127,18 +128,6 @@ class RopeOnceSelfAttention(SelfAttention):
                 value_memory[b0:b1, :, :end].permute(2, 0, 1, 3),
                 rotary_out, mask_type, None)
 
-    @staticmethod
-    def _positions(context, q_pos_emb, k_pos_emb, start: int, end: int, b0: int, b: int):
-        """Rotary embeddings of the window ``[start, end)``: ``[sq, 1, 1, rot]`` slices of the
-        tables, or per sequence ``[sq, b, 1, rot]`` at ``j - pads[b]`` for a left-padded batch
-        (sequence b's token at cache position j is at position j - pads[b] unpadded)."""
-        pads = getattr(context, "left_padding", None)
-        if pads is None:
-            return q_pos_emb[start:end], k_pos_emb[start:end]
-        pos = (torch.arange(start, end).view(-1, 1)
-               - pads[b0:b0 + b].view(1, -1)).clamp_(min=0)  # [sq, b]
-        return q_pos_emb[pos, 0], k_pos_emb[pos, 0]
-
     def _rotary(self, context, q_pos_emb, k_pos_emb, start: int, end: int, b0: int, key):
         """``(cos, sin, rot_dim)`` for the window, computed as Megatron's unfused
         ``_apply_rotary_pos_emb_bshd`` does (so the rotation is bitwise its) once per forward step
@@ -153,22 +142,31 @@ class RopeOnceSelfAttention(SelfAttention):
         tag = (start, end, b0, key.size(1), key.dtype, mscale, k_pos_emb.data_ptr())
         cached = getattr(context, "rotary_cos_sin", None)
         if cached is None or cached[0] != tag or cached[1] is not pads:
-            _, freqs = self._positions(context, q_pos_emb, k_pos_emb, start, end, b0, key.size(1))
+            freqs = _positions(context, k_pos_emb, start, end, b0, key.size(1))
             cached = (tag, pads, ((torch.cos(freqs) * mscale).to(key.dtype),
                                   (torch.sin(freqs) * mscale).to(key.dtype), freqs.shape[-1]))
             context.rotary_cos_sin = cached
         return cached[2]
 
 
+def _positions(context, table: torch.Tensor, start: int, end: int, b0: int, b: int):
+    """Rotary embeddings of the window ``[start, end)`` from ``table [S, 1, 1, rot]``: a slice
+    ``[sq, 1, 1, rot]``, or per sequence ``[sq, b, 1, rot]`` at ``j - pads[b]`` for a left-padded
+    batch (sequence b's token at cache position j is at position j - pads[b] unpadded)."""
+    pads = getattr(context, "left_padding", None)
+    if pads is None:
+        return table[start:end]
+    pos = (torch.arange(start, end).view(-1, 1) - pads[b0:b0 + b].view(1, -1)).clamp_(min=0)
+    return table[pos, 0]  # [sq, b] positions
+
+
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
     """Megatron's (non-interleaved) RoPE, ``t * cos + rotate_half(t) * sin`` on the first
     ``rot_dim`` channels of ``t [sq, b, heads, hn]``, with precomputed ``cos``/``sin``."""
     if rot_dim == t.shape[-1]:
-        x1, x2 = torch.chunk(t, 2, dim=-1)
-        return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return t * cos + _rotate_half(t, False) * sin
     head, tail = t[..., :rot_dim], t[..., rot_dim:]
-    x1, x2 = torch.chunk(head, 2, dim=-1)
-    return torch.cat((head * cos + torch.cat((-x2, x1), dim=-1) * sin, tail), dim=-1)
+    return torch.cat((head * cos + _rotate_half(head, False) * sin, tail), dim=-1)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -310,10 +308,6 @@ class LoopedSequentialMLP(SequentialMLP):
         return torch._grouped_mm(self._activate(h, probs, x.dtype), w2, offs=offs), None
 
 
-def _grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
-
-
 @contextlib.contextmanager
 def stacked_expert_weights(model):
     """While active, every CPU :class:`LoopedSequentialMLP` of ``model`` that takes its short path
@@ -328,7 +322,7 @@ def stacked_expert_weights(model):
     """
     mlps = [m for m in model.modules() if isinstance(m, LoopedSequentialMLP) and m._direct
             and m.local_experts and m.local_experts[0].linear_fc1.weight.device.type == "cpu"
-            and _grouped_mm_available()]
+            ] if hasattr(torch, "_grouped_mm") else []
     try:
         with torch.no_grad():
             for m in mlps:

@@ -62,19 +62,16 @@ class RolloutInferenceWrapper(GPTInferenceWrapper):
     forward_calls: int = 0
     route_recorder = None
     """A :class:`~.rollout_routes.RolloutRouteRecorder` while routes are recorded (R3)."""
-    _left_padding: torch.Tensor | None = None
-
     @property
     def left_padding(self) -> torch.Tensor | None:
         """``[B]`` pad tokens in front of each prompt of the current static batch, or None (prompts
-        as given). Set by the rollout engine around one ``generate`` of a left-padded batch; the
-        KV-cache context carries it too, for the attention's rotary positions
+        as given). Set by the rollout engine around one ``generate`` of a left-padded batch and
+        kept on the KV-cache context, where the attention reads it for its rotary positions
         (:class:`~gspo_megatron.compat.local_kernels.RopeOnceSelfAttention`)."""
-        return self._left_padding
+        return getattr(self.inference_context, "left_padding", None)
 
     @left_padding.setter
     def left_padding(self, pads: torch.Tensor | None) -> None:
-        self._left_padding = pads
         self.inference_context.left_padding = pads
 
     def get_batch_for_context_window(self, inference_input, context_start_position,
@@ -178,15 +175,15 @@ class RolloutTextGenerationController(TextGenerationController):
             sampled = self.sample_from_logits(last, sp, vocab)
             picked = torch.log_softmax(last.float(), dim=-1).gather(
                 -1, sampled.long().unsqueeze(-1)).squeeze(-1)
-            if end >= longest:  # every row generates
-                tokens[:, end], logprobs[:, end] = sampled, picked
-                started = None
-            else:  # rows whose prompt reaches past `end` keep their own token
-                started = prompt_lengths <= end
-                tokens[:, end] = torch.where(started, sampled, tokens[:, end])
-                logprobs[:, end] = picked
+            # None: every row generates; else rows whose prompt reaches past `end` keep its token.
+            started = None if end >= longest else prompt_lengths <= end
+            tokens[:, end] = sampled if started is None else torch.where(started, sampled,
+                                                                         tokens[:, end])
+            logprobs[:, end] = picked
             hit = tokens[:, end] == stop_id
-            done |= hit if started is None else hit & started
+            if started is not None:
+                hit &= started
+            done |= hit
             generated += ~done if started is None else ~done & started
             start, end = end, end + 1
             if bool(done.all()) or end >= total:
