@@ -525,11 +525,12 @@ class RolloutEngine:
         - shortest`` forward steps (18 instead of 16 for TRL's 4-6-token prompts and 16 new
         tokens; ~1.4x at prompts of 50-500 tokens and 1,024 new ones). Left-padded, every prompt
         is prefilled at once and the batch costs ``n_new`` steps; the pad keys are masked
-        (:meth:`RolloutInferenceWrapper.get_batch_for_context_window`). Exact in real arithmetic
-        because RoPE scores depend on position differences only (floating point differs at the
-        ulp level, as any change of batch shape does), hence only where every attention is our
-        SDPA kernel (it takes the per-sequence mask) and positions are rotary; otherwise, and for
-        equal lengths, the prompts go as given.
+        (:meth:`RolloutInferenceWrapper.get_batch_for_context_window`) and every token is rotated
+        at its unpadded position (:class:`~gspo_megatron.compat.local_kernels.RopeOnceSelfAttention`),
+        so a prompt gets the maths it gets alone (floating point differs at the ulp level, as any
+        change of batch shape does). Only where every attention is our SDPA kernel (it takes the
+        per-sequence mask) and positions are rotary; otherwise, and for equal lengths, the prompts
+        go as given.
         """
         longest = max(map(len, chunk))
         if not self._left_padding_ok or min(map(len, chunk)) == longest:
