@@ -9,7 +9,6 @@ model or file exists; :func:`build` makes the components; :meth:`Trainer.fit` ru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -178,7 +177,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     from gspo_megatron.config.loader import save_config
     from gspo_megatron.data import PromptSampler
     from gspo_megatron.rewards.workers import start_reward_workers
-    from gspo_megatron.trainer import Trainer
+    from gspo_megatron.trainer import Task, Trainer
 
     tokenizer = prepared.tokenizer
     groups = initialize_distributed(cfg.parallel, cfg.model, seed=cfg.trainer.seed)
@@ -192,29 +191,18 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
                             micro_batch_size=cfg.trainer.micro_batch_size,
                             vocab_size=tokenizer.vocab_size, **kwargs)
 
-    actor = policy(total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches)
+    actor = policy(total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches,
+                   routing_cfg=cfg.routing)
     reference = policy(total_steps=1, with_optimizer=False) if cfg.trainer.reference_model else None
     sampler = PromptSampler(prepared.train, cfg.rollout.prompts_per_step * groups.dp_size,
                             seed=cfg.trainer.seed)
-
-    sampling = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
-                             pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
-                             config=cfg.rollout, backend=cfg.rollout.engine,
-                             dynamic_buffer_size_gb=cfg.rollout.dynamic_buffer_size_gb,
-                             record_routes=cfg.routing.records_rollout_routes)
-    # Greedy evaluation shares the engine and its KV cache.
-    greedy = sampling.with_sampling(
-        dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0))
-    ev = cfg.evaluation  # sampled evaluation (mean@n / pass@k), same engine
-    sampled_eval = sampling.with_sampling(
-        dataclasses.replace(cfg.rollout, temperature=ev.temperature, top_p=ev.top_p, top_k=0)
-    ) if ev.num_samples else None
+    engine = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
+                           pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
+                           config=cfg.rollout, record_routes=cfg.routing.records_rollout_routes)
     workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
                                    cfg.reward.timeout_s, prepared.reward_search_dirs)
-    return Trainer(cfg, groups, actor, tokenizer, sampler,
-                   {"train": prepared.train, "eval": prepared.eval}, prepared.reward_fn,
-                   sampling, greedy, reference=reference, faults=faults,
-                   sampled_eval=sampled_eval, reward_workers=workers)
+    task = Task(tokenizer, sampler, prepared.train, prepared.eval, prepared.reward_fn, workers)
+    return Trainer(cfg, groups, actor, engine, task, reference=reference, faults=faults)
 
 
 @contextlib.contextmanager

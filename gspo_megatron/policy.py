@@ -13,8 +13,9 @@ Alignment convention (used everywhere in gspo_megatron): every ``[B, T]`` field 
     response_mask  = [ 0  0  1  1  1   0   0   0]  (label is a response token)
 
 so ``logprobs[b, t] = log pi(labels[b, t] | tokens[b, :t+1])`` and the mask selects exactly the
-response tokens' log-probs. Padding is on the right, so with causal attention it never affects a
-real token and needs no attention mask.
+response tokens' log-probs. Where each sequence's tokens sit (right padding today) is the batch's
+:class:`~gspo_megatron.layout.TokenLayout`; every per-sequence value placed into a batch goes
+through it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+
+from gspo_megatron.layout import TokenLayout
 
 
 @dataclass
@@ -44,6 +47,9 @@ class PolicyBatch:
     """[B, T] float32 log-probs the rollout engine reported while sampling."""
     ref_logprobs: torch.Tensor | None = None
     """[B, T] float32 reference-model log-probs for the KL term."""
+    layout: TokenLayout | None = None
+    """Where each sequence's tokens sit (:func:`make_policy_batch` sets it; None: every row is
+    one sequence starting at position 0, e.g. a hand-made test batch)."""
 
     @property
     def size(self) -> int:
@@ -53,19 +59,25 @@ class PolicyBatch:
     def seq_length(self) -> int:
         return self.tokens.shape[1]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The ``[B, ...]`` tensor fields that are set, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if torch.is_tensor(getattr(self, f.name))}
+
     def select(self, index: slice | torch.Tensor) -> "PolicyBatch":
         """Rows ``index`` of every field."""
-        return dataclasses.replace(self, **{
-            f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None)
-            for f in dataclasses.fields(self)
-        })
+        layout = self.layout.select(index) if self.layout is not None else None
+        return dataclasses.replace(self, layout=layout,
+                                   **{k: v[index] for k, v in self.tensors().items()})
 
     def split(self, size: int) -> list["PolicyBatch"]:
         """Consecutive chunks of ``size`` rows (the last may be smaller)."""
         return [self.select(slice(s, s + size)) for s in range(0, self.size, size)]
 
     def position_ids(self) -> torch.Tensor:
-        """[B, T] positions 0..T-1 (right padding keeps real tokens at their true positions)."""
+        """[B, T] rotary positions of the tokens (the layout's; 0..T-1 without one)."""
+        if self.layout is not None:
+            return self.layout.position_ids(self.tokens.device)
         return torch.arange(self.seq_length, device=self.tokens.device).expand(self.size, -1)
 
 
@@ -76,28 +88,19 @@ def make_policy_batch(
     pad_to_multiple_of: int = 1,
     seq_length: int | None = None,
 ) -> PolicyBatch:
-    """Pack token lists (prompt + response each) into a label-aligned :class:`PolicyBatch`.
-
-    ``seq_length`` fixes T (pipeline parallel needs one shape for every microbatch); otherwise T is the
-    longest sequence rounded up to ``pad_to_multiple_of`` (TP x 2CP for sequence/context sharding).
-    """
-    if len(sequences) != len(prompt_lengths):
-        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt_lengths")
-    longest = max(len(s) for s in sequences)
-    t = seq_length if seq_length is not None else longest
-    if longest > t:
-        raise ValueError(f"a sequence has {longest} tokens, more than seq_length={t}")
-    t = -(-t // pad_to_multiple_of) * pad_to_multiple_of
-    b = len(sequences)
-    tokens = torch.full((b, t), pad_id, dtype=torch.long)
-    response_mask = torch.zeros(b, t, dtype=torch.bool)
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lengths)):
-        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        # label index t predicts token t+1: response tokens p..len-1 are labels p-1..len-2
-        response_mask[i, max(p - 1, 0): len(seq) - 1] = True
+    """Lay token lists (prompt + response each) out as a label-aligned :class:`PolicyBatch`,
+    right-padded (:meth:`TokenLayout.right_padded`: ``seq_length`` fixes T, as pipeline parallel
+    needs; otherwise the longest sequence rounded up to ``pad_to_multiple_of``)."""
+    layout = TokenLayout.right_padded([len(s) for s in sequences], prompt_lengths,
+                                      pad_to_multiple_of, seq_length)
+    tokens = torch.full((layout.num_rows, layout.seq_length), pad_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        row, span = layout.token_span(i)
+        tokens[row, span] = torch.tensor(seq, dtype=torch.long)
     labels = torch.full_like(tokens, pad_id)
     labels[:, :-1] = tokens[:, 1:]
-    return PolicyBatch(tokens=tokens, labels=labels, response_mask=response_mask)
+    return PolicyBatch(tokens=tokens, labels=labels, response_mask=layout.response_mask(),
+                       layout=layout)
 
 
 @dataclass
@@ -119,6 +122,10 @@ class Generator(Protocol):
     def generate(self, prompts: list[list[int]], seed: int) -> list[RolloutSample]:
         """One response per entry of ``prompts`` (token ids), in order."""
 
+    def with_sampling(self, config) -> "Generator":
+        """The same engine (model, KV cache) sampling with another ``RolloutConfig``'s
+        temperature / top-p / top-k (greedy evaluation, pass@k sampling)."""
+
 
 class RouteHooks(Protocol):
     """Hooks a pass calls around each microbatch's forward to record or replay MoE routes."""
@@ -128,9 +135,41 @@ class RouteHooks(Protocol):
     def finish(self) -> None: ...
 
 
+class StepRouting(Protocol):
+    """The MoE routes of one RL step's batch: the hooks of the old-log-prob pass and of each
+    minibatch update, and the ``routing/*`` metrics that follow. What is recorded or replayed
+    (routing replay none / R2 / R3, diagnostics) is the backend's business: the loop calls the
+    same methods in the same order whatever the mode."""
+
+    def old_pass(self) -> RouteHooks:
+        """Hooks for the old-policy log-prob pass over the step's batch."""
+
+    def after_old_pass(self, train_lp: torch.Tensor | None) -> dict[str, float]:
+        """After that pass (collective): ``routing/rollout/*`` where the engine recorded routes.
+        ``train_lp``: the pass's ``[B, T]`` log-probs (None off the loss ranks)."""
+
+    def update(self, rows: torch.Tensor | slice) -> RouteHooks:
+        """Hooks for the update forward of the minibatch made of the batch's rows ``rows``."""
+
+    def after_update(self, i: int, minibatch: PolicyBatch, objective) -> dict[str, float]:
+        """After minibatch ``i``'s optimizer step (collective): ``routing/drift/*`` and, on
+        diagnosed steps, ``routing/*`` (``objective`` gives the clip rule and temperature)."""
+
+    def timings(self) -> dict[str, float]:
+        """``perf/*`` of the step's routing work."""
+
+
+class Routing(Protocol):
+    """A policy's MoE routing in the RL loop (``Policy.routing``)."""
+
+    def start_step(self, batch: PolicyBatch, samples: list[RolloutSample], step: int
+                   ) -> StepRouting:
+        """The routing of RL step ``step`` on ``batch`` (``samples``: its rollouts in row order)."""
+
+
 class Policy(Protocol):
     """A trainable policy behind one backend: log-prob passes, minibatch updates, the optimiser,
-    MoE routing hooks and checkpoint state. Every method is collective over the ranks that hold
+    MoE routing and checkpoint state. Every method is collective over the ranks that hold
     the model; results live on the ranks that compute the loss (the last pipeline stage)."""
 
     def logprobs(self, batch: PolicyBatch, *, temperature: float = 1.0,
@@ -154,22 +193,9 @@ class Policy(Protocol):
 
     def copy_weights_to(self, other: "Policy") -> None: ...
 
-    # MoE routing: record/replay hooks and the statistics computed from them.
-    def record_routes(self) -> RouteHooks: ...
-    def replay_routes(self, routes, capture_natural: bool = False) -> RouteHooks:
-        """Hooks forcing ``routes`` (positions without a route route freely); afterwards
-        ``.replayed_store()`` holds the routes used and, with ``capture_natural``,
-        ``.natural_store()`` the routers' own top-k."""
-    def route_drift(self, old_routes, new_routes, response_mask: torch.Tensor
-                    ) -> tuple[float, list[float]]: ...
-    def rollout_routes(self, samples: list[RolloutSample], seq_length: int):
-        """The routes the rollout engine recorded for ``samples`` (R3), aligned with their
-        ``[B, seq_length]`` training batch; positions it did not forward are left to free routing."""
-    def rollout_disagreement(self, rollout_routes, trainer_routes, batch: PolicyBatch,
-                             train_lp: torch.Tensor | None) -> dict[str, float]:
-        """``routing/rollout/*``: where the rollout engine and the trainer routed differently."""
-    def routing_diagnostics(self, batch: PolicyBatch, old_routes, loss_cfg, temperature: float,
-                            replay_gap: bool = True) -> dict[str, float]: ...
+    @property
+    def routing(self) -> Routing | None:
+        """MoE routing replay / diagnostics for the RL loop; None when the run uses neither."""
 
     # State.
     def has_checkpoint(self, load_dir: str) -> bool: ...

@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from gspo_megatron.algorithms import NLLObjective, PolicyGradientObjective, group_advantages
 from gspo_megatron.algorithms.dapo import soft_overlong_penalty
 from gspo_megatron.config import OptimConfig, TrainConfig
-from gspo_megatron.distributed import ParallelGroups, any_rank
+from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
 from gspo_megatron.faults import FaultInjector
-from gspo_megatron.metrics import Stopwatch
-from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample
+from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, StepRouting
 
 
 def all_finite(tensor: torch.Tensor | None, mask: torch.Tensor | None = None) -> bool:
@@ -72,6 +72,17 @@ def advantage_stage(rewards: torch.Tensor, group_size: int, normalize_std: bool)
             result.zero_variance_mask)
 
 
+class SkipStep(Exception):
+    """A stage found non-finite values: the step is given up before any update."""
+
+    def __init__(self, fault: str, metrics: dict[str, float]):
+        super().__init__(fault)
+        self.fault = fault
+        """The ``faults/*`` key logged for it."""
+        self.metrics = metrics
+        """What the step had measured so far (its ``reward/*``)."""
+
+
 class StepSamples(NamedTuple):
     """What :meth:`Trainer.sample` hands to the rest of the step: the groups it trains on."""
 
@@ -96,60 +107,39 @@ def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) ->
                  [len(s.prompt_ids) for s in samples])
     rollout_lp = torch.zeros(batch.tokens.shape, dtype=torch.float32)
     for i, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        rollout_lp[i, p - 1: p - 1 + len(s.response_logprobs)] = torch.tensor(s.response_logprobs)
+        row, labels = batch.layout.label_span(i)
+        rollout_lp[row, labels] = torch.tensor(s.response_logprobs)
     batch.rollout_logprobs = rollout_lp
     batch.advantages = advantages
     return batch
 
 
-def diagnoses_routing(cfg: TrainConfig, step: int) -> bool:
-    """Whether RL step ``step`` runs the routing diagnostics (``routing.diagnostics_interval``)."""
-    return cfg.routing.diagnostics and step % cfg.routing.diagnostics_interval == 0
-
-
 def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int, step: int = 0,
-                 old_routes=None, faults: FaultInjector | None = None) -> dict[str, float]:
+                 routing: StepRouting | None = None, faults: FaultInjector | None = None
+                 ) -> dict[str, float]:
     """Split the rollout batch into ``num_minibatches`` (shuffled, same order on every rank), one
     optimiser step each. Returns metrics averaged over the minibatches.
 
-    MoE routing (``old_routes``: the batch's routes from the old-policy pass, or None): with
-    ``routing.replay`` 'r2' or 'r3' every update forward replays the old routes (under R3 those
-    are the rollout engine's); on a diagnosed step
-    (``routing.diagnostics`` every ``diagnostics_interval`` steps) each optimiser step is followed
-    by the ``routing/*`` statistics on the minibatch it was computed on. Whenever ``old_routes``
-    are given, the update forwards also record the routes free routing takes, at no extra forward,
-    and ``routing/drift/*`` compares them with the old policy's: minibatch ``i`` runs after ``i``
-    optimiser steps, so ``routing/drift/after_{i}_updates`` is the route change after ``i``
-    updates (~0 for ``i = 0``: the on-policy check) and ``routing/drift/change_rate`` averages
-    ``i >= 1``. Under R2 the recorded routes are each router's own top-k on the hidden states that
-    replay produced (the share of routes replay overrides)."""
+    ``routing`` (the step's :class:`~gspo_megatron.policy.StepRouting`, or None): hooks for each
+    minibatch's update forward (routing replay, or recording the routes free routing takes) and,
+    after each optimiser step, ``routing/drift/*``: minibatch ``i`` runs after ``i`` optimiser
+    steps, so ``routing/drift/after_{i}_updates`` is the route change after ``i`` updates (~0 for
+    ``i = 0``: the on-policy check) and ``routing/drift/change_rate`` averages ``i >= 1``; on a
+    diagnosed step the ``routing/*`` diagnostics of the updated policy on that minibatch."""
     faults = faults or FaultInjector()
     objective = PolicyGradientObjective(cfg.loss, cfg.rollout.temperature, faults.corrupt,
                                         correction=cfg.rollout_correction)
     order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
     shuffled = batch.select(order)
     per_minibatch = batch.size // cfg.trainer.num_minibatches
-    drift = old_routes is not None
-    replay = drift and cfg.routing.replay in ("r2", "r3")
-    diagnose = drift and diagnoses_routing(cfg, step)
     history: list[dict[str, float]] = []
-    diag_s = 0.0
     for i, minibatch in enumerate(shuffled.split(per_minibatch)):
         if i == 1:
             faults.maybe_fail("mid_update", step)
-        mb_routes = (old_routes.select(order[i * per_minibatch:(i + 1) * per_minibatch])
-                     if drift else None)
-        hooks = None
-        if replay:
-            hooks = policy.replay_routes(mb_routes, capture_natural=True)
-        elif drift:
-            hooks = policy.record_routes()
+        hooks = (routing.update(order[i * per_minibatch:(i + 1) * per_minibatch])
+                 if routing is not None else None)
         policy.zero_grad()
         metrics = policy.train_minibatch(minibatch, objective, routing=hooks)
-        if drift:
-            taken = hooks.natural_store() if replay else hooks.store()
-            metrics.update(drift_metrics(policy, mb_routes, taken, minibatch, i))
         if any_rank(bool(metrics.get("faults/nonfinite_loss"))):
             applied, grad_norm = False, float("nan")
         else:  # skips non-finite gradients itself
@@ -157,34 +147,32 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
                 corrupt_grad=lambda g: faults.corrupt("nan_grads", g))
         metrics.update({"optim/grad_norm": grad_norm, "optim/skipped": float(not applied),
                         "faults/skipped_updates": float(not applied)})
-        if diagnose:
-            watch = Stopwatch()
-            diag = policy.routing_diagnostics(minibatch, mb_routes, cfg.loss,
-                                              cfg.rollout.temperature,
-                                              replay_gap=cfg.routing.replay_gap)
-            if "routing/change_rate" in diag:
-                diag[f"routing/change_rate/after_update_{i}"] = diag["routing/change_rate"]
-            metrics.update(diag)
-            diag_s += watch.elapsed()
+        if routing is not None:
+            metrics.update(routing.after_update(i, minibatch, objective))
         history.append(metrics)
     keys = set().union(*history)
     out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
     out["optim/lr"] = policy.lr
-    if diagnose:
-        out["perf/routing_diagnostics_s"] = diag_s
+    if routing is not None:
+        out.update(routing.timings())
     return out
 
 
-def drift_metrics(policy: Policy, old_routes, taken_routes, minibatch: PolicyBatch,
-                  i: int) -> dict[str, float]:
-    """``routing/drift/*`` of minibatch ``i`` from the routes its training forward took."""
-    rate, per_layer = policy.route_drift(old_routes, taken_routes, minibatch.response_mask)
-    out = {f"routing/drift/after_{i}_updates": rate}
-    if i >= 1:
-        out["routing/drift/change_rate"] = rate
-        out.update({f"routing/drift/change_rate/layer_{layer}": v
-                    for layer, v in enumerate(per_layer)})
-    return out
+def response_metrics(samples: list[RolloutSample], groups: ParallelGroups) -> dict[str, float]:
+    """``response/*`` of the step's rollouts, over every data-parallel rank: ``num_tokens`` (the
+    step's total response tokens), ``mean_length``, ``max_length``, ``eos_fraction`` and
+    ``clip_rate`` (cut at ``rollout.max_new_tokens``, verl's ``response_length/clip_ratio``)."""
+    lengths = [len(s.response_ids) for s in samples]
+    eos = sum(s.finish_reason == "eos" for s in samples)
+    sums = all_reduce_(torch.tensor([sum(lengths), len(samples), eos], dtype=torch.float64),
+                       groups.dp_group)
+    longest = all_reduce_(torch.tensor([max(lengths)], dtype=torch.float64), groups.dp_group,
+                          op=dist.ReduceOp.MAX)
+    tokens, count, eos_count = sums.tolist()
+    eos_fraction = eos_count / count
+    return {"response/num_tokens": tokens, "response/mean_length": tokens / count,
+            "response/max_length": float(longest), "response/eos_fraction": eos_fraction,
+            "response/clip_rate": 1.0 - eos_fraction}
 
 
 def sft_stage(policy: Policy, samples: list, cfg: TrainConfig, groups: ParallelGroups, pack,
@@ -207,6 +195,3 @@ def sft_stage(policy: Policy, samples: list, cfg: TrainConfig, groups: ParallelG
             policy.optimizer_step()
             if step % 50 == 0 or step == cfg.sft.steps - 1:
                 log(f"sft step {step}: nll {metrics.get('loss/sft_nll', float('nan')):.4f}")
-
-
-# ----------------------------------------------------------------------------- trainer

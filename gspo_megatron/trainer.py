@@ -10,10 +10,13 @@ only: it imports nothing from megatron (``tests/unit/test_boundaries.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import signal
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -26,9 +29,9 @@ from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gat
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
 from gspo_megatron.policy import Generator, Policy, PolicyBatch, make_policy_batch
-from gspo_megatron.stages import (StepSamples, advantage_stage, all_finite, batch_stage,
-                                  overlong_stage, reward_stage, rollout_stage, sft_stage,
-                                  update_stage)
+from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, batch_stage,
+                                  overlong_stage, response_metrics, reward_stage, rollout_stage,
+                                  sft_stage, update_stage)
 
 logger = logging.getLogger(__name__)
 
@@ -45,23 +48,45 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had NaN/Inf; the run stops, the last checkpoint is untouched."""
 
 
+@dataclass
+class Task:
+    """What a run learns from: prompts, the tokenizer that encodes them and the reward."""
+
+    tokenizer: Any
+    """Encodes prompts (with their chat template) and decodes responses for the reward."""
+    sampler: Any
+    """Yields each step's training prompts, all data-parallel ranks' (this rank takes its
+    slice); its ``state_dict`` is checkpointed (:class:`gspo_megatron.data.PromptSampler`)."""
+    train: list
+    """Training prompt examples (the supervised warm-up reads them too)."""
+    eval: list
+    """Held-out prompt examples (greedy accuracy, sampled mean@n / pass@k)."""
+    reward_fn: Callable
+    """The reward (:func:`gspo_megatron.rewards.get_reward_fn`)."""
+    reward_workers: Any = None
+    """The reward process pool (:mod:`gspo_megatron.rewards.workers`), stopped by
+    :meth:`Trainer.close`; None: rewards run in this process."""
+
+
 class Trainer:
     """Owns the policy, data position and step. :meth:`fit` runs everything after the build;
     :meth:`rl_step` is the loop body, top to bottom."""
 
-    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, policy: Policy, tokenizer,
-                 sampler, data: dict, reward_fn, generator: Generator, greedy: Generator,
-                 reference: Policy | None = None, faults: FaultInjector | None = None,
-                 sampled_eval: Generator | None = None, reward_workers=None):
-        """``data``: ``{"train": [...], "eval": [...]}`` prompt examples; ``sampler`` yields the
-        training prompts of each step (all DP ranks' prompts; this rank takes its slice).
-        ``greedy`` decodes the held-out accuracy; ``sampled_eval`` (with
-        ``evaluation.num_samples`` > 0) samples its mean@n / pass@k. ``reward_workers``: the
-        reward process pool (:mod:`gspo_megatron.rewards.workers`), stopped by :meth:`close`."""
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, policy: Policy,
+                 generator: Generator, task: Task, reference: Policy | None = None,
+                 faults: FaultInjector | None = None):
+        """``generator`` samples the rollouts at ``rollout``'s settings; the held-out greedy
+        accuracy and (with ``evaluation.num_samples`` > 0) the sampled mean@n / pass@k use the
+        same engine with other sampling settings. ``reference``: the frozen policy of the KL
+        term (``trainer.reference_model``)."""
         self.cfg, self.groups, self.policy, self.reference = cfg, groups, policy, reference
-        self.tokenizer, self.sampler, self.data = tokenizer, sampler, data
-        self.reward_fn, self.generator, self.greedy = reward_fn, generator, greedy
-        self.sampled_eval, self.reward_workers = sampled_eval, reward_workers
+        self.task, self.generator = task, generator
+        self.greedy = generator.with_sampling(
+            dataclasses.replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0))
+        ev = cfg.evaluation
+        self.sampled_eval = generator.with_sampling(dataclasses.replace(
+            cfg.rollout, temperature=ev.temperature, top_p=ev.top_p, top_k=0)
+        ) if ev.num_samples else None
         self.faults = faults or FaultInjector()
         self.step = 0
         self.saved_step: int | None = None
@@ -70,7 +95,6 @@ class Trainer:
         self._stop_signal: int | None = None
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
-        self.routes_on = cfg.routing.replay != "none" or cfg.routing.diagnostics
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
 
     def close(self) -> None:
@@ -78,8 +102,8 @@ class Trainer:
         a background checkpoint that was not committed (only after an error: :meth:`fit` commits
         every checkpoint it starts)."""
         self.policy.abort_checkpoint()
-        if self.reward_workers is not None:
-            self.reward_workers.close()
+        if self.task.reward_workers is not None:
+            self.task.reward_workers.close()
 
     def log(self, msg: str) -> None:
         if self.groups.is_logging_rank:
@@ -110,7 +134,7 @@ class Trainer:
             summary["sft_s"] = watch.elapsed()
             # Reusable as checkpoint.init_weights: RL experiments from the same warm start.
             self.policy.save_weights(os.path.join(cfg.logging.run_dir, "sft_weights"))
-        if self.data["eval"] and start_step == 0:
+        if self.task.eval and start_step == 0:
             summary["accuracy_before"] = self.evaluate()
             self.log(f"held-out accuracy before RL: {summary['accuracy_before']:.3f}")
             summary.update(self._sampled_eval_summary("before"))
@@ -133,7 +157,7 @@ class Trainer:
         while self.step < cfg.trainer.steps:
             metrics = self.rl_step()
             if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 \
-                    and self.data["eval"] and self.step < cfg.trainer.steps:
+                    and self.task.eval and self.step < cfg.trainer.steps:
                 metrics["eval/accuracy"] = self.evaluate()
                 metrics.update(self.evaluate_sampled())
             stop = self.stop_requested()
@@ -146,7 +170,7 @@ class Trainer:
                 return REQUEUE_EXIT_CODE
         if self.step > start_step:
             self.save()  # the final weights (written while the held-out set is evaluated)
-        if self.data["eval"]:
+        if self.task.eval:
             summary["accuracy_after"] = self.evaluate()
             self.log(f"held-out accuracy after RL: {summary['accuracy_after']:.3f}")
             summary.update(self._sampled_eval_summary("after"))
@@ -158,7 +182,7 @@ class Trainer:
         else ``checkpoint.init_weights`` if set. Returns the step to start from."""
         if self.policy.has_checkpoint(self.load_dir):
             self.step, extra = self.policy.load_checkpoint(self.load_dir)
-            self.sampler.load_state_dict(extra["sampler"])
+            self.task.sampler.load_state_dict(extra["sampler"])
             self.log(f"resumed from {self.load_dir} at step {self.step}")
         elif self.cfg.checkpoint.init_weights:
             self.policy.load_weights(self.cfg.checkpoint.init_weights)
@@ -171,7 +195,7 @@ class Trainer:
         if self.saved_step == self.step:
             return 0.0
         watch = Stopwatch()
-        self.policy.save_checkpoint(self.save_dir, self.step, {"sampler": self.sampler.state_dict()},
+        self.policy.save_checkpoint(self.save_dir, self.step, {"sampler": self.task.sampler.state_dict()},
                                     keep_last=self.cfg.checkpoint.keep_last,
                                     before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s),
                                     background=self.cfg.checkpoint.async_save)
@@ -185,8 +209,8 @@ class Trainer:
     def warm_up(self) -> None:
         from gspo_megatron.data import sft_samples
 
-        train = self.data["train"]
-        samples = sft_samples(self.tokenizer, train[: self.cfg.sft.num_examples or len(train)])
+        train = self.task.train
+        samples = sft_samples(self.task.tokenizer, train[: self.cfg.sft.num_examples or len(train)])
         sft_stage(self.policy, samples, self.cfg, self.groups, self.pack, self.log)
 
     # -- the loop body, top to bottom
@@ -197,34 +221,25 @@ class Trainer:
         faults.maybe_fail("step_start")
         watch = Stopwatch()
 
-        sampled = self.sample(seed, watch)
-        if not isinstance(sampled, StepSamples):  # (fault, reward metrics): non-finite values
-            return self._skip_step(*sampled, watch)
+        try:
+            sampled = self.sample(seed, watch)
+        except SkipStep as skip:
+            return self._skip_step(skip.fault, skip.metrics, watch)
         samples = sampled.samples
         batch = batch_stage(samples, sampled.advantages, self.pack)
 
-        # Old policy's MoE routes (for the replay, the free routing/drift/* metrics and the
-        # diagnostics): with R3 this pass replays the rollout engine's routes (the routers' own
-        # choice captured beside them), with R2 or diagnostics it records its own.
-        rollout_routes = (self.policy.rollout_routes(samples, batch.seq_length)
-                          if cfg.routing.records_rollout_routes else None)
-        if cfg.routing.replay == "r3":
-            hooks = self.policy.replay_routes(rollout_routes, capture_natural=True)
-        else:
-            hooks = self.policy.record_routes() if self.routes_on else None
-        train_lp = self.policy.logprobs(batch, temperature=cfg.rollout.temperature, routing=hooks)
+        # MoE routes of the old-policy pass (replayed from the rollout under R3, recorded
+        # otherwise) and of every update: the policy's routing decides (None: no routing work).
+        policy_routing = self.policy.routing
+        routing = (policy_routing.start_step(batch, samples, self.step)
+                   if policy_routing is not None else None)
+        train_lp = self.policy.logprobs(batch, temperature=cfg.rollout.temperature,
+                                        routing=routing.old_pass() if routing else None)
         if train_lp is not None:
             train_lp = faults.corrupt("nan_logprobs", train_lp)
         if not all_finite(train_lp, batch.response_mask):
             return self._skip_step("faults/nonfinite_logprobs", sampled.metrics, watch)
-        extra: dict[str, float] = {}
-        if cfg.routing.replay == "r3":
-            old_routes, trainer_routes = hooks.replayed_store(), hooks.natural_store()
-        else:
-            old_routes = trainer_routes = hooks.store() if hooks is not None else None
-        if rollout_routes is not None:
-            extra.update(self.policy.rollout_disagreement(rollout_routes, trainer_routes, batch,
-                                                          train_lp))
+        extra = routing.after_old_pass(train_lp) if routing else {}
         if train_lp is not None:
             extra["kl/rollout_vs_train"] = rollout_mismatch(train_lp, batch.rollout_logprobs,
                                                             batch.response_mask)
@@ -238,34 +253,27 @@ class Trainer:
         # becomes the latest before the weights change again (a crash from here on resumes from it).
         self.commit_checkpoint()
         watch.lap("perf/checkpoint_wait_s")
-        update_metrics = update_stage(self.policy, batch, cfg, seed, self.step,
-                                      old_routes=old_routes, faults=faults)
+        update_metrics = update_stage(self.policy, batch, cfg, seed, self.step, routing=routing,
+                                      faults=faults)
         watch.lap("perf/update_s")
         self._count_faults(update_metrics.get("faults/skipped_updates", 0.0) > 0)
         self.step += 1
 
-        lengths = [len(s.response_ids) for s in samples]
         timings = watch.total("perf/step_s")
         timings["perf/rollout_tokens_per_s"] = (sampled.generated_tokens
                                                 / max(timings["perf/rollout_s"], 1e-9))
-        eos = sum(s.finish_reason == "eos" for s in samples) / len(samples)
         metrics = {**sampled.metrics, **extra, **update_metrics, **timings,
-                   **device_memory_metrics(),
-                   "response/mean_length": sum(lengths) / len(samples),
-                   "response/eos_fraction": eos,
-                   "response/max_length": float(max(lengths)),
-                   # cut at rollout.max_new_tokens (verl's response_length/clip_ratio)
-                   "response/clip_rate": 1.0 - eos}
+                   **device_memory_metrics(), **response_metrics(samples, g)}
         return gather_on_logging_rank(metrics, g)
 
-    def sample(self, seed: int, watch: Stopwatch) -> StepSamples | tuple[str, dict]:
+    def sample(self, seed: int, watch: Stopwatch) -> StepSamples:
         """prompts -> rollout -> reward (+ overlong penalty) -> advantages for one step. With
         ``dynamic_sampling.enabled``, more rollout batches follow while any data-parallel rank has
         fewer than ``rollout.prompts_per_step`` groups whose rewards differ (at most
         ``max_extra_batches``; every rank rolls out each batch, so collectives stay in
         lock-step), and :func:`~gspo_megatron.algorithms.dapo.select_groups` picks the groups.
-        Returns the step's groups, or ``(fault, reward metrics)`` when rewards or advantages are
-        not finite (the caller skips the step)."""
+        Returns the step's groups; raises :class:`SkipStep` when rewards or advantages are not
+        finite."""
         cfg, group = self.cfg, self.cfg.rollout.group_size
         ds, ol = cfg.dynamic_sampling, cfg.overlong
         batches: list[tuple[list, list, torch.Tensor, torch.Tensor]] = []
@@ -273,19 +281,19 @@ class Trainer:
         generated = 0
         while True:
             b = len(batches)
-            prompts = self._local_prompts(self.sampler.next_batch())
-            samples = rollout_stage(self.generator, self.tokenizer, prompts, group,
+            prompts = self._local_prompts(self.task.sampler.next_batch())
+            samples = rollout_stage(self.generator, self.task.tokenizer, prompts, group,
                                     seed + EXTRA_BATCH_SEED_STRIDE * b)
             generated += sum(len(s.response_ids) for s in samples)
             watch.lap("perf/rollout_s")
-            rewards, stats = reward_stage(self.reward_fn, self.tokenizer, prompts, samples, group,
-                                          cfg.reward.timeout_s, self.reward_workers)
+            rewards, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, prompts, samples, group,
+                                          cfg.reward.timeout_s, self.task.reward_workers)
             rewards = overlong_stage(rewards, samples, cfg.rollout.max_new_tokens,
                                      ol.buffer_tokens, ol.penalty_factor)
             rewards = self.faults.corrupt("nan_rewards", rewards)
             watch.lap("perf/reward_s")
             if not all_finite(rewards):
-                return "faults/nonfinite_rewards", stats
+                raise SkipStep("faults/nonfinite_rewards", stats)
             advantages, adv_metrics, tied = advantage_stage(rewards, group,
                                                             cfg.trainer.normalize_advantage_std)
             if ol.mask_truncated:  # DAPO overlong filtering: no policy term for cut responses
@@ -304,7 +312,7 @@ class Trainer:
             metrics.update(ds_metrics)
         advantages = self.faults.corrupt("nan_advantages", advantages)
         if not all_finite(advantages):
-            return "faults/nonfinite_advantages", metrics
+            raise SkipStep("faults/nonfinite_advantages", metrics)
         return StepSamples(prompts, samples, advantages, metrics, generated)
 
     def _select_groups(self, batches: list) -> tuple[list, list, torch.Tensor, dict[str, float]]:
@@ -347,11 +355,11 @@ class Trainer:
     # -- evaluation: greedy decoding on held-out prompts
     def evaluate(self, max_examples: int | None = None) -> float:
         """Held-out accuracy (greedy decoding), averaged over data-parallel ranks."""
-        examples = self.data["eval"][: max_examples or len(self.data["eval"])]
+        examples = self.task.eval[: max_examples or len(self.task.eval)]
         local = examples[self.groups.dp_rank:: self.groups.dp_size]
-        samples = rollout_stage(self.greedy, self.tokenizer, local, 1, seed=0)
-        _, stats = reward_stage(self.reward_fn, self.tokenizer, local, samples, 1,
-                                self.cfg.reward.timeout_s, self.reward_workers)
+        samples = rollout_stage(self.greedy, self.task.tokenizer, local, 1, seed=0)
+        _, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, 1,
+                                self.cfg.reward.timeout_s, self.task.reward_workers)
         correct = torch.tensor([stats["reward/accuracy"] * len(local), len(local)],
                                dtype=torch.float64)
         all_reduce_(correct, self.groups.dp_group)
@@ -363,13 +371,13 @@ class Trainer:
         per held-out prompt, sampled at ``evaluation.temperature`` / ``top_p`` with a fixed seed;
         averaged over every held-out prompt (all data-parallel ranks). Empty when off."""
         n = self.cfg.evaluation.num_samples
-        if not n or self.sampled_eval is None or not self.data["eval"]:
+        if not n or self.sampled_eval is None or not self.task.eval:
             return {}
-        local = self.data["eval"][self.groups.dp_rank:: self.groups.dp_size]
-        samples = rollout_stage(self.sampled_eval, self.tokenizer, local, n,
+        local = self.task.eval[self.groups.dp_rank:: self.groups.dp_size]
+        samples = rollout_stage(self.sampled_eval, self.task.tokenizer, local, n,
                                 seed=self.cfg.evaluation.seed + self.groups.dp_rank)
-        rewards, _ = reward_stage(self.reward_fn, self.tokenizer, local, samples, n,
-                                  self.cfg.reward.timeout_s, self.reward_workers)
+        rewards, _ = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, n,
+                                  self.cfg.reward.timeout_s, self.task.reward_workers)
         from gspo_megatron.rewards import is_correct
 
         correct = torch.tensor([is_correct(float(r)) for r in rewards]).view(-1, n).sum(1)
@@ -393,7 +401,7 @@ class Trainer:
         """Right-pad token lists into a :class:`PolicyBatch`: to a multiple of TP x 2CP (sequence
         and context sharding), and to ``model.seq_length`` under pipeline parallelism (one
         activation shape for every microbatch of a run)."""
-        return make_policy_batch(sequences, prompt_lengths, self.tokenizer.pad_id,
+        return make_policy_batch(sequences, prompt_lengths, self.task.tokenizer.pad_id,
                                  pad_to_multiple_of=self.pad_multiple,
                                  seq_length=self.cfg.model.seq_length if self.groups.pp_size > 1 else None)
 

@@ -30,6 +30,7 @@ by ``--deadline`` still answers most):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -138,15 +139,14 @@ def rollout_bench(quick: bool) -> dict:
         gpt = build_gpt_model(model_cfg, cfg.parallel, cfg.precision, pre_process=True,
                               post_process=True)
         rc = RolloutConfig(group_size=2, prompts_per_step=1, max_new_tokens=new,
-                           max_batch_size=batch, temperature=1.0)
+                           max_batch_size=batch, temperature=1.0, dynamic_buffer_size_gb=4.0)
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(1, vocab, (batch, 16), generator=gen).tolist()
         engines = {}
         for name in ("dynamic", "static"):
             try:
                 engines[name] = RolloutEngine(gpt, groups, eos_id=0, pad_id=0, vocab_size=vocab,
-                                              config=rc, backend=name,
-                                              dynamic_buffer_size_gb=4.0)
+                                              config=dataclasses.replace(rc, engine=name))
             except Exception as exc:  # noqa: BLE001 - record and measure the other one
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
         for r in range(rounds + 1):

@@ -59,6 +59,7 @@ def in_process(repeats: int = 5) -> dict:
 
     import torch
 
+    from gspo_megatron.algorithms import PolicyGradientObjective
     from gspo_megatron.config import DEMO_RECIPE, load_config
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
@@ -102,7 +103,8 @@ def in_process(repeats: int = 5) -> dict:
             if diagnose:
                 d = time.process_time()
                 routing_diagnostics(policy.model, routing, mb, store.select(slice(i * per, (i + 1) * per)),
-                                    mbs, scoring, groups, cfg.loss)
+                                    mbs, scoring, groups,
+                                    PolicyGradientObjective(cfg.loss).clipped_positions)
                 diag += time.process_time() - d
         t["update_incl_diag"] = time.process_time() - c
         t["diagnostics"] = diag

@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .policy_loss import PolicyLossConfig, k3, policy_loss
+from .policy_loss import PolicyLossConfig, clipped_positions, k3, policy_loss
 from .rollout_correction import RolloutCorrectionConfig, correction_weights
 
 Corrupt = Callable[[str, torch.Tensor], torch.Tensor]
@@ -78,6 +78,13 @@ class PolicyGradientObjective:
         if bool(torch.where(mb.response_mask.bool(), res.weights == 1, True).all()):
             weights = None  # a no-op correction (old == rollout): keep the loss bitwise
         return weights, res.metrics
+
+    def clipped_positions(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                          advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool: where this objective's clipped branch is active (its clip rule:
+        :func:`~.policy_loss.clipped_positions` of ``loss``); the routing diagnostics count with
+        it."""
+        return clipped_positions(logprobs, old_logprobs, advantages, mask, self.loss)
 
     def local_count(self, batch) -> torch.Tensor:
         if self.loss.variant == "grpo" and self.loss.aggregation == "token_mean":

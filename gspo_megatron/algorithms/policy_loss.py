@@ -440,7 +440,7 @@ def policy_loss(
         (token-weighted; every token of a clipped GSPO sequence counts),
         ``ratio/mean|min|max`` (``s_i`` over non-empty sequences for
         gspo/gspo_token, ``r_it`` over response tokens for grpo),
-        ``ratio/seq_log_ratio_p05|p50|p95`` (``log s_i``), ``response/*`` and
+        ``ratio/seq_log_ratio_p05|p50|p95`` (``log s_i``), ``response/empty_fraction`` and
         ``entropy/mean``. Padding is excluded from every metric.
     """
     mask = _validate(logprobs, old_logprobs, advantages, response_mask, config,
@@ -533,6 +533,4 @@ def _metrics(config: PolicyLossConfig, mask: torch.Tensor, seq_len: torch.Tensor
     if entropy is not None:
         m["entropy/mean"] = sums[:, col].sum() / total_tokens
     m["response/empty_fraction"] = 1.0 - n_seq / seq_len.numel()
-    m["response/length_mean"] = seq_len.sum() / n_seq
-    m["response/num_tokens"] = total_tokens
     return {k: v.detach() for k, v in m.items()}

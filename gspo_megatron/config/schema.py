@@ -336,6 +336,15 @@ class RoutingConfig(Section, name="routing"):
         them with the trainer's (``routing/rollout/*``)."""
         return self.replay == "r3" or self.diagnostics
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the RL loop touches routes at all (replay, or the diagnostics)."""
+        return self.replay != "none" or self.diagnostics
+
+    def diagnoses(self, step: int) -> bool:
+        """Whether RL step ``step`` runs the diagnostics (every ``diagnostics_interval`` steps)."""
+        return self.diagnostics and step % self.diagnostics_interval == 0
+
     def _problems(self) -> Iterator[Problem]:
         yield from self._at_least(1, "diagnostics_interval", note=(
             " (run the diagnostics every N RL steps)"))

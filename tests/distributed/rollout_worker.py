@@ -22,6 +22,7 @@ from gspo_megatron.backends.megatron.rollout import RolloutEngine
 from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
 from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
+from gspo_megatron.backends.megatron.rollout_routes import rollout_disagreement, rollout_route_store
 
 VOCAB, EOS = 16, 2
 
@@ -55,7 +56,7 @@ def r3_check(policy, groups, tp):
                            config=RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6,
                                                 max_batch_size=4), record_routes=True)
     samples = engine.generate(prompts(7, 6, 2, 7), seed=11)
-    layers = policy.routing.moe_layers
+    layers = policy.model_routing.moe_layers
     routes = [{str(layer): s.extra["routes"][i].long().sort(-1).values.tolist()
                for i, layer in enumerate(layers)} for s in samples]
     batch = make_policy_batch([s.prompt_ids + s.response_ids for s in samples],
@@ -66,14 +67,15 @@ def r3_check(policy, groups, tp):
         p = len(s.prompt_ids)
         rollout_lp[i, p - 1: p - 1 + len(s.response_ids)] = torch.tensor(s.response_logprobs)
     batch.rollout_logprobs = rollout_lp
-    store = policy.rollout_routes(samples, batch.seq_length)
-    hooks = policy.replay_routes(store, capture_natural=True)
+    store = rollout_route_store(samples, batch.layout, policy.model_routing)
+    hooks = policy.model_routing.replayer(store, policy.micro_batch_size, capture_natural=True)
     lp = policy.logprobs(batch, temperature=0.9, routing=hooks)  # the sampling temperature
     used, natural = hooks.replayed_store(), hooks.natural_store()
     known = store.known
     out = dict(routes=routes, store_shape=list(store.indices.shape), seq_length=batch.seq_length,
                forced=bool(torch.equal(used.indices[:, known], store.indices[:, known])),
-               metrics=policy.rollout_disagreement(store, natural, batch, lp))
+               metrics=rollout_disagreement(policy.model_routing, store, natural, batch.response_mask, lp,
+                                   batch.rollout_logprobs, policy.groups))
     if lp is not None:
         out["max_gap"] = float((lp - rollout_lp)[batch.response_mask].abs().max())
         out["lp"] = [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.response_ids)]

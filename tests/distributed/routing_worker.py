@@ -13,7 +13,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.algorithms import PolicyLossConfig
+from gspo_megatron.algorithms import PolicyGradientObjective, PolicyLossConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
 from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 from gspo_megatron.backends.megatron.routing import ModelRouting
@@ -85,9 +85,10 @@ def main():
     scoring = ScoringConfig(vocab_size=VOCAB)
     lp, _ = compute_logprobs(policy.model, batch, mbs, scoring, groups)
     batch.old_logprobs = lp if lp is not None else torch.zeros(batch.tokens.shape)
-    loss_cfg = PolicyLossConfig(variant="grpo", clip_low=0.2, clip_high=0.2)
+    clip_rule = PolicyGradientObjective(
+        PolicyLossConfig(variant="grpo", clip_low=0.2, clip_high=0.2)).clipped_positions
     res["diag_same"] = routing_diagnostics(policy.model, routing, batch, store, mbs, scoring, groups,
-                                           loss_cfg)
+                                           clip_rule)
 
     # 3. perturb the routers (same noise on every rank: routers are replicated).
     gen = torch.Generator().manual_seed(99)
@@ -124,7 +125,7 @@ def main():
     res["router_grad_abs_sum"] = grads
 
     res["diag_perturbed"] = routing_diagnostics(policy.model, routing, batch, store, mbs, scoring,
-                                                groups, loss_cfg)
+                                                groups, clip_rule)
 
     # 4. routing/drift/* from training forwards: the free routes (recorder), and under replay the
     # routes the routers would have taken (capture_natural), against the recorded old routes.

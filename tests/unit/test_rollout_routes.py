@@ -16,6 +16,7 @@ import torch
 
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.backends.megatron.rollout_routes import rollout_disagreement, rollout_route_store
 from gspo_megatron.policy import make_policy_batch
 
 pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
@@ -80,8 +81,8 @@ def replay_pass(policy, samples, batch):
     Returns (rollout store, log-probs, routes used, routes the routers chose, changed [L, B, T])."""
     from gspo_megatron.routing.stats import route_change
 
-    store = policy.rollout_routes(samples, batch.seq_length)
-    hooks = policy.replay_routes(store, capture_natural=True)
+    store = rollout_route_store(samples, batch.layout, policy.model_routing)
+    hooks = policy.model_routing.replayer(store, policy.micro_batch_size, capture_natural=True)
     lp = policy.logprobs(batch, routing=hooks)
     used, natural = hooks.replayed_store(), hooks.natural_store()
     assert torch.equal(used.indices[:, store.known], store.indices[:, store.known])  # forced
@@ -106,7 +107,7 @@ def test_routes_cover_every_forwarded_token(setup, rollout):
         routes = s.extra["routes"]
         assert routes.dtype == torch.uint8
         assert routes.shape == (2, len(s.prompt_ids) + len(s.response_ids) - 1, 2)
-    store = policy.rollout_routes(samples, batch.seq_length)
+    store = rollout_route_store(samples, batch.layout, policy.model_routing)
     assert store.indices.shape == (2, 24, batch.seq_length, 2) and store.moe_layers == [0, 1]
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples])
     assert torch.equal(store.known.sum(1), lengths)
@@ -125,17 +126,18 @@ def test_r3_replay_with_unchanged_weights_picks_the_rollout_experts(setup, rollo
     mask = batch.response_mask
     gap = (lp - batch.rollout_logprobs)[mask].abs().max().item()
     assert gap < 1e-5, gap  # measured ~1e-6 (KV-cached decode vs one full forward)
-    rec = policy.record_routes()
+    rec = policy.model_routing.recorder()
     policy.logprobs(batch, routing=rec)
     r2 = rec.store()
     assert torch.equal(as_sets(r2.indices), as_sets(used.indices))
-    metrics = policy.rollout_disagreement(store, natural, batch, lp)
+    metrics = rollout_disagreement(policy.model_routing, store, natural, batch.response_mask, lp,
+                                   batch.rollout_logprobs, policy.groups)
     assert metrics["routing/rollout/change_rate"] == 0.0
     assert metrics["routing/rollout/token_change_rate"] == 0.0
     assert metrics["routing/rollout/change_rate/layer_1"] == 0.0
     assert metrics["routing/rollout/abs_log_ratio_unchanged"] < 1e-5
     assert all(r.router_replay_action is None and r.target_free is None
-               for r in policy.routing.replays)
+               for r in policy.model_routing.replays)
 
 
 def test_r3_forces_the_rollout_routes_when_the_trainer_routes_differently(setup, rollout):
@@ -144,7 +146,7 @@ def test_r3_forces_the_rollout_routes_when_the_trainer_routes_differently(setup,
     pass and, replaying that pass's routes, in the update forward, and the metrics see it."""
     policy, _ = setup
     _, samples, batch = rollout
-    routers = policy.routing.routers
+    routers = policy.model_routing.routers
     saved = [r.weight.detach().clone() for r in routers]
     try:
         with torch.no_grad():
@@ -153,12 +155,14 @@ def test_r3_forces_the_rollout_routes_when_the_trainer_routes_differently(setup,
                 r.weight.add_(0.5 * torch.randn(r.weight.shape, generator=g))
         store, lp, used, natural, changed = replay_pass(policy, samples, batch)
         assert int(changed[:, store.known].sum()) > 0
-        metrics = policy.rollout_disagreement(store, natural, batch, lp)
+        metrics = rollout_disagreement(policy.model_routing, store, natural, batch.response_mask, lp,
+                                   batch.rollout_logprobs, policy.groups)
         assert 0 < metrics["routing/rollout/change_rate"] < 1
         assert metrics["routing/rollout/token_change_rate"] >= metrics["routing/rollout/change_rate"]
 
         # The update forward replays the old pass's routes (a full store) bit for bit.
-        update = policy.replay_routes(used.select(slice(0, 8)), capture_natural=True)
+        update = policy.model_routing.replayer(used.select(slice(0, 8)), policy.micro_batch_size,
+                                              capture_natural=True)
         lp_update = policy.logprobs(batch.select(slice(0, 8)), routing=update)
         assert torch.equal(lp_update, lp[:8])
     finally:
@@ -179,7 +183,6 @@ def test_batch_split_and_order_do_not_change_the_routes(setup):
 
 
 def test_no_recording_unless_asked(setup):
-    from gspo_megatron.backends.megatron.rollout_routes import rollout_route_store
 
     policy, _ = setup
     plain = make_engine(setup, record_routes=False)
@@ -189,7 +192,9 @@ def test_no_recording_unless_asked(setup):
                                                             top_k=1))
     assert all("routes" not in s.extra for s in greedy.generate(make_prompts(4), seed=0))
     with pytest.raises(RuntimeError, match="carries no routes"):
-        rollout_route_store(samples, 32, policy.routing)
+        rollout_route_store(samples, make_policy_batch(
+            [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
+            pad_id=PAD, seq_length=32).layout, policy.model_routing)
 
 
 def test_bf16_rollout_routes_are_replayed_by_the_fp32_trainer(setup):
@@ -202,6 +207,7 @@ def test_bf16_rollout_routes_are_replayed_by_the_fp32_trainer(setup):
     samples = engine.generate(make_prompts(), seed=5)
     batch = batch_of(samples)
     store, lp, _, natural, _ = replay_pass(policy, samples, batch)
-    metrics = policy.rollout_disagreement(store, natural, batch, lp)
+    metrics = rollout_disagreement(policy.model_routing, store, natural, batch.response_mask, lp,
+                                   batch.rollout_logprobs, policy.groups)
     assert 0.0 <= metrics["routing/rollout/change_rate"] < 0.5
     assert metrics["routing/rollout/abs_log_ratio_unchanged"] > 0  # bf16 vs fp32 log-probs

@@ -193,7 +193,7 @@ def test_replay_rejects_a_mismatched_layout(setup):
 
 
 def test_diagnostics_zero_when_nothing_changed(setup):
-    from gspo_megatron.algorithms import PolicyLossConfig
+    from gspo_megatron.algorithms import PolicyGradientObjective, PolicyLossConfig
     from gspo_megatron.backends.megatron.routing import ModelRouting
     from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
     from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
@@ -204,7 +204,7 @@ def test_diagnostics_zero_when_nothing_changed(setup):
     rec = routing.recorder()
     batch.old_logprobs, _ = compute_logprobs(policy.model, batch, MBS, scoring, groups, routing=rec)
     m = routing_diagnostics(policy.model, routing, batch, rec.store(), MBS, scoring, groups,
-                            PolicyLossConfig(variant="gspo"))
+                            PolicyGradientObjective(PolicyLossConfig(variant="gspo")).clipped_positions)
     assert m["routing/change_rate"] == 0.0 and m["routing/jaccard"] == 1.0
     assert m["routing/change_rate/layer_0"] == 0.0 and m["routing/change_rate/layer_1"] == 0.0
     assert m["routing/token_change_rate"] == 0.0 and m["routing/abs_log_ratio_unchanged"] == 0.0

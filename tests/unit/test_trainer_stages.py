@@ -11,7 +11,7 @@ from gspo_megatron.data import PromptExample, PromptSampler
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.policy import RolloutSample
 from gspo_megatron.stages import advantage_stage, batch_stage, rollout_stage, update_stage
-from gspo_megatron.trainer import Trainer
+from gspo_megatron.trainer import Task, Trainer
 
 
 class CharTokenizer:
@@ -39,9 +39,14 @@ class EchoGenerator:
         self.calls.append((len(prompts), seed))
         return [RolloutSample(list(p), [p[-1], 1], [-0.5, -0.1], "eos") for p in prompts]
 
+    def with_sampling(self, config):
+        return self
+
 
 class FakePolicy:
     """Records what the loop asks; 'weights' are a counter of applied optimizer steps."""
+
+    routing = None  # a dense model: no MoE routing
 
     def __init__(self, nonfinite_at=()):
         self.batches, self.steps, self.zeroed, self.saved = [], 0, 0, {}
@@ -173,10 +178,8 @@ def _trainer(cfg, policy, faults=None):
     train = _prompts(16)
     sampler = PromptSampler(train, cfg.rollout.prompts_per_step, seed=cfg.trainer.seed)
     from gspo_megatron.rewards import get_reward_fn
-    gen = EchoGenerator()
-    return Trainer(cfg, _Groups(), policy, CharTokenizer(), sampler,
-                   {"train": train, "eval": _prompts(4)}, get_reward_fn("arithmetic_exact"),
-                   gen, gen, faults=faults)
+    task = Task(CharTokenizer(), sampler, train, _prompts(4), get_reward_fn("arithmetic_exact"))
+    return Trainer(cfg, _Groups(), policy, EchoGenerator(), task, faults=faults)
 
 
 class _Groups:
@@ -202,6 +205,6 @@ def test_fit_trains_saves_and_resumes_exactly(tmp_path):
     straight_policy = FakePolicy()
     straight = _trainer(_cfg(tmp_path / "b", steps=5), straight_policy)
     straight.fit()
-    assert resumed.sampler.state_dict() == straight.sampler.state_dict()
+    assert resumed.task.sampler.state_dict() == straight.task.sampler.state_dict()
     assert policy.steps == straight_policy.steps == 5 * cfg.trainer.num_minibatches
     assert [m["step"] for m in (json.loads(x) for x in open(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3, 4]

@@ -117,7 +117,8 @@ def _measure(name: str, overrides: dict, smoke: bool, rounds: int, batch: int, p
     from gspo_megatron.config import DEMO_RECIPE, RolloutConfig, load_config
     from gspo_megatron.config.model import model_config_from_preset
     from gspo_megatron.policy import make_policy_batch
-    from gspo_megatron.stages import update_stage
+    from gspo_megatron.backends.megatron.routing_session import PolicyRouting
+    from gspo_megatron.stages import batch_stage, update_stage
     from tools.bench import _model
     seq = prompt_len + new_tokens
     cfg = model_config_from_preset("tiny", seq_length=max(64, seq), **overrides)
@@ -138,10 +139,11 @@ def _measure(name: str, overrides: dict, smoke: bool, rounds: int, batch: int, p
         tr = {k: _model.policy(cfg, groups) for k in ("off", "r3")}
         for pol in tr.values():  # the trainer builds its policy with these
             pol.micro_batch_size, pol.scoring.vocab_size = micro_batch_size, cfg.vocab_size
-        rcfg = RolloutConfig(max_new_tokens=new_tokens, max_batch_size=batch, temperature=1.0)
+        rcfg = RolloutConfig(max_new_tokens=new_tokens, max_batch_size=batch, temperature=1.0,
+                             engine="static")
         engines = {k: RolloutEngine(pol.model, groups, eos_id=eos, pad_id=0,
                                     vocab_size=cfg.vocab_size, config=rcfg,
-                                    max_sequence_length=cfg.seq_length, backend="static",
+                                    max_sequence_length=cfg.seq_length,
                                     record_routes=(k == "record"))
                    for k, pol in ro.items()}
         plain_out = engines["plain"].generate(prompts, seed=0)
@@ -152,31 +154,23 @@ def _measure(name: str, overrides: dict, smoke: bool, rounds: int, batch: int, p
         route_positions = sum(s.extra[ROLLOUT_ROUTES_KEY].shape[1] for s in samples)
         response_tokens = sum(len(s.response_ids) for s in samples)
 
-        data = make_policy_batch([s.prompt_ids + s.response_ids for s in samples],
-                                 [len(s.prompt_ids) for s in samples], pad_id=0)
         advantages = torch.randn(batch, generator=torch.Generator().manual_seed(1))
-        rollout_lp = torch.zeros(data.tokens.shape, dtype=torch.float32)
-        for i, s in enumerate(samples):
-            p = len(s.prompt_ids)
-            rollout_lp[i, p - 1: p - 1 + len(s.response_logprobs)] = torch.tensor(
-                s.response_logprobs)
-        data.rollout_logprobs = rollout_lp
-        data.advantages = advantages
+        data = batch_stage(samples, advantages, lambda seqs, plens: make_policy_batch(
+            seqs, plens, pad_id=0))
+        r3_routing = PolicyRouting(tr["r3"], r3_cfg.routing)
 
         def train_off():
             pol = tr["off"]
             data.old_logprobs = pol.logprobs(data, temperature=temperature)
-            return update_stage(pol, data, off_cfg, seed=0, step=0, old_routes=None)
+            return update_stage(pol, data, off_cfg, seed=0, step=0)
 
         def train_r3():  # as Trainer.rl_step with routing.replay r3
             pol = tr["r3"]
-            rollout_routes = pol.rollout_routes(samples, data.seq_length)
-            hooks = pol.replay_routes(rollout_routes, capture_natural=True)
-            lp = pol.logprobs(data, temperature=temperature, routing=hooks)
-            old_routes, trainer_routes = hooks.replayed_store(), hooks.natural_store()
-            pol.rollout_disagreement(rollout_routes, trainer_routes, data, lp)
+            routing = r3_routing.start_step(data, samples, step=0)
+            lp = pol.logprobs(data, temperature=temperature, routing=routing.old_pass())
+            routing.after_old_pass(lp)
             data.old_logprobs = lp
-            return update_stage(pol, data, r3_cfg, seed=0, step=0, old_routes=old_routes)
+            return update_stage(pol, data, r3_cfg, seed=0, step=0, routing=routing)
 
         fns = {"rollout_plain": lambda: engines["plain"].generate(prompts, seed=0),
                "rollout_record": lambda: engines["record"].generate(prompts, seed=0),

@@ -38,6 +38,7 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
     import torch
 
     from gspo_megatron.config import DEMO_RECIPE, RolloutConfig, TrainConfig, load_config
+    from gspo_megatron.backends.megatron.routing_session import StepRouting
     from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
     from tools.bench import _model
     from tools.bench.common import (interleaved, make_result, median, median_ratio,
@@ -87,15 +88,18 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
         def phase(name, step=0):
             vcfg = variants[name]
             pol = plain if name == "off" else routed
-            # As in Trainer.rl_step: the old pass records routes whenever the policy has a
-            # routing on (R2 or diagnostics), for the replay, the drift metrics and, on a
-            # diagnosed step, the diagnostics.
-            recorder = routed.record_routes() if name != "off" else None
+            # As in Trainer.rl_step, through the policy's step routing (R2 or diagnostics: the
+            # old pass records routes for the replay, the drift metrics and, on a diagnosed
+            # step, the diagnostics); no rollout routes here (a random batch, not sampled).
+            routing = (StepRouting(routed, vcfg.routing, data, rollout=None,
+                                   diagnose=vcfg.routing.diagnoses(step))
+                       if name != "off" else None)
             lp, _ = compute_logprobs(pol.model, data, micro_batch_size, scoring, groups,
-                                     routing=recorder)
-            old_routes = recorder.store() if recorder is not None else None
+                                     routing=routing.old_pass() if routing else None)
+            if routing is not None:
+                routing.after_old_pass(lp)
             data.old_logprobs = (lp + noise * data.response_mask).detach()
-            return update_stage(pol, data, vcfg, seed=0, step=step, old_routes=old_routes)
+            return update_stage(pol, data, vcfg, seed=0, step=step, routing=routing)
 
         def steps(name, n):
             for step in range(n):

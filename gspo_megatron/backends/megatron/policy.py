@@ -17,9 +17,11 @@ import torch
 
 from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.backends.megatron.model import build_gpt_model
+from gspo_megatron.backends.megatron.routing_session import PolicyRouting
 from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, run_objective
 from gspo_megatron.compat.local_kernels import stacked_expert_weights
-from gspo_megatron.config import ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
+                                  RoutingConfig)
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
 from gspo_megatron.policy import PolicyBatch
 
@@ -29,7 +31,8 @@ class MegatronPolicy:
     scheduler. Implements :class:`gspo_megatron.policy.Policy`."""
 
     def __init__(self, model: list, optimizer, scheduler, transformer_config,
-                 groups: ParallelGroups, micro_batch_size: int = 1, vocab_size: int | None = None):
+                 groups: ParallelGroups, micro_batch_size: int = 1, vocab_size: int | None = None,
+                 routing_cfg: RoutingConfig | None = None):
         self.model = model  # list[DistributedDataParallel]
         self.optimizer = optimizer  # MegatronOptimizer
         self.scheduler = scheduler  # OptimizerParamScheduler
@@ -38,7 +41,11 @@ class MegatronPolicy:
         self.micro_batch_size = micro_batch_size
         self.scoring = ScoringConfig(vocab_size=vocab_size)
         """The tokenizer's real vocabulary: padded entries are excluded from every softmax."""
-        self._routing = None
+        self.routing = (PolicyRouting(self, routing_cfg)
+                        if routing_cfg is not None and routing_cfg.enabled else None)
+        """The RL loop's MoE routing (replay, drift, diagnostics; built from the ``routing``
+        section), or None when the run neither replays nor diagnoses routes."""
+        self._model_routing = None
         self._checkpoint_writer: ckpt.AsyncCheckpointWriter | None = None
 
     def unwrapped(self):
@@ -120,56 +127,15 @@ class MegatronPolicy:
             for ps, pd in zip(s.module.parameters(), d.module.parameters()):
                 pd.copy_(ps)
 
-    # -- MoE routing (R2 replay, drift, diagnostics)
+    # -- MoE routing (replay, drift, diagnostics)
     @property
-    def routing(self):
+    def model_routing(self):
         """The model's routers (:class:`~.routing.ModelRouting`), attached on first use."""
-        if self._routing is None:
+        if self._model_routing is None:
             from gspo_megatron.backends.megatron.routing import ModelRouting
 
-            self._routing = ModelRouting(self.model, self.groups)
-        return self._routing
-
-    def record_routes(self):
-        """Schedule hooks that record the routes of a pass; ``.store()`` afterwards."""
-        return self.routing.recorder()
-
-    def replay_routes(self, routes, capture_natural: bool = False):
-        """Schedule hooks that force ``routes`` in a pass (and its recompute); with
-        ``capture_natural`` ``.natural_store()`` holds the routes free routing would take."""
-        return self.routing.replayer(routes, self.micro_batch_size, capture_natural=capture_natural)
-
-    def rollout_routes(self, samples, seq_length: int):
-        """The routes the rollout engine recorded for ``samples`` (R3), aligned with their
-        training batch of ``seq_length`` positions (:func:`~.rollout_routes.rollout_route_store`)."""
-        from gspo_megatron.backends.megatron.rollout_routes import rollout_route_store
-
-        return rollout_route_store(samples, seq_length, self.routing)
-
-    def rollout_disagreement(self, rollout_routes, trainer_routes, batch: PolicyBatch,
-                             train_lp: torch.Tensor | None) -> dict[str, float]:
-        """``routing/rollout/*``: rollout engine vs trainer routes and log-probs (collective)."""
-        from gspo_megatron.backends.megatron.rollout_routes import rollout_disagreement
-
-        return rollout_disagreement(self.routing, rollout_routes, trainer_routes,
-                                    batch.response_mask, train_lp, batch.rollout_logprobs,
-                                    self.groups)
-
-    def route_drift(self, old_routes, new_routes, response_mask: torch.Tensor):
-        """``(rate, per-layer rates)`` of routes whose top-k set differs (no forward pass)."""
-        from gspo_megatron.backends.megatron.routing_diagnostics import route_drift
-
-        return route_drift(self.routing, old_routes, new_routes, response_mask)
-
-    def routing_diagnostics(self, batch: PolicyBatch, old_routes, loss_cfg, temperature: float,
-                            replay_gap: bool = True) -> dict[str, float]:
-        """``routing/*`` statistics of the current weights vs ``old_routes`` on ``batch``."""
-        from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
-
-        scoring = dataclasses.replace(self.scoring, temperature=temperature)
-        return routing_diagnostics(self.model, self.routing, batch, old_routes,
-                                   self.micro_batch_size, scoring, self.groups, loss_cfg,
-                                   replay_gap=replay_gap)
+            self._model_routing = ModelRouting(self.model, self.groups)
+        return self._model_routing
 
     # -- state
     def has_checkpoint(self, load_dir: str) -> bool:
@@ -220,8 +186,10 @@ def build_policy(
     with_optimizer: bool = True,
     micro_batch_size: int = 1,
     vocab_size: int | None = None,
+    routing_cfg: RoutingConfig | None = None,
 ) -> MegatronPolicy:
-    """Build this rank's pipeline stage, wrap it in Megatron DDP and attach the optimizer."""
+    """Build this rank's pipeline stage, wrap it in Megatron DDP and attach the optimizer
+    (``routing_cfg``: the RL loop's MoE routing, :attr:`MegatronPolicy.routing`)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -249,7 +217,8 @@ def build_policy(
     if with_optimizer:
         optimizer, scheduler = build_optimizer(model, optim_cfg, total_steps)
     return MegatronPolicy(model, optimizer, scheduler, tf_config, groups,
-                          micro_batch_size=micro_batch_size, vocab_size=vocab_size)
+                          micro_batch_size=micro_batch_size, vocab_size=vocab_size,
+                          routing_cfg=routing_cfg)
 
 
 def build_optimizer(model: list, optim_cfg: OptimConfig, total_steps: int):

@@ -70,7 +70,7 @@ import copy
 import functools
 import time
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -264,9 +264,9 @@ class RolloutEngine:
         pad_id: padding id (used only for Megatron's internal batch padding).
         vocab_size: the tokenizer's real vocabulary; padded embedding rows are never sampled.
         config: :class:`~gspo_megatron.config.RolloutConfig` (temperature, top_p, top_k,
-            max_new_tokens, max_batch_size, group_size).
+            max_new_tokens, max_batch_size, group_size; ``engine``: ``"auto"``, ``"static"`` or
+            ``"dynamic"`` (:func:`choose_backend`), ``dynamic_buffer_size_gb``).
         max_sequence_length: KV-cache length (prompt + response); default the model's.
-        backend: ``"auto"``, ``"static"`` or ``"dynamic"`` (:func:`choose_backend`).
 
     ``config.precision`` (``rollout.precision``) picks the sampling numerics: the live module
     (``auto``, or the model's own dtype) or a :class:`SamplingCopy` in another dtype, refreshed
@@ -275,9 +275,7 @@ class RolloutEngine:
 
     def __init__(self, model, groups: ParallelGroups, *, eos_id: int, pad_id: int,
                  vocab_size: int, config: RolloutConfig,
-                 max_sequence_length: int | None = None,
-                 backend: Literal["auto", "static", "dynamic"] = "auto",
-                 dynamic_buffer_size_gb: float = 20.0, record_routes: bool = False):
+                 max_sequence_length: int | None = None, record_routes: bool = False):
         self.model = _unwrap(model)
         self.groups = groups
         self.eos_id, self.pad_id, self.vocab_size = int(eos_id), int(pad_id), int(vocab_size)
@@ -287,7 +285,8 @@ class RolloutEngine:
             raise ValueError(f"vocab_size ({vocab_size}) must be in (0, padded vocab {padded}]")
         if not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"eos_id ({eos_id}) outside the vocabulary [0, {vocab_size})")
-        backend = choose_backend(backend, torch.cuda.is_available(), groups.ep_size, record_routes)
+        backend = choose_backend(config.engine, torch.cuda.is_available(), groups.ep_size,
+                                 record_routes)
         if backend == "static" and groups.pp_size > 1 and groups.ep_size > 1:
             raise NotImplementedError(
                 f"parallel.pipeline_model_parallel_size={groups.pp_size} with "
@@ -298,7 +297,7 @@ class RolloutEngine:
         dtype = _copy_dtype(config.precision, self.model)
         self.copy = SamplingCopy(self.model, dtype) if dtype is not None else None
         """The other-precision copy sampled from, or None (the live module samples)."""
-        self._build(dynamic_buffer_size_gb)
+        self._build(config.dynamic_buffer_size_gb)
         self._route_recorder = None
         """R3: records the MoE routes of every engine forward (:mod:`.rollout_routes`)."""
         if record_routes:

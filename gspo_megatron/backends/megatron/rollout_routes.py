@@ -18,11 +18,12 @@ experts). Cost: one device-to-host copy of ``[tokens, k]`` uint8 per MoE layer a
 
 Alignment with the training batch (:func:`rollout_route_store`)
 --------------------------------------------------------------
-Routes are indexed by *token position*; the training batch is right-padded with tokens at their
-true positions, so sample ``i``'s routes fill row ``i`` from position 0, and ``known`` marks them.
-The rest (the last token, padding) has no recorded route: a replay routes those freely
-(:attr:`~.routing.RouteStore.known`). None of them affects a scored log-prob: the output at the
-last token predicts past the response, and padding comes after every real token (causal).
+Routes are indexed by *token*: sample ``i``'s routes go where the batch's
+:class:`~gspo_megatron.layout.TokenLayout` puts its tokens (``token_span``: row ``i`` from
+position 0 when right-padded), and ``known`` marks them. The rest (the last token, padding) has
+no recorded route: a replay routes those freely (:attr:`~.routing.RouteStore.known`). None of
+them affects a scored log-prob: the output at the last token predicts past the response, and
+padding comes after every real token (causal).
 Under sequence parallelism each TP rank keeps its shard of positions; under PP each stage its
 own MoE layers (the engine's forwards run every stage's routers).
 """
@@ -33,6 +34,7 @@ import torch
 
 from gspo_megatron.backends.megatron.routing import ModelRouting, RouteStore, _actions
 from gspo_megatron.distributed import all_reduce_
+from gspo_megatron.layout import TokenLayout
 from gspo_megatron.routing.stats import AlignmentSums, alignment_sums
 
 ROLLOUT_ROUTES_KEY = "routes"
@@ -81,14 +83,14 @@ class RolloutRouteRecorder:
         self.routing.reset()
 
 
-def rollout_route_store(samples, seq_length: int, routing: ModelRouting) -> RouteStore:
+def rollout_route_store(samples, layout: TokenLayout, routing: ModelRouting) -> RouteStore:
     """The rollout's routes as a :class:`RouteStore` aligned with the training batch of
-    ``samples`` (``[B, T]``, right padding, ``T = seq_length``): ``indices [L_local, B, T_local,
-    k]`` and ``known [B, T_local]`` (see the module docstring). Raises if a sample has none."""
+    ``samples`` laid out by ``layout`` (``[B, T]``): ``indices [L_local, B, T_local, k]`` and
+    ``known [B, T_local]`` (see the module docstring). Raises if a sample has none."""
     L, k = len(routing.moe_layers), routing.topk
-    B = len(samples)
-    indices = torch.zeros(L, B, seq_length, k, dtype=routing.dtype)
-    known = torch.zeros(B, seq_length, dtype=torch.bool)
+    B, T = layout.num_rows, layout.seq_length
+    indices = torch.zeros(L, B, T, k, dtype=routing.dtype)
+    known = torch.zeros(B, T, dtype=torch.bool)
     for i, s in enumerate(samples):
         routes = s.extra.get(ROLLOUT_ROUTES_KEY)
         if routes is None:
@@ -98,9 +100,11 @@ def rollout_route_store(samples, seq_length: int, routing: ModelRouting) -> Rout
         if routes.shape[0] != L or routes.shape[1] != n or routes.shape[2] != k:
             raise RuntimeError(f"rollout sample {i}: routes {tuple(routes.shape)}, expected "
                                f"({L}, {n}, {k}) for this stage's MoE layers")
-        indices[:, i, :n] = routes.to(routing.dtype)
-        known[i, :n] = True
-    pos = routing.local_positions(seq_length)
+        row, span = layout.token_span(i)
+        forwarded = slice(span.start, span.stop - 1)  # the last token is never fed back
+        indices[:, row, forwarded] = routes.to(routing.dtype)
+        known[row, forwarded] = True
+    pos = routing.local_positions(T)
     return RouteStore(indices[:, :, pos].contiguous(), list(routing.moe_layers),
                       known=known[:, pos].contiguous())
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron.algorithms import clipped_positions, k3
+from typing import Callable
+
+from gspo_megatron.algorithms import k3
 from gspo_megatron.backends.megatron.routing import ModelRouting, RouteStore
 from gspo_megatron.distributed import all_reduce_
 from gspo_megatron.routing.stats import (AlignmentSums, LayerSums, alignment_sums, layer_sums,
@@ -65,13 +67,16 @@ def route_drift(routing: ModelRouting, old: RouteStore, new: RouteStore,
 
 
 def routing_diagnostics(policy_model: list, routing: ModelRouting, batch, old_routes: RouteStore,
-                        micro_batch_size: int, scoring, groups, loss_cfg,
+                        micro_batch_size: int, scoring, groups, clip_rule: Callable,
                         replay_gap: bool = True, prefix: str = "routing") -> dict[str, float]:
     """Routing statistics of ``policy_model`` (current weights) vs ``old_routes`` on ``batch``.
 
     ``batch`` must carry ``old_logprobs`` and ``advantages`` (the minibatch just trained on) and
-    ``old_routes`` its rows' routes from the old-policy pass. Returns ``routing/*`` metrics; the
-    layer statistics are on every rank, the log-ratio ones on the last pipeline stage."""
+    ``old_routes`` its rows' routes from the old-policy pass. ``clip_rule(logprobs, old_logprobs,
+    advantages, mask)``: the objective's ``[B, T]`` clipped positions
+    (:meth:`~gspo_megatron.algorithms.PolicyGradientObjective.clipped_positions`). Returns
+    ``routing/*`` metrics; the layer statistics are on every rank, the log-ratio ones on the last
+    pipeline stage."""
     from gspo_megatron.backends.megatron.schedule import compute_logprobs
 
     rec = routing.recorder(capture_entropy=True)
@@ -99,8 +104,8 @@ def routing_diagnostics(policy_model: list, routing: ModelRouting, batch, old_ro
     log_ratio = new_lp.double() - batch.old_logprobs.double()
     # The loss's own clip rule (sequence ratio for gspo/gspo_token, each token's advantage for
     # gspo_token and grpo), in float64.
-    clipped = clipped_positions(new_lp.double(), batch.old_logprobs.double(),
-                                batch.advantages.double(), mask, loss_cfg)
+    clipped = clip_rule(new_lp.double(), batch.old_logprobs.double(), batch.advantages.double(),
+                        mask)
     al = alignment_sums(changed_count > 0, log_ratio, clipped, mask)
     extra = [mask.double().sum()]
     if rep_lp is not None:

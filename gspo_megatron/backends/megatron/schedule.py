@@ -79,10 +79,7 @@ def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_o
 def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
     import dataclasses
 
-    return dataclasses.replace(batch, **{
-        f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-        if getattr(batch, f.name) is not None
-    })
+    return dataclasses.replace(batch, **{k: v.to(device) for k, v in batch.tensors().items()})
 
 
 @torch.no_grad()
