@@ -18,7 +18,7 @@ from gspo_megatron.config.validation import ConfigError, validate_config
 from gspo_megatron.data import PromptExample, PromptSampler
 from gspo_megatron.policy import RolloutSample
 from gspo_megatron.sections import FieldError
-from gspo_megatron.trainer import Trainer
+from gspo_megatron.trainer import Task, Trainer
 
 from tests.unit.test_trainer_stages import CharTokenizer, FakePolicy, _Groups
 
@@ -171,6 +171,9 @@ class ParityGenerator:
                                      [-0.5] if cut else [-0.5, -0.1], "length" if cut else "eos"))
         return out
 
+    def with_sampling(self, config):
+        return self
+
 
 def _prompts(n):
     return [PromptExample(prompt=f"{chr(50 + i)}={chr(50 + i)}", answer=chr(50 + i), index=i)
@@ -190,9 +193,9 @@ def _loop(tmp_path, steps=2, gen=None, **sections):
     from gspo_megatron.rewards import get_reward_fn
     gen = gen or ParityGenerator()
     policy = FakePolicy()
-    trainer = Trainer(cfg, _Groups(), policy, CharTokenizer(),
-                      PromptSampler(train, 4, seed=cfg.trainer.seed), {"train": train, "eval": []},
-                      get_reward_fn("arithmetic_exact"), gen, gen)
+    task = Task(CharTokenizer(), PromptSampler(train, 4, seed=cfg.trainer.seed), train, [],
+                get_reward_fn("arithmetic_exact"))
+    trainer = Trainer(cfg, _Groups(), policy, gen, task)
     return trainer, policy, gen
 
 
@@ -246,7 +249,7 @@ def test_dynamic_sampling_resumes_exactly(tmp_path):
     resumed.fit()
     straight, _, _ = _loop(tmp_path / "b", steps=4, **ds)
     straight.fit()
-    assert resumed.sampler.state_dict() == straight.sampler.state_dict()
+    assert resumed.task.sampler.state_dict() == straight.task.sampler.state_dict()
     a = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
     b = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
     for ma, mb in zip(a, b, strict=True):
