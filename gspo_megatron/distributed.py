@@ -58,7 +58,7 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-def group_size(group=None) -> int:
+def process_group_size(group=None) -> int:
     """Ranks in ``group`` (the world for None); 1 when torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
@@ -70,7 +70,7 @@ def all_reduce_(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch
 
     Works for host tensors under NCCL: the reduction runs on :func:`compute_device` and the result
     is copied back. A no-op for a single rank."""
-    if group_size(group) > 1:
+    if process_group_size(group) > 1:
         buf = tensor.to(compute_device())
         dist.all_reduce(buf, op=op, group=group)
         if buf is not tensor:

@@ -45,7 +45,7 @@ RUN_TIMEOUT_S = 600
 ALG = "gspo_megatron/algorithms/"
 PL, ADV, RC = ALG + "policy_loss.py", ALG + "advantages.py", ALG + "rollout_correction.py"
 STATS = "gspo_megatron/routing/stats.py"
-LK = "gspo_megatron/compat/local_kernels.py"
+LK = "gspo_megatron/backends/megatron/local_kernels.py"
 T = "tests/unit/"
 LOSS_TESTS = (T + "test_policy_loss.py", T + "test_clip_rule.py")
 

@@ -68,7 +68,7 @@ def in_process(repeats: int = 5) -> dict:
     from gspo_megatron.policy import make_policy_batch
     from gspo_megatron.config import OptimConfig
     from gspo_megatron.backends.megatron.policy import build_policy
-    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_minibatch
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
 
     cfg = load_config(DEMO_RECIPE)  # the demo's loss and optimiser
     cfg.loss = type(cfg.loss)(variant="grpo", clip_low=0.2, clip_high=0.27)
@@ -83,6 +83,8 @@ def in_process(repeats: int = 5) -> dict:
     batch = make_policy_batch(seqs, [10] * 128, pad_id=0)
     batch.advantages = torch.randn(128, generator=gen)
     scoring, mbs, per = ScoringConfig(vocab_size=100), 16, 32
+    policy.micro_batch_size, policy.scoring = mbs, scoring  # as the trainer builds it
+    objective = PolicyGradientObjective(cfg.loss)
 
     def step(replay: bool, diagnose: bool) -> dict:
         t = {}
@@ -96,15 +98,13 @@ def in_process(repeats: int = 5) -> dict:
         for i in range(4):
             mb = batch.select(slice(i * per, (i + 1) * per))
             policy.zero_grad()
-            train_minibatch(policy.model, mb, mbs, cfg.loss, scoring, groups,
-                            routing=routing.replayer(store.select(slice(i * per, (i + 1) * per)), mbs)
-                            if replay else None)
+            policy.train_minibatch(mb, objective, routing=routing.replayer(
+                store.select(slice(i * per, (i + 1) * per)), mbs) if replay else None)
             policy.optimizer_step()
             if diagnose:
                 d = time.process_time()
                 routing_diagnostics(policy.model, routing, mb, store.select(slice(i * per, (i + 1) * per)),
-                                    mbs, scoring, groups,
-                                    PolicyGradientObjective(cfg.loss).clipped_positions)
+                                    mbs, scoring, groups, objective.clipped_positions)
                 diag += time.process_time() - d
         t["update_incl_diag"] = time.process_time() - c
         t["diagnostics"] = diag

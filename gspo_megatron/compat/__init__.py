@@ -2,7 +2,6 @@
 
 * :mod:`.cpu`: megatron-core 0.16 on CPU (gloo, fp32), scoped to an explicit list of its modules.
 * :mod:`.inference`: the static generation loop's CUDA-only spots on CPU; its progress bars.
-* :mod:`.local_kernels`: drop-in subclasses of Megatron's local-spec modules (CPU by default).
 * :mod:`.paged_attention`: PyTorch SDPA stand-ins for flash-attn's paged-KV kernels, installed into
   Megatron's attention module only when flash-attn is absent (the GPU dynamic inference engine).
 

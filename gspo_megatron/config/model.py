@@ -235,7 +235,7 @@ class PrecisionConfig(Section, name="precision"):
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation (Megatron's knob)."""
     local_kernels: bool | None = None
-    """With the local spec: use :mod:`gspo_megatron.compat.local_kernels` (SDPA attention, keys
+    """With the local spec: use :mod:`gspo_megatron.backends.megatron.local_kernels` (SDPA attention, keys
     rotated once in the static KV cache, ``F.linear`` at TP=1, a direct expert loop): same
     parameters and checkpoints, 1.5-2x faster rollouts on CPU. null = on without CUDA only (the
     CUDA local-spec path has not been measured with them yet); true forces them; false = Megatron's

@@ -22,7 +22,7 @@ import threading
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from gspo_megatron.rewards.registry import register_reward
+from gspo_megatron.rewards.base import register_reward
 
 if TYPE_CHECKING:  # pragma: no cover
     from gspo_megatron.data.prompts import PromptExample

@@ -32,20 +32,24 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import math
 import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from gspo_megatron.rewards import math as builtin_rewards  # noqa: F401  (registers the built-ins)
+from gspo_megatron.rewards.base import (_REGISTRY, _REQUIRES, CORRECT_THRESHOLD, Outcome, RewardFn,
+                                        RewardRunner, is_cheap, is_correct, register_reward,
+                                        to_float, warmup_call)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from gspo_megatron.data.prompts import PromptExample
-    from gspo_megatron.rewards.workers import Outcome, RewardWorkers
 
 __all__ = [
+    "CORRECT_THRESHOLD",
     "RewardFn",
     "compute_rewards",
     "get_reward_fn",
@@ -53,74 +57,16 @@ __all__ = [
     "is_correct",
     "list_rewards",
     "register_reward",
+    "warmup_call",
 ]
 
 logger = logging.getLogger(__name__)
 
-
-class RewardFn(Protocol):
-    """``fn(response, answer, example=None) -> float``."""
-
-    def __call__(self, response: str, answer: str, example: "PromptExample | None" = None) -> float: ...
-
-
-_REGISTRY: dict[str, Callable[..., float]] = {}
-_REQUIRES: dict[str, tuple[str, str]] = {}  # name -> (module to import, pip package)
 _HUNG: list[threading.Thread] = []  # timed-out threads, kept to report how many are still alive
-
-#: Rewards at or above this count as correct (``reward/accuracy``).
-CORRECT_THRESHOLD = 1.0
-
-
-def register_reward(name: str, requires: tuple[str, str] | None = None, cheap: bool = False,
-                    warmup: tuple[str, str] | None = None,
-                    ) -> Callable[[Callable[..., float]], Callable[..., float]]:
-    """Decorator registering a reward function under ``name``.
-
-    Args:
-        name: Registry name (used in configs).
-        requires: Optional ``(module, pip_package)``: :func:`get_reward_fn` checks the module is
-            importable and otherwise fails at lookup, before any compute, saying what to install.
-        cheap: The function always returns quickly (a string comparison, no parsing that can
-            blow up): it runs inline, with no timeout, thread or worker process.
-        warmup: ``(response, answer)`` for one untimed call in each new reward worker (a reward
-            whose first call imports or builds something slow).
-    """
-
-    def deco(fn: Callable[..., float]) -> Callable[..., float]:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"Reward '{name}' is already registered ({_REGISTRY[name]!r})")
-        _REGISTRY[name] = fn
-        if requires is not None:
-            _REQUIRES[name] = requires
-        if cheap:
-            fn.reward_is_cheap = True  # type: ignore[attr-defined]
-        if warmup is not None:
-            fn.reward_warmup = warmup  # type: ignore[attr-defined]
-        return fn
-
-    return deco
-
-
-def warmup_call(fn: Callable[..., float]) -> tuple[str, str] | None:
-    """``(response, answer)`` ``fn`` is called with once in each new worker, before it takes real
-    calls (``register_reward(warmup=...)``), else None."""
-    return getattr(fn, "reward_warmup", None)
-
-
-def is_cheap(fn: Callable[..., float]) -> bool:
-    """Whether ``fn`` was registered ``cheap=True`` (it runs inline)."""
-    return bool(getattr(fn, "reward_is_cheap", False))
-
-
-def _ensure_builtins() -> None:
-    # Importing the module registers the built-in rewards.
-    importlib.import_module("gspo_megatron.rewards.math")
 
 
 def list_rewards() -> list[str]:
     """Names of all registered reward functions."""
-    _ensure_builtins()
     return sorted(_REGISTRY)
 
 
@@ -185,7 +131,6 @@ def get_reward_fn(name: str | Callable[..., float],
     """
     if callable(name):
         return name
-    _ensure_builtins()
     if name in _REGISTRY:
         if name in _REQUIRES:
             module, package = _REQUIRES[name]
@@ -198,26 +143,6 @@ def get_reward_fn(name: str | Callable[..., float],
         f"Unknown reward '{name}'. Registered rewards: {', '.join(sorted(_REGISTRY))}; "
         "or give a dotted path 'package.module:function'"
     )
-
-
-def is_correct(reward: float, threshold: float = CORRECT_THRESHOLD) -> bool:
-    """Whether a reward counts as a correct answer (``reward >= threshold``, with 1e-6 slack)."""
-    return reward >= threshold - 1e-6
-
-
-def _to_float(value: Any) -> float | None:
-    """A finite float, or None for anything else (strings, None, NaN, inf, multi-element)."""
-    if isinstance(value, (str, bytes)) or value is None:
-        return None
-    if hasattr(value, "numel") and hasattr(value, "item"):  # a tensor (torch is not imported
-        if value.numel() != 1:                              # in reward worker processes)
-            return None
-        value = value.item()
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None
 
 
 class _Call:
@@ -281,7 +206,7 @@ def compute_rewards(
     timeout_s: float | None = 10.0,
     max_workers: int = 1,
     correct_threshold: float = CORRECT_THRESHOLD,
-    workers: "RewardWorkers | None" = None,
+    workers: RewardRunner | None = None,
 ) -> tuple["torch.Tensor", dict[str, float]]:
     """Score ``responses`` against ``answers`` with ``fn``, never raising for a bad call.
 
@@ -330,7 +255,7 @@ def compute_rewards(
             errors += 1
             first_problem = first_problem or f"response {i}: {error}"
         else:
-            out = _to_float(value)
+            out = to_float(value)
             if out is None:
                 invalid += 1
                 first_problem = first_problem or f"response {i}: non-numeric or non-finite reward {value!r:.80}"

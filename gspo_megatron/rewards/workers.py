@@ -25,14 +25,12 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
+from gspo_megatron.rewards.base import Outcome, is_cheap, to_float, warmup_call
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Outcome", "RewardWorkers", "start_reward_workers"]
 
-Outcome = tuple[Any, "str | None", bool]
-"""``(value, error, timed_out)`` of one call: the function's return value converted to a float
-(None when it returned something else: ``error`` is then None and the value is invalid), the
-exception as ``"Type: message"``, or a timeout."""
 
 _STARTUP_TIMEOUT_S = 120.0  # a worker must import and resolve the reward within this
 
@@ -57,7 +55,7 @@ def _worker_main(conn, spec: str, search_dirs: Sequence[str],
                  parent_pid: int) -> None:  # pragma: no cover - child
     """Resolve the reward, say ready (or why not), then answer calls until told to stop."""
     _die_with_parent(parent_pid)
-    from gspo_megatron.rewards.registry import _to_float, get_reward_fn, warmup_call
+    from gspo_megatron.rewards.registry import get_reward_fn
 
     try:
         fn = get_reward_fn(spec, search_dirs)
@@ -78,7 +76,7 @@ def _worker_main(conn, spec: str, search_dirs: Sequence[str],
         _, index, args = msg
         try:
             value = fn(*args)
-            out = _to_float(value)
+            out = to_float(value)
             conn.send(("done", index, out, None if out is not None else f"{value!r:.80}", None))
         except BaseException as e:  # noqa: BLE001 - any failure of the user's code scores 0
             conn.send(("done", index, None, None, f"{type(e).__name__}: {e}"))
@@ -230,7 +228,6 @@ def start_reward_workers(spec: str, fn, num_workers: int, timeout_s: float,
                          search_dirs: Sequence[str] = ()) -> RewardWorkers | None:
     """The run's reward pool, or None where rewards run in-process: ``num_workers`` 0, a cheap
     reward (inline), or workers that cannot load the reward (one warning; threads then)."""
-    from gspo_megatron.rewards.registry import is_cheap
 
     if num_workers < 1 or is_cheap(fn):
         return None

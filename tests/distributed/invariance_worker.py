@@ -20,8 +20,9 @@ from gspo_megatron.backends.megatron.parallel import destroy_distributed, initia
 from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
-from gspo_megatron.backends.megatron.checkpoint import grads_to_params, load_model_weights, save_model_weights
-from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_minibatch
+from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+from tests.helpers.megatron import grads_to_params, train_minibatch
 
 BATCH, VOCAB = 8, 100
 

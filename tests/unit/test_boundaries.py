@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "gspo_megatron"
-FRAMEWORK_FREE = ["trainer.py", "policy.py", "distributed.py", "faults.py", "metrics.py",
+FRAMEWORK_FREE = ["trainer.py", "stages.py", "policy.py", "layout.py", "sections.py",
+                  "distributed.py", "faults.py", "metrics.py",
                   "algorithms", "routing/stats.py", "config", "data", "rewards"]
 
 
@@ -40,7 +41,8 @@ def test_no_megatron_import_statement(entry):
 
 
 def test_importing_the_loop_loads_no_megatron():
-    code = ("import sys, gspo_megatron.trainer, gspo_megatron.algorithms, "
+    code = ("import sys, gspo_megatron.trainer, gspo_megatron.stages, gspo_megatron.layout, "
+            "gspo_megatron.algorithms, "
             "gspo_megatron.routing.stats, gspo_megatron.policy, gspo_megatron.config\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'megatron', 'transformer_engine', 'apex'}))")

@@ -11,7 +11,8 @@ from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
-from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_minibatch
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+from tests.helpers.megatron import train_minibatch
 
 pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 

@@ -1,4 +1,4 @@
-"""gspo_megatron.compat.local_kernels: the faster local-spec modules against float64 references and
+"""gspo_megatron.backends.megatron.local_kernels: the faster local-spec modules against float64 references and
 against Megatron's own modules (``precision.local_kernels=False``) with the same weights.
 
 The model-level tests cover every short path: SDPA attention (causal training forward, prefill and
@@ -45,7 +45,7 @@ def setup():
 
 
 def test_the_swap_happened(setup):
-    from gspo_megatron.compat import local_kernels as lk
+    from gspo_megatron.backends.megatron import local_kernels as lk
 
     _, _, fast, ref = setup
     kinds = {type(m) for m in fast.unwrapped().modules()}
@@ -71,7 +71,7 @@ def _reference_attention(q, k, v, scale, mask):
 def test_sdpa_attention_matches_float64(setup, case):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from gspo_megatron.compat.local_kernels import SDPADotProductAttention
+    from gspo_megatron.backends.megatron.local_kernels import SDPADotProductAttention
 
     fast = setup[2]
     config = fast.transformer_config
@@ -106,7 +106,8 @@ def _batch(vocab, seed=0):
 
 
 def test_forward_and_gradients_match_megatron_modules(setup):
-    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, train_sft_minibatch
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+    from tests.helpers.megatron import train_sft_minibatch
 
     model, groups, fast, ref = setup
     scoring = ScoringConfig(vocab_size=model.vocab_size)
@@ -159,7 +160,7 @@ def test_shared_rotation_is_megatrons_bitwise(rot_dim):
     Megatron's unfused ``_apply_rotary_pos_emb_bshd``, for full and partial rotary dims."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from gspo_megatron.compat.local_kernels import _rotate
+    from gspo_megatron.backends.megatron.local_kernels import _rotate
 
     gen = torch.Generator().manual_seed(rot_dim)
     t = torch.randn(5, 3, 4, 16, generator=gen)
@@ -175,7 +176,7 @@ def test_direct_moe_layer_is_the_dispatchers_result_bitwise(setup):
     forward hooks fire: R2/R3 record and replay there)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from gspo_megatron.compat.local_kernels import DirectMoELayer
+    from gspo_megatron.backends.megatron.local_kernels import DirectMoELayer
 
     fast = setup[2]
     layer = next(m for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer))
@@ -197,7 +198,7 @@ def test_grouped_experts_inside_the_rollout_scope_equal_the_loop(setup):
     """Inside ``stacked_expert_weights`` (one generate) a CPU MoE layer's experts run as two
     ``torch._grouped_mm`` calls: bitwise the per-expert loop's output, including an expert that
     gets no token; with autograd on, or after the scope, the loop runs (weights may change)."""
-    from gspo_megatron.compat.local_kernels import LoopedSequentialMLP, stacked_expert_weights
+    from gspo_megatron.backends.megatron.local_kernels import LoopedSequentialMLP, stacked_expert_weights
 
     fast = setup[2]
     mlps = [m for m in fast.unwrapped().modules() if isinstance(m, LoopedSequentialMLP)]
@@ -256,7 +257,7 @@ def test_sdpa_attention_bf16_matches_float64(setup, case):
     the float64 reference on the same (bf16-representable) inputs."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from gspo_megatron.compat.local_kernels import SDPADotProductAttention
+    from gspo_megatron.backends.megatron.local_kernels import SDPADotProductAttention
 
     config = setup[2].transformer_config
     attn = SDPADotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
@@ -279,7 +280,7 @@ def test_each_kernel_bf16_forward_matches_its_fp32_forward(setup):
     inputs it saw in a bf16 forward, agrees with the same fp32 module fed those inputs upcast:
     the kernel's own bf16 error only (a few bf16 steps relative to the output's scale)."""
     from gspo_megatron.backends.megatron.rollout import SamplingCopy
-    from gspo_megatron.compat import local_kernels as lk
+    from gspo_megatron.backends.megatron import local_kernels as lk
 
     model, _, fast, _ = setup
     live = fast.unwrapped()

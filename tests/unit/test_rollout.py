@@ -17,6 +17,7 @@ from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_co
 from gspo_megatron.backends.megatron.rollout import RolloutEngine, RolloutSample
 from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+from tests.helpers.megatron import generate_groups
 
 pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 
@@ -123,7 +124,7 @@ def test_seed_determinism_and_model_state(setup):
     assert [s.response_logprobs for s in a] == [s.response_logprobs for s in b]
     assert [s.response_ids for s in a] != [s.response_ids for s in c]
     # Repeated prompts (a group) draw different samples within one call.
-    group = eng.generate_groups([prompts[0]], seed=7, group_size=6)[0]
+    group = generate_groups(eng, [prompts[0]], seed=7, group_size=6)[0]
     assert len(group) == 6 and len({tuple(s.response_ids) for s in group}) > 1
 
 

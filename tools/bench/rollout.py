@@ -164,7 +164,7 @@ def run(smoke: bool = False, rounds: int = 3, batch: str = "16,128", prompt_len:
     cfg = model_config_from_hf(json.loads(hf.config.to_json_string()),
                                seq_length=prompt_len + new_tokens)
     with _model.distributed(cfg) as groups:
-        # ours: the default local spec (gspo_megatron.compat.local_kernels); megatron_modules: the
+        # ours: the default local spec (gspo_megatron.backends.megatron.local_kernels); megatron_modules: the
         # same weights in Megatron's own local-spec modules (precision.local_kernels=false).
         pols = {"ours": _model.policy(cfg, groups, with_optimizer=False),
                 "megatron_modules": _model.policy(cfg, groups, with_optimizer=False,

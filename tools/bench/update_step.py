@@ -6,9 +6,10 @@ Model: the tiny preset widened (``tools/bench/_model.py`` SMALL: 4 layers, hidde
 top-2, vocabulary 4096), fp32, Megatron local spec, one process. Batch: 16 sequences x 256 tokens
 (prompt 64), micro-batch 8, so each step is two microbatches through Megatron's schedule.
 
-* GSPO: ``zero_grad`` + :func:`train_minibatch` (log-probs + entropy, GSPO loss) + optimiser step;
-* CE: ``zero_grad`` + :func:`train_sft_minibatch` (token NLL through the same schedule and log-prob
-  kernel, no entropy) + optimiser step.
+* GSPO: ``zero_grad`` + ``MegatronPolicy.train_minibatch`` of a :class:`PolicyGradientObjective`
+  (log-probs + entropy, GSPO loss) + optimiser step;
+* CE: the same with :class:`NLLObjective` (token NLL through the same schedule and log-prob
+  kernel, no entropy).
 
 Both alternate in one process (A, B, B, A, ...); the figure is the median per-round ratio.
 """
@@ -22,8 +23,8 @@ def run(smoke: bool = False, rounds: int = 8, batch: int = 16, seq: int = 256,
         micro_batch_size: int = 8, threads: int = 1) -> dict:
     import torch
 
-    from gspo_megatron.algorithms import PolicyLossConfig
-    from gspo_megatron.backends.megatron.schedule import ScoringConfig, train_minibatch, train_sft_minibatch
+    from gspo_megatron.algorithms import NLLObjective, PolicyGradientObjective, PolicyLossConfig
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig
     from tools.bench import _model
     from tools.bench.common import (interleaved, make_result, median, median_ratio,
                                     quiet_megatron, row)
@@ -38,16 +39,17 @@ def run(smoke: bool = False, rounds: int = 8, batch: int = 16, seq: int = 256,
         scoring = ScoringConfig(vocab_size=cfg.vocab_size)
         data = _model.random_batch(cfg.vocab_size, batch, seq, prompt=seq // 4)
         _model.with_old_logprobs(pol, data, micro_batch_size, scoring, groups)
-        loss_cfg = PolicyLossConfig(variant="gspo")
+        pol.micro_batch_size, pol.scoring = micro_batch_size, scoring  # as the trainer builds it
+        gspo_objective = PolicyGradientObjective(PolicyLossConfig(variant="gspo"))
 
         def gspo():
             pol.zero_grad()
-            train_minibatch(pol.model, data, micro_batch_size, loss_cfg, scoring, groups)
+            pol.train_minibatch(data, gspo_objective)
             pol.optimizer_step()
 
         def ce():
             pol.zero_grad()
-            train_sft_minibatch(pol.model, data, micro_batch_size, scoring, groups)
+            pol.train_minibatch(data, NLLObjective())
             pol.optimizer_step()
 
         times = interleaved({"gspo": gspo, "ce": ce}, rounds=rounds, warmup=1)

@@ -508,16 +508,3 @@ def load_model_weights(gpt_model, directory: str) -> str:
         first = str(exc).strip().splitlines()
         raise CheckpointError(f"{directory}: {' '.join(line.strip() for line in first[:3])}") from exc
     return directory
-
-
-@torch.no_grad()
-def grads_to_params(gpt_model) -> None:
-    """Overwrite every parameter with its reduced gradient (``main_grad`` from Megatron DDP).
-
-    Lets a test save gradients through ``dist_checkpointing`` and compare them across layouts.
-    """
-    for p in gpt_model.parameters():
-        grad = getattr(p, "main_grad", None)
-        if grad is None:
-            grad = p.grad
-        p.copy_(grad if grad is not None else torch.zeros_like(p))

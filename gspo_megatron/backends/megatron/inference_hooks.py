@@ -67,7 +67,7 @@ class RolloutInferenceWrapper(GPTInferenceWrapper):
         """``[B]`` pad tokens in front of each prompt of the current static batch, or None (prompts
         as given). Set by the rollout engine around one ``generate`` of a left-padded batch and
         kept on the KV-cache context, where the attention reads it for its rotary positions
-        (:class:`~gspo_megatron.compat.local_kernels.RopeOnceSelfAttention`)."""
+        (:class:`~gspo_megatron.backends.megatron.local_kernels.RopeOnceSelfAttention`)."""
         return getattr(self.inference_context, "left_padding", None)
 
     @left_padding.setter

@@ -185,7 +185,7 @@ def build_layer_spec(config, impl: str, pp_rank: int | None = None, local_kernel
         from megatron.core.transformer.moe.experts import SequentialMLP
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        from gspo_megatron.compat import local_kernels as lk
+        from gspo_megatron.backends.megatron import local_kernels as lk
 
         # Same parameters and checkpoints, less Python per call (see local_kernels' docstring).
         for old, new in ((SelfAttention, lk.RopeOnceSelfAttention),
@@ -241,7 +241,7 @@ def build_gpt_model(
     if local_kernels and impl == "local" and post_process:
         # GPTModel builds its output layer itself, outside the spec: give it the same one-F.linear
         # short path at TP=1 (a subclass without state of its own; parameters unchanged).
-        from gspo_megatron.compat.local_kernels import DirectColumnParallelLinear
+        from gspo_megatron.backends.megatron.local_kernels import DirectColumnParallelLinear
 
         gpt.output_layer.__class__ = DirectColumnParallelLinear
     if torch.cuda.is_available():

@@ -19,7 +19,7 @@ from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.backends.megatron.model import build_gpt_model
 from gspo_megatron.backends.megatron.routing_session import PolicyRouting
 from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, run_objective
-from gspo_megatron.compat.local_kernels import stacked_expert_weights
+from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
 from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                                   RoutingConfig)
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank

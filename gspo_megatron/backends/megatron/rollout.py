@@ -8,7 +8,7 @@ trainer updates; nothing is copied, unless ``rollout.precision`` asks for other 
   ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache; the controller's batch
   loop is a lean copy of Megatron's (:mod:`.inference_hooks`), a batch's prompts are left-padded
   to one length (:meth:`RolloutEngine._left_pad`) and, on CPU, the experts run as grouped GEMMs
-  (:func:`~gspo_megatron.compat.local_kernels.stacked_expert_weights`).
+  (:func:`~gspo_megatron.backends.megatron.local_kernels.stacked_expert_weights`).
 * GPU: ``DynamicInferenceEngine`` with a ``DynamicInferenceContext`` (paged KV cache, continuous
   batching; ``rollout.engine``). Same interface; it cannot run on CPU (its context allocates on
   CUDA), so the CPU test-suite does not execute it. Without flash-attn its attention runs on
@@ -34,9 +34,9 @@ log-probs at ``T = 1``. (For reference: Megatron's own ``return_log_probs`` outp
 ``log_softmax`` of the *raw* logits over the *padded* vocabulary, i.e. at temperature 1 and
 including padded entries; we do not use it on the static path.)
 
-Groups: ``generate`` samples once per entry of ``prompts``; pass each prompt ``G`` times (or use
-:meth:`RolloutEngine.generate_groups`). Repeated prompts draw independent samples (one RNG stream
-over the whole batch).
+Groups: ``generate`` samples once per entry of ``prompts``; pass each prompt ``G`` times
+(:func:`gspo_megatron.stages.rollout_stage` does). Repeated prompts draw independent samples (one
+RNG stream over the whole batch).
 
 Precision (``rollout.precision``)
 ----------------------------------
@@ -75,7 +75,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.compat.local_kernels import stacked_expert_weights
+from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.policy import RolloutSample
@@ -428,13 +428,6 @@ class RolloutEngine:
         return sp, score_t
 
     # ------------------------------------------------------------------ public API
-    def generate_groups(self, prompts: list[list[int]], seed: int,
-                        group_size: int | None = None) -> list[list[RolloutSample]]:
-        """``group_size`` (default ``config.group_size``) samples per prompt, grouped per prompt."""
-        g = int(group_size or self.config.group_size)
-        flat = self.generate([list(p) for p in prompts for _ in range(g)], seed)
-        return [flat[i * g:(i + 1) * g] for i in range(len(prompts))]
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seed: int) -> list[RolloutSample]:
         """One response per prompt (in order), sampled from the current weights.
@@ -525,7 +518,7 @@ class RolloutEngine:
         tokens; ~1.4x at prompts of 50-500 tokens and 1,024 new ones). Left-padded, every prompt
         is prefilled at once and the batch costs ``n_new`` steps; the pad keys are masked
         (:meth:`RolloutInferenceWrapper.get_batch_for_context_window`) and every token is rotated
-        at its unpadded position (:class:`~gspo_megatron.compat.local_kernels.RopeOnceSelfAttention`),
+        at its unpadded position (:class:`~gspo_megatron.backends.megatron.local_kernels.RopeOnceSelfAttention`),
         so a prompt gets the maths it gets alone (floating point differs at the ulp level, as any
         change of batch shape does). Only where every attention is our SDPA kernel (it takes the
         per-sequence mask) and positions are rotary; otherwise, and for equal lengths, the prompts
@@ -540,7 +533,7 @@ class RolloutEngine:
     @functools.cached_property
     def _left_padding_ok(self) -> bool:
         """Whether :meth:`_left_pad` may pad: rotary positions and only SDPA attention."""
-        from gspo_megatron.compat.local_kernels import SDPADotProductAttention
+        from gspo_megatron.backends.megatron.local_kernels import SDPADotProductAttention
 
         model = self.sampling_model
         attention = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]

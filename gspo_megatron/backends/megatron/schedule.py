@@ -15,8 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.algorithms import (NLLObjective, Objective, PolicyGradientObjective,
-                                      PolicyLossConfig)
+from gspo_megatron.algorithms import Objective
 from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, compute_device
 from gspo_megatron.policy import PolicyBatch
@@ -165,23 +164,6 @@ def run_objective(
     outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn,
                             routing=routing)
     return reduce_metrics(outputs, groups)
-
-
-def train_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
-                    loss_cfg: PolicyLossConfig, scoring: ScoringConfig, groups: ParallelGroups,
-                    routing=None, corrupt=None, correction=None) -> dict[str, float]:
-    """One RL minibatch: :class:`PolicyGradientObjective` at the scoring temperature through
-    :func:`run_objective` (tests and benchmarks; the trainer goes through ``MegatronPolicy``).
-    ``correction``: a :class:`~gspo_megatron.algorithms.RolloutCorrectionConfig` (or None)."""
-    objective = PolicyGradientObjective(loss_cfg, scoring.temperature, corrupt,
-                                        correction=correction)
-    return run_objective(policy_model, batch, micro_batch_size, objective, scoring, groups, routing)
-
-
-def train_sft_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
-                        scoring: ScoringConfig, groups: ParallelGroups) -> dict[str, float]:
-    """Supervised warm-up minibatch: :class:`NLLObjective` through :func:`run_objective`."""
-    return run_objective(policy_model, batch, micro_batch_size, NLLObjective(), scoring, groups)
 
 
 def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, float]:

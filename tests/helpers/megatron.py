@@ -1,0 +1,46 @@
+"""Test-only entry points into the Megatron backend: a minibatch update straight through the
+schedule (without a ``MegatronPolicy``), gradients saved as weights, grouped sampling. The package
+keeps only what the trainer runs."""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_megatron.algorithms import NLLObjective, PolicyGradientObjective, PolicyLossConfig
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, run_objective
+from gspo_megatron.distributed import ParallelGroups
+from gspo_megatron.policy import PolicyBatch, RolloutSample
+
+
+def train_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
+                    loss_cfg: PolicyLossConfig, scoring: ScoringConfig, groups: ParallelGroups,
+                    routing=None, corrupt=None, correction=None) -> dict[str, float]:
+    """One RL minibatch: :class:`PolicyGradientObjective` at the scoring temperature through
+    :func:`run_objective` (the trainer goes through ``MegatronPolicy.train_minibatch``)."""
+    objective = PolicyGradientObjective(loss_cfg, scoring.temperature, corrupt,
+                                        correction=correction)
+    return run_objective(policy_model, batch, micro_batch_size, objective, scoring, groups, routing)
+
+
+def train_sft_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
+                        scoring: ScoringConfig, groups: ParallelGroups) -> dict[str, float]:
+    """Supervised warm-up minibatch: :class:`NLLObjective` through :func:`run_objective`."""
+    return run_objective(policy_model, batch, micro_batch_size, NLLObjective(), scoring, groups)
+
+
+@torch.no_grad()
+def grads_to_params(gpt_model) -> None:
+    """Overwrite every parameter with its reduced gradient (``main_grad`` from Megatron DDP), so
+    a test can save gradients through ``dist_checkpointing`` and compare them across layouts."""
+    for p in gpt_model.parameters():
+        grad = getattr(p, "main_grad", None)
+        if grad is None:
+            grad = p.grad
+        p.copy_(grad if grad is not None else torch.zeros_like(p))
+
+
+def generate_groups(engine, prompts: list[list[int]], seed: int,
+                    group_size: int) -> list[list[RolloutSample]]:
+    """``group_size`` samples per prompt from ``engine`` (one ``generate``), grouped per prompt."""
+    flat = engine.generate([list(p) for p in prompts for _ in range(group_size)], seed)
+    return [flat[i * group_size:(i + 1) * group_size] for i in range(len(prompts))]
