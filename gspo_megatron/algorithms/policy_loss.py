@@ -39,10 +39,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Iterator, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from gspo_megatron.sections import Problem, Section
 
 from .reductions import all_reduce_no_grad, all_reduce_sum
 
@@ -52,13 +54,10 @@ __all__ = ["LOG_RATIO_CLAMP", "PolicyLossConfig", "clip_flags", "clipped_positio
 Variant = Literal["gspo", "gspo_token", "grpo"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean"]
 
-_VARIANTS = ("gspo", "gspo_token", "grpo")
-_AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
 _SEQUENCE_VARIANTS = ("gspo", "gspo_token")
 # Paper defaults (Sec. 5.1): GSPO(-token) eps_low=3e-4, eps_high=4e-4; GRPO 0.2 / 0.27.
 _DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
 _SEQUENCE_CLIP_WARN_ABOVE = 1e-2
-_seq_clip_warned = False  # module-level: the sequence-eps warning fires once per process
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios (``log s_i``, ``log r_it``) and the k3 log-differences are clamped
@@ -68,8 +67,9 @@ there (instead of ``0 * inf = NaN`` through an overflowed ``exp``)."""
 
 
 @dataclass(frozen=True)
-class PolicyLossConfig:
-    """Configuration of :func:`policy_loss`."""
+class PolicyLossConfig(Section, name="loss"):
+    """Configuration of :func:`policy_loss` (the ``loss`` section of a recipe). Invalid values
+    raise :class:`~gspo_megatron.sections.FieldError` naming the field."""
 
     variant: Variant = "gspo"
     """``"gspo"``: sequence ratio ``s_i`` (Eq. 7) clipped per sequence (Eq. 5).
@@ -95,38 +95,33 @@ class PolicyLossConfig:
     """Weight of the k3 KL penalty ``exp(ref - logp) - (ref - logp) - 1`` to the
     reference policy (needs ``ref_logprobs``). 0 disables it."""
 
-    def __post_init__(self) -> None:
-        global _seq_clip_warned
-        if self.variant not in _VARIANTS:
-            raise ValueError(f"variant must be one of {_VARIANTS}, got {self.variant!r}")
-        if self.aggregation not in _AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {_AGGREGATIONS}, got {self.aggregation!r}")
+    def _problems(self) -> Iterator[Problem]:
         if self.variant in _SEQUENCE_VARIANTS and self.aggregation != "seq_mean_token_mean":
-            raise ValueError(
-                f"aggregation={self.aggregation!r} only applies to variant='grpo'; "
-                f"variant={self.variant!r} requires 'seq_mean_token_mean'"
-            )
+            yield (("aggregation", "variant"),
+                   f"'{self.aggregation}' only applies to variant='grpo'; "
+                   f"variant={self.variant!r} requires 'seq_mean_token_mean'")
         for name in ("clip_low", "clip_high"):
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite float or None, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.clip_low is not None and self.clip_low >= 1:
-            raise ValueError(f"clip_low must be < 1 (lower bound 1 - clip_low > 0), got {self.clip_low}")
+                yield (name,), f"must be a finite float or None, got {value!r}"
+            elif value < 0:
+                yield (name,), f"must be >= 0, got {value}"
+            elif name == "clip_low" and value >= 1:
+                yield (name,), f"must be < 1 (lower bound 1 - clip_low > 0), got {value}"
         if isinstance(self.kl_coef, bool) or not isinstance(self.kl_coef, (int, float)) or not (
             math.isfinite(self.kl_coef) and self.kl_coef >= 0
         ):
-            raise ValueError(f"kl_coef must be a finite float >= 0, got {self.kl_coef!r}")
-        big = [
-            f"{n}={v}"
-            for n, v in (("clip_low", self.clip_low), ("clip_high", self.clip_high))
-            if v is not None and v > _SEQUENCE_CLIP_WARN_ABOVE
-        ]
-        if self.variant in _SEQUENCE_VARIANTS and big and not _seq_clip_warned:
-            _seq_clip_warned = True
+            yield ("kl_coef",), f"must be a finite float >= 0, got {self.kl_coef!r}"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        big = [f"{n}={v}" for n, v in (("clip_low", self.clip_low), ("clip_high", self.clip_high))
+               if v is not None and v > _SEQUENCE_CLIP_WARN_ABOVE]
+        if self.variant in _SEQUENCE_VARIANTS and big:
+            # Python's default filter shows it once per calling line (a run builds its loss
+            # config once); no process-wide flag of our own.
             warnings.warn(
                 f"PolicyLossConfig(variant={self.variant!r}) got {', '.join(big)}. The GSPO "
                 "sequence ratio s_i is a length-normalised geometric mean and stays within "

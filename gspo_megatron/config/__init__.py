@@ -3,7 +3,8 @@
 - :mod:`.schema`: the sections of :class:`TrainConfig` (run, data, rollout, ...), one typed
   dataclass each, a docstring under every field; production defaults.
 - :mod:`.model`: the model, its parallel layout and numerics; ``MODEL_PRESETS``.
-- :mod:`.checks`: each section checks its own fields on construction.
+- :mod:`gspo_megatron.sections`: the `Section` base; each section checks its own fields on
+  construction (its `_problems`), the loss, DAPO and rollout-correction sections included.
 - :mod:`.loader`: YAML recipes + ``--section.field=value`` overrides (types in :mod:`.coerce`),
   ``--help`` text, saving; ``DEMO_RECIPE``, the CPU demo shipped in ``recipes/``.
 - :mod:`.validation`: the checks across sections and against the world size.

@@ -1,8 +1,7 @@
 """Load, override, validate, save and document a :class:`~gspo_megatron.config.TrainConfig`.
 
-A recipe is a YAML file whose top-level keys are the sections of ``TrainConfig`` (``model``,
-``parallel``, ``precision``, ``optim``, ``loss``, ``data``, ``tokenizer``, ``rollout``,
-``reward``, ``sft``, ``trainer``, ``routing``, ``checkpoint``, ``logging``)::
+A recipe is a YAML file whose top-level keys are the sections of ``TrainConfig`` (its fields,
+listed by ``gspo-train --help``: ``model``, ``parallel``, ``precision``, ``optim``, ``loss``, ...)::
 
     model:
       preset: qwen3-30b-a3b     # fills every other model field from MODEL_PRESETS ...
@@ -28,8 +27,9 @@ or the override), the field path and the bad value, before any compute::
     override '--loss.variant=GSPO': loss.variant: expected one of 'gspo', 'gspo_token', 'grpo',
         got 'GSPO'; did you mean 'gspo'?
 
-:func:`load_config` checks names, types and each section's own fields (the sections'
-``__post_init__``, :mod:`.checks`); :func:`validate_config` checks the sections against each
+:func:`load_config` checks names, types and each section's own fields (every section is a
+:class:`~gspo_megatron.sections.Section`: its ``_problems``, run on construction);
+:func:`~gspo_megatron.config.validation.validate_config` checks the sections against each
 other and the world size. Type coercion is :mod:`.coerce`. Files are read with
 ``yaml.safe_load`` only (no Python tags). Fields a recipe leaves out take the library's
 (production) defaults; ``DEMO_RECIPE`` is the CPU demo's recipe.
@@ -42,7 +42,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import re
 import textwrap
 import typing
 from typing import Any, Iterable, Sequence
@@ -328,25 +327,11 @@ def _source_of(fields: Iterable[str], entries: dict[str, _Entry]) -> str:
     return ", ".join(sorted({e.source for e in entries.values()})) or "defaults"
 
 
-def _constructor_errors(section: str, e: Exception, ftypes: dict[str, Any],
-                        entries: dict[str, _Entry]) -> list[str]:
-    """``file:line: section.field: problem`` lines for a section's constructor failure.
-
-    A :class:`FieldError` names its fields. Any other error (``PolicyLossConfig``'s own checks)
-    is matched by the field its message starts with (``clip_low must be ...``), then by the
-    fields it mentions."""
-    if isinstance(e, FieldError):
-        return [f"{_source_of(fields, entries)}: {section}.{fields[0]}: {text}"
-                for fields, text in e.problems]
-    msg = str(e)
-    mentioned = list(dict.fromkeys(w for w in re.findall(r"\w+", msg) if w in ftypes))
-    lead = re.match(r"(\w+)( |=)?", msg)
-    if lead and lead.group(1) in ftypes:
-        # "clip_low must be >= 0, got -1" -> "loss.clip_low: must be >= 0, got -1";
-        # "aggregation='x' only applies ..." -> "loss.aggregation: 'x' only applies ..."
-        text = msg[lead.end():] if lead.group(2) else msg
-        return [f"{_source_of(mentioned, entries)}: {section}.{lead.group(1)}: {text}"]
-    return [f"{_source_of(mentioned, entries)}: {section}: {msg}"]
+def _constructor_errors(section: str, e: FieldError, entries: dict[str, _Entry]) -> list[str]:
+    """``file:line: section.field: problem`` lines for a section's constructor failure: every
+    section is a :class:`Section`, whose :class:`FieldError` names the fields of each problem."""
+    return [f"{_source_of(fields, entries)}: {section}.{fields[0]}: {text}"
+            for fields, text in e.problems]
 
 
 def _build_section(section: str, cls: type, default: Any, entries: dict[str, _Entry],
@@ -366,8 +351,8 @@ def _build_section(section: str, cls: type, default: Any, entries: dict[str, _En
             errors.extend(e.errors)
     try:
         return cls(**kwargs)  # every section checks its own fields on construction
-    except (TypeError, ValueError) as e:
-        errors.extend(_constructor_errors(section, e, ftypes, entries))
+    except FieldError as e:
+        errors.extend(_constructor_errors(section, e, entries))
         return None
 
 

@@ -68,13 +68,26 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
     errors = _section_errors(cfg)
     if errors:
         raise ConfigError(errors)
-    m, par, loss, data, ro = cfg.model, cfg.parallel, cfg.loss, cfg.data, cfg.rollout
-    sft, tr, ck, rt = cfg.sft, cfg.trainer, cfg.checkpoint, cfg.routing
+    dp, layout_errors = _layout_errors(cfg, world_size)
+    errors = (layout_errors + _batch_errors(cfg, dp, world_size) + _length_errors(cfg)
+              + _engine_errors(cfg) + _routing_errors(cfg) + _loss_errors(cfg)
+              + _start_weights_errors(cfg) + _path_errors(cfg, check_paths)
+              + _reward_errors(cfg, reward_search_dirs))
+    if errors:
+        raise ConfigError(errors)
+    return dp
 
-    # The layout against the world size and the model.
+
+# Warnings are raised from the helpers below, two frames under validate_config's caller.
+_WARN_LEVEL = 3
+
+
+def _layout_errors(cfg: TrainConfig, world_size: int) -> tuple[int, list[str]]:
+    """The layout against the world size and the model; ``(data-parallel size or 0, errors)``."""
+    par, errors = cfg.parallel, []
     dp = 0
     try:
-        dp = par.validate(world_size, m)
+        dp = par.validate(world_size, cfg.model)
     except ValueError as e:
         errors.append(str(e))
     # Context parallelism: the losses reduce sequence sums over a CP group (tested in pure torch),
@@ -84,9 +97,13 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             f"parallel.context_parallel_size={par.context_parallel_size}: the trainer does not yet "
             "shard sequences across context-parallel ranks; use 1 (long sequences: raise "
             "tensor_model_parallel_size with sequence_parallel, or recompute)")
+    return dp, errors
 
-    # Batches: the rollout batch (per DP rank) splits into minibatches, each into micro-batches;
-    # the SFT batch is global and splits evenly over the DP ranks.
+
+def _batch_errors(cfg: TrainConfig, dp: int, world_size: int) -> list[str]:
+    """The rollout batch (per DP rank) splits into minibatches, each into micro-batches; the SFT
+    batch is global and splits evenly over the DP ranks."""
+    ro, tr, sft, errors = cfg.rollout, cfg.trainer, cfg.sft, []
     batch = ro.prompts_per_step * ro.group_size
     if batch % tr.num_minibatches:
         errors.append(
@@ -101,21 +118,28 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
     if sft.steps > 0 and dp and sft.batch_size % dp:
         errors.append(f"sft.batch_size ({sft.batch_size}) must be divisible by the data-parallel "
                       f"size ({dp}: world size {world_size} / model parallelism)")
+    return errors
 
-    # Lengths: every prompt plus its longest response fits the model's context.
+
+def _length_errors(cfg: TrainConfig) -> list[str]:
+    """Every prompt plus its longest response fits the model's context; DAPO's soft overlong
+    penalty acts on the last ``overlong.buffer_tokens`` of the generation budget."""
+    m, data, ro, errors = cfg.model, cfg.data, cfg.rollout, []
     if m.seq_length < data.max_prompt_length + ro.max_new_tokens:
         errors.append(
             f"model.seq_length ({m.seq_length}) must be >= data.max_prompt_length + "
             f"rollout.max_new_tokens = {data.max_prompt_length} + {ro.max_new_tokens} = "
             f"{data.max_prompt_length + ro.max_new_tokens}")
-
-    # DAPO's soft overlong penalty acts on the last overlong.buffer_tokens of the budget.
     if cfg.overlong.buffer_tokens > ro.max_new_tokens:
         errors.append(f"overlong.buffer_tokens ({cfg.overlong.buffer_tokens}) must be <= "
                       f"rollout.max_new_tokens ({ro.max_new_tokens}): the penalty ramps over the "
                       "last buffer_tokens tokens of the generation budget")
+    return errors
 
-    # The rollout engine: Megatron's dynamic engine allocates its KV cache with CUDA.
+
+def _engine_errors(cfg: TrainConfig) -> list[str]:
+    """The rollout engine: Megatron's dynamic engine allocates its KV cache with CUDA."""
+    ro, par, errors = cfg.rollout, cfg.parallel, []
     if ro.engine == "dynamic":
         import torch
 
@@ -126,13 +150,17 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             errors.append(f"rollout.engine='dynamic' with parallel.expert_model_parallel_size="
                           f"{par.expert_model_parallel_size}: the dynamic engine does not keep "
                           "expert-parallel ranks in lock-step; use 'static' or 'auto'")
+    return errors
 
-    # MoE routing replay and diagnostics.
+
+def _routing_errors(cfg: TrainConfig) -> list[str]:
+    """MoE routing replay and diagnostics against the engine, the model and the layout."""
+    rt, ro, m, par, tr, errors = cfg.routing, cfg.rollout, cfg.model, cfg.parallel, cfg.trainer, []
     if rt.replay == "r3" and ro.engine == "dynamic":
         errors.append("routing.replay='r3' with rollout.engine='dynamic': routes are recorded on "
                       "the static engine only (its forward windows map to token positions); "
                       "use rollout.engine 'static' or 'auto' (which picks static for r3)")
-    if rt.replay != "none" or rt.diagnostics:
+    if rt.enabled:
         what = f"routing.replay={rt.replay!r}" if rt.replay != "none" else "routing.diagnostics"
         if not any(m.layer_is_moe()):
             errors.append(f"{what} needs an MoE model (model.moe_layer_freq makes every layer "
@@ -143,39 +171,49 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
         if rt.replay == "r2" and tr.old_logprobs == "rollout":
             warnings.warn("routing.replay='r2' with trainer.old_logprobs='rollout': the replayed "
                           "routes come from the trainer's recompute pass while pi_old comes from "
-                          "the rollout engine", ConfigWarning, stacklevel=2)
+                          "the rollout engine", ConfigWarning, stacklevel=_WARN_LEVEL)
+    return errors
 
+
+def _loss_errors(cfg: TrainConfig) -> list[str]:
+    """The mismatch correction against where pi_old comes from; the KL penalty and its reference
+    model."""
+    loss, tr, errors = cfg.loss, cfg.trainer, []
     # Mismatch correction weighs by pi_old / pi_rollout: with pi_old taken from the rollout
     # engine (paper Sec. 5.4) every weight is 1.
     if cfg.rollout_correction.enabled and tr.old_logprobs == "rollout":
         warnings.warn(f"rollout_correction.mode={cfg.rollout_correction.mode!r} with "
                       "trainer.old_logprobs='rollout': pi_old is the rollout engine's own "
                       "log-prob, so every correction weight is 1 and the correction does nothing",
-                      ConfigWarning, stacklevel=2)
-
-    # The KL penalty and its reference model.
+                      ConfigWarning, stacklevel=_WARN_LEVEL)
     if loss.kl_coef > 0 and not tr.reference_model:
         errors.append(f"loss.kl_coef = {loss.kl_coef} > 0 needs trainer.reference_model: true "
                       "(the k3 KL penalty needs the reference policy's log-probs)")
     if tr.reference_model and loss.kl_coef == 0:
         warnings.warn("trainer.reference_model is true but loss.kl_coef is 0: the reference "
                       "copy costs memory and a forward pass per step for nothing",
-                      ConfigWarning, stacklevel=2)
+                      ConfigWarning, stacklevel=_WARN_LEVEL)
+    return errors
 
-    # The model against the converted checkpoint it starts from (load_config took the model from
-    # its model_config.json; this catches a config built in Python or changed in place).
-    model_file = model_config_file(ck.init_weights)
-    if model_file is not None:
-        try:
-            reference = ModelConfig(**read_model_config_file(model_file))
-        except ModelFileError as e:
-            errors.extend(e.errors)
-        else:
-            errors.extend(f"model.{field}: the config says {show_value(mine)}, {model_file} says "
-                          f"{show_value(theirs)}"
-                          for field, mine, theirs in architecture_differences(m, reference))
 
-    # Files and the reward function (imported lazily: resolving may import the user's module).
+def _start_weights_errors(cfg: TrainConfig) -> list[str]:
+    """The model against the converted checkpoint it starts from (load_config took the model from
+    its model_config.json; this catches a config built in Python or changed in place)."""
+    model_file = model_config_file(cfg.checkpoint.init_weights)
+    if model_file is None:
+        return []
+    try:
+        reference = ModelConfig(**read_model_config_file(model_file))
+    except ModelFileError as e:
+        return list(e.errors)
+    return [f"model.{field}: the config says {show_value(mine)}, {model_file} says "
+            f"{show_value(theirs)}"
+            for field, mine, theirs in architecture_differences(cfg.model, reference)]
+
+
+def _path_errors(cfg: TrainConfig, check_paths: bool) -> list[str]:
+    """Files the run reads exist; the export directory is new and has a converted source."""
+    data, ck, errors = cfg.data, cfg.checkpoint, []
     if check_paths:
         for name, value in (("data.train_path", data.train_path if data.source == "file" else None),
                             ("data.eval_path", data.eval_path),
@@ -192,12 +230,14 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
             errors.append("checkpoint.export_hf needs checkpoint.init_weights to be a "
                           "gspo-convert-hf directory (or a run that started from one): it "
                           "supplies the Hugging Face config and tokenizer files")
+    return errors
+
+
+def _reward_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str]:
+    """The reward function resolves (imported lazily: resolving may import the user's module)."""
     try:
         from gspo_megatron.rewards import get_reward_fn
-        get_reward_fn(cfg.reward.fn, reward_search_dirs)
+        get_reward_fn(cfg.reward.fn, search_dirs)
     except (ValueError, ImportError) as e:
-        errors.append(f"reward.fn = {cfg.reward.fn!r}: {e}")
-
-    if errors:
-        raise ConfigError(errors)
-    return dp
+        return [f"reward.fn = {cfg.reward.fn!r}: {e}"]
+    return []

@@ -353,8 +353,9 @@ def test_config_validation_names_field(kwargs, field):
         PolicyLossConfig(**kwargs)
 
 
-def test_sequence_eps_warning_once(monkeypatch):
-    monkeypatch.setattr(pl_mod, "_seq_clip_warned", False)
+def test_sequence_eps_warning():
+    """A sequence-level variant given token-level eps warns (each such config; Python's default
+    filter then shows it once per calling line); token-level variants and defaults do not."""
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         PolicyLossConfig(variant="grpo", clip_low=0.2, clip_high=0.2)  # token-level: fine
@@ -362,10 +363,20 @@ def test_sequence_eps_warning_once(monkeypatch):
         assert len(rec) == 0
         PolicyLossConfig(variant="gspo", clip_low=0.2, clip_high=0.28)
         PolicyLossConfig(variant="gspo_token", clip_high=0.2)
-        PolicyLossConfig(variant="gspo", clip_low=0.2)
-    assert len(rec) == 1
+    assert len(rec) == 2
     msg = str(rec[0].message)
-    assert "1e-4" in msg and "0.2" in msg and "clip_low" in msg
+    assert "1e-4" in msg and "0.2" in msg and "clip_low" in msg and "clip_high=0.28" in msg
+    assert "clip_high=0.2" in str(rec[1].message) and "gspo_token" in str(rec[1].message)
+
+
+def test_config_errors_are_field_errors():
+    """The loss section reports like every other section: every problem at once, by field."""
+    from gspo_megatron.sections import FieldError
+
+    with pytest.raises(FieldError) as ei:
+        PolicyLossConfig(clip_low=-1.0, kl_coef=math.inf)
+    assert [fields[0] for fields, _ in ei.value.problems] == ["clip_low", "kl_coef"]
+    assert ei.value.messages[0] == "loss.clip_low must be >= 0, got -1.0"
 
 
 def _base():
