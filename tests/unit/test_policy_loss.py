@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import warnings
 
@@ -13,7 +12,6 @@ from gspo_megatron.algorithms import PolicyLossConfig, policy_loss, sequence_log
 
 F64 = torch.float64
 # the package re-exports the function `policy_loss`, which shadows the submodule attribute
-pl_mod = importlib.import_module("gspo_megatron.algorithms.policy_loss")
 
 
 # --------------------------------------------------------------------------- reference
