@@ -118,7 +118,8 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
                  routing: StepRouting | None = None, faults: FaultInjector | None = None
                  ) -> dict[str, float]:
     """Split the rollout batch into ``num_minibatches`` (shuffled, same order on every rank), one
-    optimiser step each. Returns metrics averaged over the minibatches.
+    optimiser step each. Returns metrics averaged over the minibatches, and
+    ``optim/grad_norm_max``: the largest gradient norm of the step's optimiser steps.
 
     ``routing`` (the step's :class:`~gspo_megatron.policy.StepRouting`, or None): hooks for each
     minibatch's update forward (routing replay, or recording the routes free routing takes) and,
@@ -153,6 +154,9 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
     keys = set().union(*history)
     out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
     out["optim/lr"] = policy.lr
+    # The mean hides a one-minibatch spike; the largest applied norm shows it (NaN: none applied).
+    norms = [h["optim/grad_norm"] for h in history if h["optim/grad_norm"] == h["optim/grad_norm"]]
+    out["optim/grad_norm_max"] = max(norms, default=float("nan"))
     if routing is not None:
         out.update(routing.timings())
     return out

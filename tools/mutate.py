@@ -125,6 +125,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("left-padded rollouts: pad keys not masked", "gspo_megatron/backends/megatron/"
            "inference_hooks.py", "masked = (j > i) | ((j < pads.view(-1, 1, 1)) & (j != i))",
            "masked = j > i", ("-m", "slow", T + "test_rollout.py", "-k", "left_padded")),
+    # The loop and the checkpoint (issue 34: both passed the whole suite before these tests).
+    Mutant("trainer.old_logprobs inverted (recompute takes the engine's)", "gspo_megatron/trainer.py",
+           'batch.old_logprobs = (batch.rollout_logprobs if cfg.trainer.old_logprobs == "rollout"',
+           'batch.old_logprobs = (batch.rollout_logprobs if cfg.trainer.old_logprobs != "rollout"',
+           (T + "test_trainer_stages.py",)),
+    Mutant("RNG state read but not restored on resume",
+           "gspo_megatron/backends/megatron/checkpoint.py",
+           "        _set_rng_state(torch.load(rng_path, weights_only=True))",
+           "        torch.load(rng_path, weights_only=True)",
+           (T + "test_resume_rng.py",)),
 )
 
 

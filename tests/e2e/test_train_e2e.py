@@ -158,6 +158,11 @@ def test_r3_with_bf16_rollouts_and_mismatch_correction(tmp_path):
                     "correction/truncated_fraction", "routing/drift/after_0_updates"):
             assert key in m, key
         assert 0 <= m["routing/rollout/change_rate"] <= m["routing/rollout/token_change_rate"] <= 1
+        # pi_old (fp32 trainer) / pi_rollout (bf16 engine): around 1, never exactly 1 everywhere
+        # (measured min 0.91-0.99, max 1.01-1.02 over 20 steps; all 1.0 would mean the correction
+        # compares the engine's log-probs with themselves)
+        assert 0.5 < m["correction/weight_min"] < 1.0 < m["correction/weight_max"] < 2.0
+        assert abs(m["correction/weight_mean"] - 1.0) < 0.05
         # the first update forward replays the rollout's routes: nothing drifted yet
         assert m["routing/drift/after_0_updates"] < 0.05
 

@@ -167,11 +167,30 @@ def test_update_skips_the_step_of_a_nonfinite_minibatch(tmp_path):
     policy = FakePolicy(nonfinite_at={1})
     out = update_stage(policy, batch, cfg, seed=0)
     assert policy.steps == 1 and out["faults/skipped_updates"] == 0.5
+    assert out["optim/grad_norm_max"] == 1.0  # the applied step's norm (the skipped one is NaN)
     faults = FaultInjector("nan_grads:5")
     faults.step = 5
     policy = FakePolicy()
     out = update_stage(policy, batch, cfg, seed=0, step=5, faults=faults)
     assert policy.steps == 0 and out["optim/skipped"] == 1.0
+    assert out["optim/grad_norm_max"] != out["optim/grad_norm_max"]  # NaN: nothing applied
+
+
+def test_grad_norm_max_shows_a_one_minibatch_spike(tmp_path):
+    """``optim/grad_norm`` averages a step's optimiser steps; ``optim/grad_norm_max`` is the
+    largest, so a spike in one minibatch stays visible (issue 34: 174 vs ~1.7)."""
+    cfg = _cfg(tmp_path, num_minibatches=4)
+    from gspo_megatron.policy import make_policy_batch
+    batch = make_policy_batch([[2, 3]] * 8, [1] * 8, pad_id=0)
+    batch.advantages, batch.old_logprobs = torch.ones(8), torch.zeros(8, 2)
+
+    class Spiky(FakePolicy):
+        def optimizer_step(self, corrupt_grad=None):
+            self.steps += 1
+            return True, 100.0 if self.steps == 2 else 1.0
+
+    out = update_stage(Spiky(), batch, cfg, seed=0)
+    assert out["optim/grad_norm_max"] == 100.0 and out["optim/grad_norm"] == pytest.approx(25.75)
 
 
 def _trainer(cfg, policy, faults=None):
@@ -208,3 +227,25 @@ def test_fit_trains_saves_and_resumes_exactly(tmp_path):
     assert resumed.task.sampler.state_dict() == straight.task.sampler.state_dict()
     assert policy.steps == straight_policy.steps == 5 * cfg.trainer.num_minibatches
     assert [m["step"] for m in (json.loads(x) for x in open(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("source", ["recompute", "rollout"])
+def test_old_logprobs_come_from_the_configured_source(tmp_path, source):
+    """``trainer.old_logprobs``: ``recompute`` (the default) trains against the policy's own
+    old-log-prob pass, ``rollout`` against the engine's log-probs. The two differ here (policy
+    -0.75 everywhere, engine -0.5 / -0.1), so the minibatches show which one the objective got;
+    with them swapped the rollout correction would silently compare the engine with itself."""
+
+    class Scoring(FakePolicy):
+        def logprobs(self, batch, *, temperature=1.0, routing=None):
+            return torch.full(batch.tokens.shape, -0.75)
+
+    cfg = _cfg(tmp_path, steps=1, old_logprobs=source)
+    policy = Scoring()
+    _trainer(cfg, policy).rl_step()
+    for mb in policy.batches:
+        got = mb.old_logprobs[mb.response_mask]
+        expected = (mb.rollout_logprobs[mb.response_mask] if source == "rollout"
+                    else torch.full_like(got, -0.75))
+        assert torch.equal(got, expected), (source, got, expected)
+        assert not torch.equal(mb.rollout_logprobs[mb.response_mask], torch.full_like(got, -0.75))
