@@ -121,10 +121,16 @@ def _yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
 def _read_yaml(path: str) -> tuple[dict[str, dict[str, _Entry]], list[str]]:
     """``{section: {field: entry}}`` from a recipe, with the line of each key; plus errors."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file: {e}") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                          f"{e.start}); save the recipe as UTF-8") from e
     try:
         data = yaml.safe_load(text)  # never yaml.load: no Python object tags
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -327,11 +333,14 @@ def _source_of(fields: Iterable[str], entries: dict[str, _Entry]) -> str:
     return ", ".join(sorted({e.source for e in entries.values()})) or "defaults"
 
 
-def _constructor_errors(section: str, e: FieldError, entries: dict[str, _Entry]) -> list[str]:
+def _constructor_errors(section: str, e: FieldError, entries: dict[str, _Entry],
+                        unparsed: set[str]) -> list[str]:
     """``file:line: section.field: problem`` lines for a section's constructor failure: every
-    section is a :class:`Section`, whose :class:`FieldError` names the fields of each problem."""
+    section is a :class:`Section`, whose :class:`FieldError` names the fields of each problem.
+    A problem involving a field whose value failed to parse (``unparsed``: it holds its default
+    meanwhile) is left out: it would judge a value the user never gave."""
     return [f"{_source_of(fields, entries)}: {section}.{fields[0]}: {text}"
-            for fields, text in e.problems]
+            for fields, text in e.problems if not unparsed.intersection(fields)]
 
 
 def _build_section(section: str, cls: type, default: Any, entries: dict[str, _Entry],
@@ -340,6 +349,7 @@ def _build_section(section: str, cls: type, default: Any, entries: dict[str, _En
     ``errors`` extended when a name, a type or the section's own checks fail."""
     ftypes = _field_types(cls)
     kwargs: dict[str, Any] = {name: getattr(default, name) for name in ftypes}
+    unparsed: set[str] = set()
     for fname, entry in entries.items():
         path = f"{section}.{fname}"
         if fname not in ftypes:
@@ -349,11 +359,13 @@ def _build_section(section: str, cls: type, default: Any, entries: dict[str, _En
             kwargs[fname] = _coerce_entry(path, entry, ftypes[fname])
         except ConfigError as e:
             errors.extend(e.errors)
+            unparsed.add(fname)
     try:
-        return cls(**kwargs)  # every section checks its own fields on construction
+        section_cfg = cls(**kwargs)  # every section checks its own fields on construction
     except FieldError as e:
-        errors.extend(_constructor_errors(section, e, entries))
+        errors.extend(_constructor_errors(section, e, entries, unparsed))
         return None
+    return None if unparsed else section_cfg
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -3,6 +3,7 @@ names the field, file or line."""
 
 import json
 import math
+import os
 import time
 
 import pytest
@@ -11,6 +12,10 @@ import torch
 from gspo_megatron.config.loader import DEMO_RECIPE, ConfigError, load_config, validate_config
 from gspo_megatron.data import DatasetError, load_prompt_dataset
 from gspo_megatron.rewards import compute_rewards, get_reward_fn
+
+
+TINY_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "examples", "configs", "tiny_gspo.yaml")
 
 
 def _config(tmp_path, text):
@@ -157,6 +162,10 @@ def test_verbose_is_a_flag_not_an_override():
     (["--loss.clip_high=-1"], "override '--loss.clip_high=-1': loss.clip_high: must be >= 0, "
                               "got -1.0"),
     (["--verbose", "--loss.clip_high=-1"], "loss.clip_high: must be >= 0, got -1.0"),
+    # a value that failed to parse is not judged again by the checks that depend on it (no
+    # "optim.min_lr must be <= optim.lr" against the default lr)
+    (["--config", TINY_RECIPE, "--optim.lr=.inf"],
+     "override '--optim.lr=.inf': optim.lr: expected a finite float, got inf"),
 ])
 def test_cli_user_errors_exit_2_with_one_line_and_write_nothing(tmp_path, args, message):
     """Without --verbose, stderr is exactly the one error line (no start-up warnings)."""
@@ -176,3 +185,21 @@ def test_cli_user_errors_exit_2_with_one_line_and_write_nothing(tmp_path, args, 
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("gspo-train: error:"), proc.stderr
     assert not run_dir.exists()  # nothing written before the input was accepted
+
+
+def test_a_non_utf8_recipe_names_the_file_and_line(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(b"trainer:\n  steps: 2\n# caf\xe9\nrollout:\n  group_size: 4\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(path))
+    assert str(ei.value) == (f"{path}:3: not UTF-8 text (byte 0xe9 at offset 25); save the "
+                             "recipe as UTF-8")
+
+
+def test_an_unparsed_value_only_reports_itself():
+    """``--optim.lr=.inf`` on a recipe whose min_lr is 3e-5: one error (the lr), not a second
+    one comparing min_lr with the default lr the failed field fell back to."""
+    with pytest.raises(ConfigError) as ei:
+        load_config(TINY_RECIPE, ["--optim.lr=.inf"])
+    assert ei.value.errors == ["override '--optim.lr=.inf': optim.lr: expected a finite float, "
+                               "got inf"]
