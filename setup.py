@@ -22,6 +22,7 @@ setup(
         "sentencepiece>=0.2",
         "psutil",  # dist_checkpointing's writer process needs it (save hangs without)
         "tqdm",  # megatron-core's inference engine imports it
+        "einops",  # megatron-core's attention in the dynamic inference engine (rearrange)
         "math-verify>=0.8",
     ],
     extras_require={

@@ -27,6 +27,7 @@ import itertools
 from dataclasses import dataclass
 
 from gspo_megatron.config.model import ModelConfig, ParallelConfig
+from gspo_megatron.kv_cache import kv_budget_bytes, kv_bytes_per_token
 from gspo_megatron.params import count_parameters
 
 GIB = 1024 ** 3
@@ -79,11 +80,31 @@ class MemoryPlan:
     """Tokens of one rollout batch on this rank (the routes of :attr:`routing_replay`)."""
     routing_replay_on: bool = False
     """Whether routes are kept at all (``routing.replay`` r2 or r3)."""
+    kv_cache: int = 0
+    """The rollout engine's paged KV cache on this GPU (``rollout.dynamic_buffer_size_gb``, or
+    ``max_batch_size`` requests of ``seq_length`` tokens; :mod:`gspo_megatron.kv_cache`)."""
+
+    @property
+    def state(self) -> int:
+        """Bytes held through the whole run: weights, gradient buffers, optimizer states."""
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def training_peak(self) -> int:
+        """Old-log-prob pass and updates: the state plus activations and log-prob logits (the KV
+        cache is released meanwhile)."""
+        return self.state + self.activations + self.logits
+
+    @property
+    def rollout_peak(self) -> int:
+        """Rollout: the state plus the KV cache (training activations are gone by then)."""
+        return self.state + self.kv_cache
 
     @property
     def total(self) -> int:
-        """Per-GPU bytes (the routes of :attr:`routing_replay` live on the host)."""
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+        """Per-GPU peak: the larger of the two phases (the routes of :attr:`routing_replay` live on
+        the host)."""
+        return max(self.training_peak, self.rollout_peak)
 
 
 def route_id_bytes(num_experts: int) -> int:
@@ -125,8 +146,12 @@ def params_per_rank(model: ModelConfig, layout: Layout, stage: int) -> tuple[int
 def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batch_size: int = 1,
                 seq_length: int | None = None, bf16: bool = True, distributed_optimizer: bool = True,
                 recompute: str | None = "full", rollout_tokens: int = 0,
-                routing_replay: bool = False) -> MemoryPlan:
-    """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout is invalid."""
+                routing_replay: bool = False, kv_cache_bytes: int | None = None,
+                rollout_requests: int = 0) -> MemoryPlan:
+    """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout is invalid.
+
+    The rollout's KV cache: ``kv_cache_bytes`` if given, else ``rollout_requests`` requests of
+    ``seq_length`` tokens in paged blocks (0 requests: none)."""
     parallel = ParallelConfig(tensor_model_parallel_size=layout.tp,
                               pipeline_model_parallel_size=layout.pp,
                               expert_model_parallel_size=layout.ep,
@@ -164,6 +189,10 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
     moe_layers_here = sum(model.layer_is_moe()) // layout.pp
     replay = (rollout_tokens * moe_layers_here * model.moe_router_topk
               * route_id_bytes(model.num_moe_experts) // (layout.tp if parallel.sequence_parallel else 1))
+    if kv_cache_bytes is None:
+        kv_cache_bytes = kv_budget_bytes(rollout_requests, s, kv_bytes_per_token(
+            model.num_layers, model.num_query_groups, model.kv_channels, layout.tp, layout.pp,
+            wbytes)) if rollout_requests else 0
     vocab_shard = model.padded_vocab_size() // layout.tp
     logits = s * b / layout.cp * vocab_shard * 2 + min(1024, s * b) * vocab_shard * 4
     return MemoryPlan(
@@ -173,7 +202,7 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
         optimizer=int(opt_dense + opt_expert), activations=int(acts),
         routing_replay=int(replay), logits=int(logits),
         route_bytes_per_token=route_bytes_per_token(model), rollout_tokens=int(rollout_tokens),
-        routing_replay_on=bool(routing_replay),
+        routing_replay_on=bool(routing_replay), kv_cache=int(kv_cache_bytes),
     )
 
 

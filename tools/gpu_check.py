@@ -19,11 +19,13 @@ by ``--deadline`` still answers most):
                    tokens against the measured bf16 matmul peak; log-prob memory at full vocabulary.
 ``tiny_resume``    the same run stopped at step 4 and resumed to 8: metrics compared with
                    ``tiny_dynamic`` field by field.
-``tiny_r3``        ``tiny_dynamic`` with R3 (routes recorded by the rollout engine and replayed by the
-                   trainer; R3 records on the static engine), and ``tiny_r3_bf16_rollout``: an fp32
+``tiny_r3``        ``tiny_dynamic`` with R3 (routes recorded by the dynamic engine from its packed
+                   buffer and replayed by the trainer), and ``tiny_r3_bf16_rollout``: an fp32
                    trainer sampling from a bf16 copy (``rollout.precision=bf16``) with R3, the
                    rollout/training mismatch R3 is for (``routing/rollout/*``, ``kl/rollout_vs_train``).
-``tiny_static``    ``tiny_dynamic`` with the static engine (the CPU path), and ``tiny_fp32`` in fp32:
+``ep2_dynamic_r3_cpu`` the dynamic engine under EP=2 with R3 (ranks in lock-step), on two gloo CPU
+                   ranks (two ranks cannot share one GPU's NCCL).
+``tiny_static``    ``tiny_dynamic`` with the static engine (the A/B reference), and ``tiny_fp32``:
                    ``kl/rollout_vs_train`` and rollout speed per engine and precision.
 """
 
@@ -81,10 +83,18 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
                           else ["--layers", "4", "--seq", "4096", "--iters", "3"])], 480),
         ("tiny_resume", [_tiny(w("tiny_resume"), "--trainer.steps=4"),
                          _tiny(w("tiny_resume"))], 300),
-        ("tiny_r3", [_tiny(w("tiny_r3"), "--routing.replay=r3", "--rollout.engine=static")], 300),
+        ("tiny_r3", [_tiny(w("tiny_r3"), "--routing.replay=r3")], 300),
         ("tiny_r3_bf16_rollout", [_tiny(w("tiny_r3_bf16_rollout"), "--precision.bf16=false",
-                                        "--rollout.precision=bf16", "--routing.replay=r3",
-                                        "--rollout.engine=static")], 300),
+                                        "--rollout.precision=bf16", "--routing.replay=r3")], 300),
+        # The dynamic engine under expert parallelism with R3 (ranks in lock-step): two ranks on
+        # one GPU cannot share NCCL, so this stage runs the same path on two gloo CPU ranks.
+        ("ep2_dynamic_r3_cpu", [["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-m",
+                                 "torch.distributed.run",
+                                 "--nproc-per-node", "2", "-m", "gspo_megatron.cli",
+                                 "--parallel.expert_model_parallel_size=2", "--routing.replay=r3",
+                                 "--precision.bf16=false", "--sft.steps=20", "--trainer.steps=3",
+                                 "--trainer.eval_interval=0", "--logging.progress=false",
+                                 f"--logging.run_dir={w('ep2_dynamic_r3_cpu')}"]], 300),
         ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
         ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
     ]

@@ -27,9 +27,11 @@ megatron-core versions it was checked.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import logging
+import time
 import types
 from typing import Any
 
@@ -51,11 +53,13 @@ def _cpu_device(device: Any) -> Any:
 
 
 def _on_cpu(factory):
-    """Wrap a tensor factory so that ``device=<cuda>`` allocates on the CPU."""
+    """Wrap a tensor factory so that ``device=<cuda>`` allocates on the CPU (and
+    ``pin_memory=True``, which needs CUDA, is dropped: the dynamic engine's host buffers)."""
 
     def wrapped(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
         return factory(*args, **kwargs)
 
     wrapped.__name__ = getattr(factory, "__name__", "factory")
@@ -87,11 +91,25 @@ class _NoOpStream:
         return True
 
 
+class _WallClockEvent(_NoOpStream):
+    """A CUDA timing event on the host clock: the dynamic engine times every step with
+    ``Event(enable_timing=True)`` and ``elapsed_time`` (failure 12)."""
+
+    def __init__(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def record(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_WallClockEvent") -> float:
+        return (end.t - self.t) * 1e3  # milliseconds, as CUDA reports
+
+
 class _CudaOnCpu(types.SimpleNamespace):
     """``torch.cuda`` as megatron's buffer/stream/RNG code sees it on a CPU-only machine."""
 
     Stream = _NoOpStream
-    Event = _NoOpStream
+    Event = _WallClockEvent
 
     @staticmethod
     def current_device():
@@ -110,6 +128,12 @@ class _CudaOnCpu(types.SimpleNamespace):
     @staticmethod
     def synchronize(*args, **kwargs):
         pass
+
+    @staticmethod
+    def memory_stats(*args, **kwargs) -> dict:
+        # Failure 13: the dynamic engine logs allocator stats around suspend / resume (no CUDA
+        # allocator here: every figure reads 0).
+        return collections.defaultdict(int)
 
     # Failure 3: the CUDA RNG tracker seeds/saves/restores the CUDA generator. On CPU the tracker
     # forks the CPU generator instead, which is what dropout and init draw from there.
@@ -242,6 +266,10 @@ _PATCHED_MODULES = {
     "optimizer.clip_grads": "grad-norm scalars with device='cuda' (failure 10)",
     "optimizer.distrib_optimizer": "buffers at current_device()",
     "inference.contexts.static_context": "KV cache at current_device()",
+    "inference.contexts.dynamic_context": "paged KV cache and request tables at current_device()",
+    "inference.contexts.dynamic_block_allocator": "block free-list at current_device()",
+    "inference.contexts.attention_context.mha_metadata": "attention metadata at current_device()",
+    "inference.engines.dynamic_engine": "prompt tensors at current_device(); timing events",
     "inference.text_generation_controllers.text_generation_controller": "sampling buffers on cuda",
     "inference.model_inference_wrappers.abstract_model_inference_wrapper": "buffers on cuda",
     "inference.model_inference_wrappers.gpt.gpt_inference_wrapper": "buffers on cuda",
@@ -280,6 +308,10 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             grad.detach().mul_(clip_coeff)
 
 
+def _no_nvtx(*args, **kwargs) -> None:
+    """An NVTX range marker that marks nothing (a profiler annotation; no CUDA, no profiler)."""
+
+
 def apply_cpu_compat() -> bool:
     """Make megatron-core run on CPU. Idempotent; a no-op (returns False) when CUDA is available."""
     if torch.cuda.is_available():
@@ -305,6 +337,11 @@ def apply_cpu_compat() -> bool:
 
     # Failure 4 (te_general_gemm undefined without TE) is not CPU-specific: compat.apply_compat
     # fixes it on every machine without Transformer Engine (apply_missing_te_compat).
+
+    # Failure 14: the dynamic engine marks its steps with NVTX ranges, which a CPU build lacks.
+    from megatron.core.inference.engines import dynamic_engine
+
+    dynamic_engine.range_push = dynamic_engine.range_pop = _no_nvtx
 
     # Failure 3: activation checkpointing and the RNG tracker save/restore the CUDA RNG state.
     mcore_random._get_cuda_rng_state = _cpu_rng_get

@@ -14,8 +14,8 @@ alignment: query ``i`` of a request with ``q_len`` queries and ``kv_len`` keys s
 ``kv_len - q_len + i`` and sees keys ``j <= kv_len - q_len + i``. Queries with no visible key
 (padded requests / tokens) yield zeros.
 
-Cost versus flash-attn: every call gathers the used KV blocks densely (``2 * B * Lk * H * D``
-elements after the GQA head expansion, ``Lk`` = max kv length rounded up to a block), pads the
+Cost versus flash-attn: every call gathers the used KV blocks densely (``2 * B * Lk * Hk * D``
+elements, ``Lk`` = the longest kv length; SDPA groups the query heads itself), pads the
 queries to ``[B, Lq, H, D]`` (``Lq`` = longest query; decode requests in a mixed batch are padded
 to it too) and builds a ``[B, Lq, Lk]`` boolean mask; then SDPA (memory-efficient or math kernel,
 as a mask rules out the flash backend). Reading the max lengths syncs the host once per call, so
@@ -67,11 +67,18 @@ def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, ma
     block_size, Hk = k_cache.shape[1], k_cache.shape[2]
     nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
     blocks = block_table[:, :nb].long().clamp(min=0)  # [B, nb]; -1 (unused) reads block 0, masked
-    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hk, Lk, D]
-    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
-    if H != Hk:
-        k, v = k.repeat_interleave(H // Hk, dim=1), v.repeat_interleave(H // Hk, dim=1)
-    Lk = nb * block_size
+    # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
+    # block is cut before the attention (a 256-token block holding 20 keys costs 20, not 256).
+    Lk = min(nb * block_size, max(max_kv, 1))
+    pos = torch.arange(Lk, device=q.device)
+    block_of, slot = blocks[:, pos // block_size], (pos % block_size).expand(B, -1)  # [B, Lk]
+    k = k_cache[block_of, slot].transpose(1, 2)  # [B, Hk, Lk, D]: only the first Lk keys copied
+    v = v_cache[block_of, slot].transpose(1, 2)
+    # Slots past a request's keys were never written (Megatron allocates the cache with
+    # torch.empty): they may hold NaN bit patterns, and a masked score or a zero weight does not
+    # cancel a NaN (NaN - inf, 0 * NaN), so they are zeroed.
+    unwritten = (pos[None, :] >= kv_lens.to(q.device).long()[:, None])[:, None, :, None]
+    k, v = k.masked_fill(unwritten, 0.0), v.masked_fill(unwritten, 0.0)
     i = torch.arange(Lq, device=q.device)
     j = torch.arange(Lk, device=q.device)
     q_lens, kv_lens = q_lens.to(q.device).long(), kv_lens.to(q.device).long()
@@ -82,8 +89,9 @@ def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, ma
     live = mask.any(dim=-1)  # [B, Lq]
     mask[..., 0] |= ~live  # a fully masked row would give NaN; it is zeroed below
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    # GQA: query head h reads kv head h // (H // Hk), SDPA's own grouping (no expanded copy).
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
-                                         scale=scale)  # [B, H, Lq, D]
+                                         scale=scale, enable_gqa=H != Hk)  # [B, H, Lq, D]
     return out.transpose(1, 2).masked_fill(~live[:, :, None, None], 0.0)
 
 

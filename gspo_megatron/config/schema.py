@@ -155,16 +155,22 @@ class RolloutConfig(Section, name="rollout"):
     top_k: int = 0
     """Top-k sampling (0 = off, 1 = greedy). Not combinable with ``top_p`` < 1."""
     max_batch_size: int = 256
-    """Sequences the engine decodes at once."""
+    """Requests the engine decodes at once (the dynamic engine's request slots); more prompts
+    wait and take a slot as soon as one frees."""
     engine: Literal["auto", "static", "dynamic"] = "auto"
-    """Megatron-Core inference engine: ``dynamic`` (paged KV cache, continuous batching; CUDA only)
-    or ``static`` (fixed batches; the CPU path). ``auto`` = dynamic with CUDA and
-    ``expert_model_parallel_size`` 1, else static (the dynamic engine does not yet keep EP ranks in
-    lock-step)."""
-    dynamic_buffer_size_gb: float = 20.0
-    """GPU memory the dynamic engine reserves for its paged KV cache (Megatron's
-    ``inference_dynamic_batching_buffer_size_gb``); held for the whole run, so size it to
-    ``max_batch_size x (prompt + max_new_tokens)`` tokens of KV, not to the free memory."""
+    """Megatron-Core inference engine. ``auto`` (default) = ``dynamic``: the dynamic engine with a
+    paged KV cache and continuous batching, on CPU and GPU (a finished response leaves its slot at
+    once, so a rollout costs its real tokens; expert-parallel ranks kept in lock-step; R3 routes
+    recorded from its packed buffer). ``static``: Megatron's static batch engine (every batch
+    decodes until its longest response ends; under EP until ``max_new_tokens``), kept as the A/B
+    reference of the benchmarks and the local-kernel tests."""
+    dynamic_buffer_size_gb: float | None = None
+    """Memory for the dynamic engine's paged KV cache (Megatron's
+    ``inference_dynamic_batching_buffer_size_gb``), per rank. ``null`` (default) = room for
+    ``max_batch_size`` requests of ``model.seq_length`` tokens. Smaller budgets work: requests
+    beyond it wait (continuous batching) and a running one may be paused; one request of
+    ``model.seq_length`` tokens must fit. Released between rollouts (the trainer's passes run
+    without it) and allocated again before the next one."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Numerics the engine samples in. ``auto`` (default) = the model's training precision: the
     engine runs the live policy module itself, no copy (today's behaviour, bitwise). ``bf16`` /
@@ -178,9 +184,10 @@ class RolloutConfig(Section, name="rollout"):
     generate (small next to decoding; the run logs it in ``perf/rollout_s``)."""
 
     def _problems(self) -> Iterator[Problem]:
-        if not self.dynamic_buffer_size_gb > 0:
+        if self.dynamic_buffer_size_gb is not None and not self.dynamic_buffer_size_gb > 0:
             yield self._problem("dynamic_buffer_size_gb",
-                                f"must be > 0, got {self.dynamic_buffer_size_gb}")
+                                f"must be > 0 (or null: sized from max_batch_size), got "
+                                f"{self.dynamic_buffer_size_gb}")
         yield from self._at_least(2, "group_size", note=(
             " (GSPO/GRPO advantages are normalised within a group of responses to the same "
             "prompt)"))

@@ -18,6 +18,7 @@ from gspo_megatron.sections import FieldError, Section
 from gspo_megatron.config.model import (ModelConfig, ModelFileError, architecture_differences,
                                         find_converted_dir, model_config_file,
                                         read_model_config_file, show_value)
+from gspo_megatron.kv_cache import kv_budget_bytes, kv_bytes_per_token
 from gspo_megatron.config.schema import TrainConfig
 
 
@@ -138,28 +139,30 @@ def _length_errors(cfg: TrainConfig) -> list[str]:
 
 
 def _engine_errors(cfg: TrainConfig) -> list[str]:
-    """The rollout engine: Megatron's dynamic engine allocates its KV cache with CUDA."""
-    ro, par, errors = cfg.rollout, cfg.parallel, []
-    if ro.engine == "dynamic":
-        import torch
-
-        if not torch.cuda.is_available():
-            errors.append("rollout.engine='dynamic' needs CUDA (Megatron-Core's dynamic inference "
-                          "context allocates on the GPU); use 'static' or 'auto' on CPU")
-        if par.expert_model_parallel_size > 1:
-            errors.append(f"rollout.engine='dynamic' with parallel.expert_model_parallel_size="
-                          f"{par.expert_model_parallel_size}: the dynamic engine does not keep "
-                          "expert-parallel ranks in lock-step; use 'static' or 'auto'")
+    """The rollout engine against the layout and its KV budget."""
+    ro, par, m, errors = cfg.rollout, cfg.parallel, cfg.model, []
+    if par.pipeline_model_parallel_size > 1 and par.expert_model_parallel_size > 1:
+        errors.append(
+            f"parallel.pipeline_model_parallel_size={par.pipeline_model_parallel_size} with "
+            f"parallel.expert_model_parallel_size={par.expert_model_parallel_size}: the rollout "
+            "engine keeps expert-parallel ranks in lock-step with Megatron's dummy_forward, which "
+            "has no pipeline send/recv; use one of them")
+    if ro.engine != "static" and ro.dynamic_buffer_size_gb is not None:
+        bf16 = ro.precision == "bf16" or (ro.precision == "auto" and cfg.precision.bf16)
+        need = kv_budget_bytes(1, m.seq_length, kv_bytes_per_token(
+            m.num_layers, m.num_query_groups, m.kv_channels, par.tensor_model_parallel_size,
+            par.pipeline_model_parallel_size, 2 if bf16 else 4))
+        if ro.dynamic_buffer_size_gb * 1024 ** 3 < need:
+            errors.append(
+                f"rollout.dynamic_buffer_size_gb={ro.dynamic_buffer_size_gb} cannot hold one "
+                f"request of model.seq_length={m.seq_length} tokens: it needs "
+                f"{need / 1024 ** 3:.3g} GB of paged KV cache per rank")
     return errors
 
 
 def _routing_errors(cfg: TrainConfig) -> list[str]:
     """MoE routing replay and diagnostics against the engine, the model and the layout."""
-    rt, ro, m, par, tr, errors = cfg.routing, cfg.rollout, cfg.model, cfg.parallel, cfg.trainer, []
-    if rt.replay == "r3" and ro.engine == "dynamic":
-        errors.append("routing.replay='r3' with rollout.engine='dynamic': routes are recorded on "
-                      "the static engine only (its forward windows map to token positions); "
-                      "use rollout.engine 'static' or 'auto' (which picks static for r3)")
+    rt, m, par, tr, errors = cfg.routing, cfg.model, cfg.parallel, cfg.trainer, []
     if rt.enabled:
         what = f"routing.replay={rt.replay!r}" if rt.replay != "none" else "routing.diagnostics"
         if not any(m.layer_is_moe()):

@@ -32,7 +32,7 @@ MIB = 1024 ** 2
 # which were given: there the recipe sets them, and a flag would silently disagree with it.
 FLAG_DEFAULTS = dict(tp=1, pp=1, ep=1, etp=None, cp=1, micro_batch_size=1, seq_length=None,
                      fp32=False, no_distributed_optimizer=False, recompute="full",
-                     rollout_tokens=0, routing_replay=False)
+                     rollout_tokens=0, routing_replay=False, rollout_requests=0)
 # What changes each of them (and the model flags) in --config mode instead.
 RECIPE_OVERRIDES = dict(
     model="--model.preset=NAME", hf_config="the recipe's model section",
@@ -43,7 +43,8 @@ RECIPE_OVERRIDES = dict(
     no_distributed_optimizer="--optim.use_distributed_optimizer=false",
     recompute="--precision.recompute_granularity=...",
     rollout_tokens="--rollout.prompts_per_step / --rollout.group_size / --rollout.max_new_tokens",
-    routing_replay="--routing.replay=r2 or r3")
+    routing_replay="--routing.replay=r2 or r3",
+    rollout_requests="--rollout.max_batch_size=N / --rollout.dynamic_buffer_size_gb=G")
 
 
 def format_count(n: int) -> str:
@@ -68,7 +69,9 @@ def table(plan) -> str:
             ("weights", plan.weights), ("gradients (fp32)", plan.grads),
             ("optimizer (fp32 master + Adam)", plan.optimizer),
             ("activations (estimate)", plan.activations), ("log-prob logits", plan.logits),
-            ("total", plan.total)]
+            ("rollout KV cache (paged)", plan.kv_cache),
+            ("training peak", plan.training_peak), ("rollout peak", plan.rollout_peak),
+            ("total (larger peak)", plan.total)]
     lines = [f"layout {plan.layout.describe()} DP{plan.dp} on {plan.num_gpus} GPUs"]
     for name, value in rows:
         lines.append(f"  {name:32s} {value if isinstance(value, str) else f'{value / GIB:8.2f} GiB'}")
@@ -108,7 +111,8 @@ def from_flags(args):
     kwargs = dict(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                   bf16=not args.fp32, distributed_optimizer=not args.no_distributed_optimizer,
                   recompute=None if args.recompute == "none" else args.recompute,
-                  rollout_tokens=args.rollout_tokens, routing_replay=args.routing_replay)
+                  rollout_tokens=args.rollout_tokens, routing_replay=args.routing_replay,
+                  rollout_requests=args.rollout_requests)
     return name, model, layout, kwargs
 
 
@@ -134,7 +138,11 @@ def from_recipe(args, overrides: list[str]):
                   # at EOS, the batch is padded to its longest).
                   rollout_tokens=(r.prompts_per_step * r.group_size
                                   * (cfg.data.max_prompt_length + r.max_new_tokens)),
-                  routing_replay=cfg.routing.replay != "none")
+                  routing_replay=cfg.routing.replay != "none",
+                  # The KV cache exists during rollouts only (released for the training passes).
+                  kv_cache_bytes=(None if r.dynamic_buffer_size_gb is None or r.engine == "static"
+                                  else int(r.dynamic_buffer_size_gb * GIB)),
+                  rollout_requests=0 if r.engine == "static" else r.max_batch_size)
     return cfg.model.preset, cfg.model, layout, kwargs
 
 
@@ -160,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--recompute", choices=["full", "selective", "none"], help="default: full")
     ap.add_argument("--rollout-tokens", type=int, help="tokens per rollout batch per rank (routes kept on the host for R2/R3)")
     ap.add_argument("--routing-replay", action="store_true", default=None)
+    ap.add_argument("--rollout-requests", type=int,
+                    help="requests the rollout engine decodes at once: its paged KV cache holds "
+                         "that many of --seq-length tokens (the rollout peak; default 0: none)")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit instead")
     ap.add_argument("--print-layout", action="store_true",
                     help="print 'TP PP EP ETP CP' on stdout before the checks; report on stderr")

@@ -173,7 +173,9 @@ def test_dapo_dynamic_sampling_overlong_and_pass_at_k(tmp_path):
     are counted, pass@k is logged at the eval interval and in the summary, and a resumed run
     matches the uninterrupted one."""
     features = ["--dynamic_sampling.enabled=true", "--dynamic_sampling.max_extra_batches=2",
-                "--overlong.mask_truncated=true", "--overlong.buffer_tokens=2",
+                # buffer 1: the penalty on the budget's last token only, so groups tie often
+                # enough that every step redraws (buffer 2 spread the rewards: no ties in 3 steps)
+                "--overlong.mask_truncated=true", "--overlong.buffer_tokens=1",
                 "--evaluation.num_samples=4", "--evaluation.temperature=1.0",
                 "--trainer.eval_interval=2"]
     run = tmp_path / "dapo"

@@ -55,15 +55,19 @@ def test_grouped_experts_only_where_a_grouped_kernel_exists(monkeypatch):
     assert cfg.moe_grouped_gemm is False
 
 
-def test_dynamic_engine_is_refused_without_cuda_before_anything_runs():
+def test_kv_budget_too_small_for_one_request_is_refused_before_anything_runs():
+    """The dynamic engine runs on CPU too; a KV budget that cannot hold one request of
+    model.seq_length tokens is refused by the config check, naming the field and the need."""
     cfg = TrainConfig()
     cfg.model.seq_length = 4096
-    cfg.rollout.engine = "dynamic"
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
-    with pytest.raises(ConfigError, match=r"rollout.engine='dynamic' needs CUDA"):
+    cfg.rollout.dynamic_buffer_size_gb = 1e-4
+    with pytest.raises(ConfigError, match=r"rollout.dynamic_buffer_size_gb=0.0001 cannot hold one "
+                                          r"request of model.seq_length=4096 tokens"):
         validate_config(cfg)
-    cfg.rollout.engine = "static"
+    cfg.rollout.dynamic_buffer_size_gb = None  # sized from max_batch_size
+    validate_config(cfg)
+    cfg.rollout.dynamic_buffer_size_gb = 1e-4
+    cfg.rollout.engine = "static"  # no paged cache
     validate_config(cfg)
 
 
@@ -102,16 +106,15 @@ def test_gpu_check_reward_and_comparison(tmp_path):
     assert {"tiny_r3", "tiny_r3_bf16_rollout"} <= set(names)
 
 
-def test_engine_choice_keeps_expert_parallel_ranks_off_the_dynamic_engine():
-    """Megatron's dynamic engine steps only while its own rank has work; with EP > 1 a rank that
-    finishes first leaves the others in the MoE all-to-all (seen on CPU/gloo; a hang on NCCL)."""
+def test_engine_choice():
+    """``auto`` is the dynamic engine everywhere (expert-parallel ranks in lock-step, R3 from its
+    packed buffer); neither engine pads pipeline-parallel ranks for EP lock-step."""
     from gspo_megatron.backends.megatron.rollout import choose_backend
 
-    assert choose_backend("auto", cuda=True, ep_size=1) == "dynamic"
-    assert choose_backend("auto", cuda=True, ep_size=8) == "static"
-    assert choose_backend("auto", cuda=False, ep_size=1) == "static"
-    assert choose_backend("static", cuda=True, ep_size=1) == "static"
-    with pytest.raises(NotImplementedError, match="expert_model_parallel_size=2"):
-        choose_backend("dynamic", cuda=True, ep_size=2)
-    with pytest.raises(RuntimeError, match="needs CUDA"):
-        choose_backend("dynamic", cuda=False, ep_size=1)
+    assert choose_backend("auto") == "dynamic"
+    assert choose_backend("auto", pp_size=1, ep_size=8) == "dynamic"
+    assert choose_backend("auto", pp_size=4, ep_size=1) == "dynamic"
+    assert choose_backend("static", ep_size=2) == "static"
+    with pytest.raises(NotImplementedError, match="pipeline_model_parallel_size=2 with "
+                                                  "expert_model_parallel_size=2"):
+        choose_backend("auto", pp_size=2, ep_size=2)

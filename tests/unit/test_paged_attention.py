@@ -176,3 +176,28 @@ def test_install_into_megatron_attention(monkeypatch, caplog):
 
     assert pa.install() is False  # idempotent: nothing new installed
     assert pa.installed() and attention.is_fa_min_version is wrapped
+
+
+def test_unwritten_cache_slots_never_reach_the_output():
+    """Megatron allocates the paged cache with torch.empty: slots past a request's keys (the rest
+    of its last block, unused table entries reading block 0) can hold NaN bit patterns. A masked
+    score does not cancel a NaN key, nor a zero weight a NaN value: the output must still equal
+    the reference computed on clean caches."""
+    gen = torch.Generator().manual_seed(7)
+    kv_lens = [5, 9, 0, 2]
+    k_cache, v_cache = _caches(num_blocks=12, gen=gen)
+    table = _block_table(kv_lens, num_blocks=12, max_blocks=4, gen=gen)
+    dirty_k, dirty_v = k_cache.clone(), v_cache.clone()
+    written = torch.zeros(12, BLOCK, dtype=torch.bool)
+    for b, n in enumerate(kv_lens):
+        for j in range(n):
+            written[int(table[b, j // BLOCK]), j % BLOCK] = True
+    dirty_k[~written], dirty_v[~written] = math.nan, math.nan
+    q = torch.randn(len(kv_lens), 1, H, D, generator=gen, dtype=torch.float64)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    clean = pa.flash_attn_with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lens,
+                                       causal=True, block_table=table)
+    dirty = pa.flash_attn_with_kvcache(q=q, k_cache=dirty_k, v_cache=dirty_v, cache_seqlens=lens,
+                                       causal=True, block_table=table)
+    assert torch.isfinite(dirty).all()
+    torch.testing.assert_close(dirty, clean, rtol=0, atol=0)

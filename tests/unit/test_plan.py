@@ -123,15 +123,16 @@ def test_recipe_is_the_layout_source(plan):
     assert p.returncode == 2 and p.stdout == "1 1 3 1 1\n" and "must divide" in p.stderr
     # The recipe's micro-batch, sequence length and precision are what is planned.
     p = plan("--gpus", "1", "--config", tiny, "--trainer.micro_batch_size=1", "--model.seq_length=4096")
-    # ... and its rollout batch (16 prompts x 8 x (8 + 4) tokens), whose routes R2/R3 keep.
+    # ... and its rollout batch (16 prompts x 8 x (8 + 4) tokens), whose routes R2/R3 keep, and
+    # the KV cache of rollout.max_batch_size (256) requests of model.seq_length tokens.
     q = plan("--gpus", "1", "--fp32", "--model", "tiny", "--seq-length", "4096", "--recompute", "none",
-             "--rollout-tokens", str(16 * 8 * (8 + 4)))
+             "--rollout-tokens", str(16 * 8 * (8 + 4)), "--rollout-requests", "256")
     assert p.returncode == q.returncode == 0
     assert p.stdout == q.stdout
 
 
 @pytest.mark.parametrize("recipe,gpus,layout", [("qwen3_30b_a3b_gspo.yaml", 16, "2 1 8 1 1"),
-                                                ("qwen3_235b_a22b_gspo.yaml", 128, "4 2 32 1 1")])
+                                                ("qwen3_235b_a22b_gspo.yaml", 128, "4 1 64 1 1")])
 def test_shipped_recipes_fit_their_launch_size(plan, recipe, gpus, layout):
     """What launch/submit.sh checks for the two real models (launch/models/*.sh GPU counts)."""
     p = plan("--gpus", str(gpus), "--config", os.path.join(RECIPES, recipe), "--print-layout")
@@ -181,8 +182,8 @@ def test_route_memory_of_the_qwen3_recipes(plan, recipe, gpus, per_token, moe_la
     assert f"routes per token (host, R2/R3) {per_token} B (routing replay on)" in text
     assert (f"routes of a rollout batch {per_rank / 2**20:.2f} MiB per rank per copy "
             f"({tokens:,} tokens; host)") in text
-    # 30B: 4 x 16 x 5120 tokens x 384 B / TP 2 = 60 MiB; 235B: 2 x 16 x 5120 x 752 B / (PP 2 x TP 4)
-    assert per_rank == {384: 60 * 2**20, 752: 15_400_960}[per_token]
+    # 30B: 4 x 16 x 5120 tokens x 384 B / TP 2 = 60 MiB; 235B: 2 x 16 x 5120 x 752 B / (PP 1 x TP 4)
+    assert per_rank == {384: 60 * 2**20, 752: 30_801_920}[per_token]
     layout = Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                     ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
     on = plan_memory(m, layout, gpus, rollout_tokens=tokens, routing_replay=True)
@@ -198,3 +199,18 @@ def test_route_id_bytes_follow_the_route_store_dtype():
         assert route_id_bytes(experts) == route_dtype(experts).itemsize
     wide = model_config_from_preset("qwen3-30b-a3b", num_moe_experts=512)
     assert route_bytes_per_token(wide) == 8 * 2 * 48
+
+
+def test_rollout_and_training_peaks_are_separate(plan):
+    """The KV cache is released while the trainer runs (rollout.dynamic_buffer_size_gb), so the
+    per-GPU peak is the larger of the two phases, not their sum."""
+    m = model_config_from_preset("qwen3-30b-a3b")
+    layout = Layout(tp=2, ep=8)
+    p = plan_memory(m, layout, 16, rollout_requests=64)
+    per_token = 2 * 48 * (4 // 2) * 128 * 2  # K and V, 48 layers, 4 KV heads / TP 2, bf16
+    assert m.seq_length == 4096  # 16 blocks of 256 tokens per request, + Megatron's dummy block
+    assert p.kv_cache == (64 * 16 + 1) * 256 * per_token
+    assert p.rollout_peak == p.weights + p.grads + p.optimizer + p.kv_cache
+    assert p.training_peak == p.weights + p.grads + p.optimizer + p.activations + p.logits
+    assert p.total == max(p.rollout_peak, p.training_peak) < p.training_peak + p.kv_cache
+    assert plan_memory(m, layout, 16, kv_cache_bytes=2 * GIB).kv_cache == 2 * GIB

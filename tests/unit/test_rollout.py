@@ -93,16 +93,24 @@ def test_lengths_finish_reasons_and_vocab(setup):
 
 def test_ignore_eos_samples_the_full_budget(setup):
     """rollout.ignore_eos (vLLM's): every response is max_new_tokens long, EOS an ordinary token;
-    the same seed without it gives the same tokens up to and including the first EOS, and the
-    log-probs are still the trainer's."""
+    the same seed without it gives the same tokens until the first response of the batch ends
+    (after that the dynamic engine samples a smaller batch, one draw fewer per step, and a
+    waiting prompt takes the freed slot: its tokens come from other draws), and the log-probs
+    are still the trainer's."""
     prompts = make_prompts()
     full = engine(setup, temperature=1.0, ignore_eos=True).generate(prompts, seed=1)
     assert all(len(s.response_ids) == 8 and s.finish_reason == "length" for s in full)
     assert any(EOS in s.response_ids[:-1] for s in full)  # sampled, and it did not stop the response
     plain = engine(setup, temperature=1.0).generate(prompts, seed=1)
-    for a, b in zip(full, plain, strict=True):
-        assert a.response_ids[:len(b.response_ids)] == b.response_ids
-        assert a.response_logprobs[:len(b.response_logprobs)] == b.response_logprobs
+    first_end = min(len(b.response_ids) for b in plain)
+    assert first_end < 8  # some response did end early without ignore_eos
+    slots = 16  # max_batch_size: the prompts that start at once
+    for a, b in zip(full[:slots], plain[:slots], strict=True):
+        assert a.response_ids[:first_end] == b.response_ids[:first_end]
+        # the same up to float rounding: the dynamic engine's packed batch shrinks as responses
+        # end, so the two runs forward different batch shapes (measured <= 1.2e-6)
+        assert a.response_logprobs[:first_end] == pytest.approx(b.response_logprobs[:first_end],
+                                                                abs=1e-5)
     worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
                 for s, ref in zip(full, trainer_logprobs(setup, full, 1.0)))
     assert worst <= LOGPROB_TOL

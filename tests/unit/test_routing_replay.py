@@ -214,8 +214,9 @@ def test_diagnostics_zero_when_nothing_changed(setup):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--routing.replay=r3 --rollout.engine=dynamic",
-     "routing.replay='r3' with rollout.engine='dynamic': routes are recorded on the static"),
+    ("--routing.replay=r3 --parallel.pipeline_model_parallel_size=2 "
+     "--parallel.expert_model_parallel_size=2 --model.num_layers=2",
+     "pipeline_model_parallel_size=2 with parallel.expert_model_parallel_size=2"),
     ("--parallel.context_parallel_size=2", "not validated with context parallelism"),
     ("--routing.diagnostics_interval=0", "routing.diagnostics_interval: must be >= 1"),
 ])

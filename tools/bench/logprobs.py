@@ -4,7 +4,7 @@
 
 Logits ``[T, V]`` in bf16 (what the LM head of a bf16 model produces), targets uniform. Two modes:
 
-* ``train``: forward with entropy (the entropy detached, as in ``train_minibatch``), then backward
+* ``train``: forward with entropy (the entropy detached, as in ``run_objective``), then backward
   of ``logprobs.sum()`` into a bf16 gradient;
 * ``score``: no-grad forward of log-probs + entropy (``compute_logprobs``).
 

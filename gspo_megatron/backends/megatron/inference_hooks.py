@@ -95,8 +95,7 @@ class RolloutInferenceWrapper(GPTInferenceWrapper):
             recorder.before_forward()
         logits = super().run_one_forward_step(inference_input, recv_buffer_seq_len)
         if recorder is not None:
-            recorder.after_forward(inference_input["tokens"],
-                                   int(inference_input["position_ids"][0, 0]))
+            recorder.after_forward(inference_input, self.inference_context)
         self.forward_calls += 1
         if logits is None:  # not the last pipeline stage
             return None

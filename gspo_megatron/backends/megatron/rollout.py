@@ -228,29 +228,20 @@ def _copy_dtype(precision: str, model) -> torch.dtype | None:
     return None if dtype == next(model.parameters()).dtype else dtype
 
 
-def choose_backend(requested: str, cuda: bool, ep_size: int, record_routes: bool = False) -> str:
-    """The engine to build: ``auto`` = dynamic with CUDA, no expert parallelism and no route
-    recording (R3 records on the static engine: its forward windows map to token positions),
-    else static.
+def choose_backend(requested: str, pp_size: int = 1, ep_size: int = 1) -> str:
+    """The engine to build: ``auto`` (the default) = Megatron's dynamic engine, on CPU and GPU
+    (:mod:`.dynamic_rollout`: continuous batching, EP ranks in lock-step, R3 from the packed
+    buffer); ``static`` = Megatron's static batch engine, kept as an A/B reference for the
+    benchmarks and the local-kernel tests (a batch decodes until its longest response ends).
 
-    Megatron's ``DynamicInferenceEngine.generate`` steps only while its own rank has requests;
-    under EP > 1 the MoE all-to-all couples ranks with different amounts of work, so a rank that
-    finishes first leaves the others waiting in a collective (found on CPU with gloo; a hang
-    with NCCL). Until our engine keeps EP ranks in lock-step on that path, EP > 1 uses the static
-    engine, which does (``dummy_forward`` padding)."""
-    if requested == "auto":
-        return "dynamic" if cuda and ep_size == 1 and not record_routes else "static"
-    if requested == "dynamic" and record_routes:
-        raise NotImplementedError("recording routes (R3) needs the static engine; "
-                                  "rollout.engine='dynamic' does not record them")
-    if requested == "dynamic" and not cuda:
-        raise RuntimeError("the dynamic inference engine needs CUDA")
-    if requested == "dynamic" and ep_size > 1:
+    Neither keeps pipeline *and* expert parallel ranks in lock-step: the padding forward
+    (``dummy_forward``) has no pipeline send/recv."""
+    if pp_size > 1 and ep_size > 1:
         raise NotImplementedError(
-            f"rollout.engine='dynamic' with expert_model_parallel_size={ep_size}: Megatron's "
-            "dynamic engine does not keep expert-parallel ranks in lock-step; use 'static' or "
-            "'auto'")
-    return requested
+            f"parallel.pipeline_model_parallel_size={pp_size} with "
+            f"expert_model_parallel_size={ep_size}: the rollout engine keeps EP ranks in "
+            "lock-step with Megatron's dummy_forward, which has no pipeline send/recv")
+    return "dynamic" if requested == "auto" else requested
 
 
 class RolloutEngine:
@@ -285,14 +276,7 @@ class RolloutEngine:
             raise ValueError(f"vocab_size ({vocab_size}) must be in (0, padded vocab {padded}]")
         if not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"eos_id ({eos_id}) outside the vocabulary [0, {vocab_size})")
-        backend = choose_backend(config.engine, torch.cuda.is_available(), groups.ep_size,
-                                 record_routes)
-        if backend == "static" and groups.pp_size > 1 and groups.ep_size > 1:
-            raise NotImplementedError(
-                f"parallel.pipeline_model_parallel_size={groups.pp_size} with "
-                f"expert_model_parallel_size={groups.ep_size}: the static engine keeps EP ranks in "
-                "lock-step with Megatron's dummy_forward, which has no pipeline send/recv")
-        self.backend = backend
+        self.backend = choose_backend(config.engine, groups.pp_size, groups.ep_size)
         self.max_sequence_length = int(max_sequence_length or self.model.max_sequence_length)
         dtype = _copy_dtype(config.precision, self.model)
         self.copy = SamplingCopy(self.model, dtype) if dtype is not None else None
@@ -301,10 +285,12 @@ class RolloutEngine:
         self._route_recorder = None
         """R3: records the MoE routes of every engine forward (:mod:`.rollout_routes`)."""
         if record_routes:
-            from gspo_megatron.backends.megatron.rollout_routes import RolloutRouteRecorder
+            from gspo_megatron.backends.megatron.rollout_routes import (PackedRouteRecorder,
+                                                                       RolloutRouteRecorder)
             from gspo_megatron.backends.megatron.routing import ModelRouting
 
-            self._route_recorder = RolloutRouteRecorder(ModelRouting([self.sampling_model], groups))
+            recorder = RolloutRouteRecorder if self.backend == "static" else PackedRouteRecorder
+            self._route_recorder = recorder(ModelRouting([self.sampling_model], groups))
 
     @property
     def sampling_model(self):
@@ -362,33 +348,15 @@ class RolloutEngine:
             # controller's sampling generator, so training RNG streams are left untouched.
             self.engine.random_seed = None
         else:
-            self._build_dynamic(id_tok, buffer_size_gb)
+            self._build_dynamic(buffer_size_gb)
 
-    def _build_dynamic(self, id_tok, buffer_size_gb: float) -> None:
-        """GPU path, following ``StaticInferenceEngine.__init__`` (non-legacy) in megatron-core 0.16."""
-        from megatron.core.inference.contexts import StaticInferenceContext
-        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-        from megatron.core.inference.engines import DynamicInferenceEngine
+    def _build_dynamic(self, buffer_size_gb: float) -> None:
+        """Megatron's dynamic engine, sized from the recipe (:mod:`.dynamic_rollout`)."""
+        from gspo_megatron.backends.megatron.dynamic_rollout import DynamicRollout
 
-        from gspo_megatron.backends.megatron.inference_hooks import (
-            RolloutInferenceWrapper,
-            RolloutTextGenerationController,
-        )
-
-        # The controller's constructor needs a context; the dynamic one replaces it below.
-        placeholder = StaticInferenceContext.from_config(self.wrapper_config)
-        self.wrapper = RolloutInferenceWrapper(self._runner, self.wrapper_config, placeholder)
-        self.wrapper.real_vocab_size = self.vocab_size
-        self.controller = RolloutTextGenerationController(
-            self.wrapper, id_tok, pp_group=self.groups.pp_group)
-        context = DynamicInferenceContext.from_config(
-            inference_config=self.wrapper_config, model=self.sampling_model,
-            max_batch_size=int(self.config.max_batch_size), buffer_size_gb=buffer_size_gb)
-        self.wrapper.inference_context = context
-        self.wrapper.prep_model_for_inference()
-        self.controller._init_dynamic_sampling_tensors()
-        self.engine = DynamicInferenceEngine(controller=self.controller, context=context,
-                                             random_seed=1234)
+        self.dynamic = DynamicRollout(self, buffer_size_gb)
+        self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
+        self.engine = self.dynamic.engine
 
     def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":
         """The same engine (model, precision copy, Megatron engine, KV cache) sampling with
@@ -561,21 +529,27 @@ class RolloutEngine:
         n = self.config.max_new_tokens
         return RolloutSample(list(prompt), tokens[:n], logprobs[:n], "length")
 
-    # ------------------------------------------------------------------ dynamic (GPU) path
+    # ------------------------------------------------------------------ dynamic path
     def _generate_dynamic(self, prompts, sp) -> list[RolloutSample]:
         # Sampling draws from controller.sampling_rng (seeded in generate()); the engine's own
         # random_seed is unused in megatron-core 0.16.
-        self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
         with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
                 contextlib.nullcontext():
-            records = self.engine.generate(prompts=prompts, sampling_params=sp)
+            records = self.dynamic.generate(prompts, sp)
+        recorder = self._route_recorder
         samples = []
         for prompt, record in zip(prompts, records):
-            req = record[-1] if hasattr(record, "requests") else record
+            req = record.merge() if hasattr(record, "merge") else record
             tokens = [int(t) for t in (req.generated_tokens.tolist()
                                        if torch.is_tensor(req.generated_tokens)
                                        else req.generated_tokens)]
             logprobs = [float(x) for x in (req.generated_log_probs or [])]
-            samples.append(self._finish(prompt, tokens, logprobs[-len(tokens):] if tokens else []))
-        return samples
+            sample = self._finish(prompt, tokens, logprobs[-len(tokens):] if tokens else [])
+            if recorder is not None:
+                from gspo_megatron.backends.megatron.rollout_routes import ROLLOUT_ROUTES_KEY
 
+                # [L, positions, k]: every token the engine forwarded (all but the last)
+                n = len(sample.prompt_ids) + len(sample.response_ids) - 1
+                sample.extra[ROLLOUT_ROUTES_KEY] = recorder.take_request(req.request_id, n)
+            samples.append(sample)
+        return samples

@@ -55,9 +55,11 @@ class RolloutRouteRecorder:
     def before_forward(self) -> None:
         self.routing.set_action(_actions().RECORD)
 
-    def after_forward(self, tokens: torch.Tensor, start: int) -> None:
-        """``tokens``: the window's ``[b, s]`` input (its shape gives the layout); ``start``: the
-        window's first position."""
+    def after_forward(self, inference_input: dict, context=None) -> None:
+        """``inference_input``: the window's ``tokens`` ``[b, s]`` (their shape gives the
+        layout) and ``position_ids`` (the first is the window's start)."""
+        tokens = inference_input["tokens"]
+        start = int(inference_input["position_ids"][0, 0])
         b = tokens.shape[0]
         indices, _ = self.routing.collect(len(self._windows), b)  # [L, b, s, k] on the CPU
         self.routing.set_action(None)  # free routing until the next recorded window
@@ -80,6 +82,65 @@ class RolloutRouteRecorder:
 
     def reset(self) -> None:
         self._windows = []
+        self.routing.reset()
+
+
+class PackedRouteRecorder:
+    """Records the routes of the dynamic engine's forwards (R3 on :mod:`.dynamic_rollout`).
+
+    Each step forwards one packed buffer ``[1, T_padded]``: the new tokens of every active
+    request (a prompt chunk at prefill, one token per request at decode), padded for the
+    step's shape. The context says where each of the first ``active_token_count`` tokens
+    belongs (``request_ids[token_to_request_idx]``) and at which position of its request
+    (``token_to_pos_ids``); the routers see the buffer sequence-major, so a step's routes are
+    ``[L, T_padded, k]`` and its real tokens the first ``active_token_count`` of them. The
+    padding forwards of the EP lock-step (``dummy_forward``) do not pass through here.
+    Cost per step: one device-to-host copy of ``[tokens, k]`` per MoE layer, and three small
+    index tensors."""
+
+    def __init__(self, routing: ModelRouting):
+        self.routing = routing
+        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def before_forward(self) -> None:
+        self.routing.set_action(_actions().RECORD)
+
+    def after_forward(self, inference_input: dict, context) -> None:
+        """Keep the step's routes with their request ids and positions."""
+        indices, _ = self.routing.collect(len(self._steps), 1)  # [L, 1, T_padded, k]
+        self.routing.set_action(None)
+        n = int(context.active_token_count)
+        slots = context.token_to_request_idx[:n].long()
+        ids = context.request_ids[slots].long().cpu()  # indexing copies
+        positions = context.token_to_pos_ids[:n].cpu().long().clone()  # a view of the buffer
+        self._steps.append((ids, positions, indices[:, 0, :n]))
+        self._table = None
+
+    def take_request(self, request_id: int, length: int) -> torch.Tensor:
+        """``[L, length, k]``: the routes of request ``request_id`` at positions ``0 .. length -
+        1`` (every token it forwarded). Raises if one was never recorded."""
+        if self._table is None:
+            ids, pos, routes = (torch.cat(x, dim=-2 if i == 2 else 0)
+                                for i, x in enumerate(zip(*self._steps)))
+            self._table = ids, pos, routes
+        ids, pos, routes = self._table
+        mine = ids == request_id
+        out = torch.zeros(routes.shape[0], length, routes.shape[-1], dtype=routes.dtype)
+        seen = torch.zeros(length, dtype=torch.bool)
+        p = pos[mine]
+        if p.numel() and int(p.max()) >= length:
+            raise RuntimeError(f"rollout routes: request {request_id} forwarded position "
+                               f"{int(p.max())}, past its {length} tokens")
+        out[:, p] = routes[:, mine]
+        seen[p] = True
+        if not bool(seen.all()):
+            raise RuntimeError(f"rollout routes: request {request_id} has no route for "
+                               f"{int((~seen).sum())} of its {length} forwarded positions")
+        return out
+
+    def reset(self) -> None:
+        self._steps, self._table = [], None
         self.routing.reset()
 
 

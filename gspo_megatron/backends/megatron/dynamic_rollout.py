@@ -1,0 +1,161 @@
+"""Megatron-Core's dynamic inference engine as the rollout engine, on CPU and GPU.
+
+The dynamic engine (``DynamicInferenceEngine`` over a paged ``DynamicInferenceContext``) keeps one
+packed token buffer of every active request: a prefill step forwards the new prompts' tokens, a
+decode step one token per running request, and a request that ends leaves at once, its slot and KV
+blocks taken by the next waiting prompt (continuous batching). A rollout therefore costs what its
+real tokens cost, not ``batch x longest response`` as a static batch does.
+
+What this module adds to Megatron's engine (:class:`DynamicRollout`):
+
+* **Sizing from the recipe.** ``rollout.max_batch_size`` is the engine's request limit (Megatron's
+  ``from_config`` derives it from the block count instead, 163,836 requests for 20 GB, and then
+  fails on a small model); ``rollout.dynamic_buffer_size_gb`` is the paged KV budget (default:
+  every slot holds a full-length request, :mod:`gspo_megatron.kv_cache`). The config refuses a
+  budget that cannot hold one request before anything is built.
+* **Expert parallelism in lock-step.** ``DynamicInferenceEngine.generate`` steps while *its own*
+  rank has requests; under EP > 1 the MoE all-to-all couples ranks that hold different prompts, so
+  the rank that finishes first would leave the others waiting in a collective (gloo: "Connection
+  closed by peer"; NCCL: a hang). Here every rank of the world agrees each step whether anyone
+  still has work (one MAX all-reduce of a flag), and a rank without requests runs Megatron's
+  ``dummy_forward`` (one all-to-all round with no tokens). Nothing is decoded past EOS.
+* **Memory between phases.** After a rollout the KV buffer is released (``engine.suspend()``:
+  Megatron's ``deallocate_all_tensors``) and restored before the next (``resume()``), so the old-
+  log-prob pass and the updates run without it; :attr:`DynamicRollout.kv_bytes` says what it holds.
+* **R3.** With a route recorder, every step's routes are recorded from the packed buffer and
+  handed to each request by token position (:class:`~.rollout_routes.PackedRouteRecorder`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from gspo_megatron.distributed import any_rank
+from gspo_megatron.kv_cache import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
+                                    kv_bytes_per_token)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+
+class DynamicRollout:
+    """The dynamic engine of one :class:`~.rollout.RolloutEngine`: build, generate, suspend."""
+
+    def __init__(self, owner: "RolloutEngine", buffer_size_gb: float | None):
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+        from megatron.core.inference.engines import DynamicInferenceEngine
+
+        from gspo_megatron.backends.megatron.inference_hooks import (
+            IdTokenizer,
+            RolloutInferenceWrapper,
+            RolloutTextGenerationController,
+        )
+
+        self.owner = owner
+        groups, model = owner.groups, owner.sampling_model
+        cfg = model.config
+        # The controller's constructor needs a context; the dynamic one replaces it below.
+        placeholder = StaticInferenceContext.from_config(owner.wrapper_config)
+        self.wrapper = RolloutInferenceWrapper(owner._runner, owner.wrapper_config, placeholder)
+        self.wrapper.real_vocab_size = owner.vocab_size
+        self.controller = RolloutTextGenerationController(
+            self.wrapper, IdTokenizer(owner.eos_id, owner.pad_id, owner.vocab_size),
+            pp_group=groups.pp_group)
+        max_requests = int(owner.config.max_batch_size)
+        if groups.tp_size > 1:  # Megatron splits the request table over TP ranks
+            max_requests = -(-max_requests // groups.tp_size) * groups.tp_size
+        if buffer_size_gb is None:  # every slot can hold a request of the full length
+            per_token = kv_bytes_per_token(
+                cfg.num_layers, cfg.num_query_groups, cfg.kv_channels, groups.tp_size,
+                groups.pp_size, torch.tensor([], dtype=owner.wrapper_config.params_dtype)
+                .element_size())
+            budget = kv_budget_bytes(max_requests, owner.max_sequence_length, per_token)
+            # + half a block: Megatron floors buffer bytes / block bytes
+            buffer_size_gb = (budget + BLOCK_SIZE_TOKENS * per_token // 2) / 1024 ** 3
+        self.context = DynamicInferenceContext(
+            params_dtype=owner.wrapper_config.params_dtype,
+            num_layers=cfg.num_layers // groups.pp_size,
+            kv_channels=cfg.kv_channels,
+            num_attention_heads=cfg.num_query_groups,
+            tensor_model_parallel_size=groups.tp_size,
+            pipeline_model_parallel_size=groups.pp_size,
+            max_sequence_length=owner.max_sequence_length,
+            buffer_size_gb=buffer_size_gb,
+            max_requests=max_requests,
+            max_tokens=max(max_requests, owner.max_sequence_length, 2048),
+            block_size_tokens=BLOCK_SIZE_TOKENS,
+            materialize_only_last_token_logits=False,  # log-probs read every token's logits
+            use_flashinfer_fused_rope=None,
+            unified_memory_level=0,
+        )
+        need = blocks_per_request(owner.max_sequence_length)
+        have = self.context.block_allocator.total_count - 1  # one dummy block
+        if have < need:
+            raise ValueError(
+                f"rollout.dynamic_buffer_size_gb={buffer_size_gb} holds {have} KV blocks of "
+                f"{BLOCK_SIZE_TOKENS} tokens, one request of {owner.max_sequence_length} tokens "
+                f"needs {need}")
+        self.wrapper.inference_context = self.context
+        self.wrapper.prep_model_for_inference()
+        self.controller._init_dynamic_sampling_tensors()
+        self.engine = DynamicInferenceEngine(controller=self.controller, context=self.context,
+                                             random_seed=1234)
+        # No CUDA graphs are built (num_cuda_graphs is None), so suspend / resume have none to
+        # delete or capture; without this Megatron's suspend calls delete_cuda_graphs(), a full
+        # gc.collect() (0.15 s per rollout on the tiny CPU model, more in a large process).
+        self.engine.persist_cuda_graphs = True
+        self.steps = 0
+        """Engine steps (forward passes) of the last generate, dummy forwards included."""
+        self.kv_bytes = self._kv_bytes()
+        """Bytes the paged KV cache holds now (0 while suspended)."""
+        self.suspend()
+
+    def _kv_bytes(self) -> int:
+        buf = getattr(self.context, "memory_buffer", None)
+        return 0 if buf is None else buf.numel() * buf.element_size()
+
+    def suspend(self) -> None:
+        """Release the KV buffer (between rollouts: training runs without it)."""
+        if not self.engine.is_suspended:
+            self.engine.suspend()
+        self.kv_bytes = self._kv_bytes()
+
+    def resume(self) -> None:
+        """Allocate the KV buffer again (before a rollout)."""
+        if self.engine.is_suspended:
+            self.engine.resume()
+            # The controller holds references to the context's request-metadata tensors
+            # (termination ids...); resume() allocated new ones, so bind them again (with the
+            # old ones no request would ever stop at EOS).
+            self.controller._init_dynamic_sampling_tensors()
+        self.kv_bytes = self._kv_bytes()
+
+    def generate(self, prompts: list[list[int]], sp) -> list:
+        """One finished Megatron request record per prompt, in order. Collective over the world
+        under EP > 1 (lock-step), over the model-parallel group otherwise."""
+        self.resume()
+        try:
+            self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
+            first = None
+            for prompt in prompts:
+                request_id = int(next(self.engine.request_counter))
+                first = request_id if first is None else first
+                self.engine.add_request(request_id, list(prompt), sp)
+            records = {}
+            lock_step = self.owner.groups.ep_size > 1
+            self.steps = 0
+            while True:
+                mine = self.engine.has_unfinished_requests()
+                if not (any_rank(mine) if lock_step else mine):
+                    break
+                if mine:
+                    for rec in self.engine.step_modern()["finished_request_records"]:
+                        records[rec.request_id] = rec
+                else:
+                    self.controller.dummy_forward()
+                self.steps += 1
+            return [records[first + i] for i in range(len(prompts))]
+        finally:
+            self.suspend()

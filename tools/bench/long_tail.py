@@ -1,0 +1,156 @@
+"""Benchmark: rollout cost per real token on long-tailed responses, dynamic vs static engine.
+
+    python -m tools.bench.long_tail [--rounds 3]
+
+Reasoning RL is long-tailed: most responses end early, a few run to the cap. A static batch decodes
+until its longest response ends (under expert parallelism until ``max_new_tokens``: its EP ranks
+cannot stop early), so its cost follows the longest response; the dynamic engine's packed batch
+drops a response the step it ends, so its cost follows the real tokens.
+
+Workload: the tiny preset (2 layers, hidden 64, 4 experts top-2), random weights, 128 prompts of
+4-11 tokens per rank, temperature 1, ``max_new_tokens`` 256, sampling over a 24-id vocabulary
+(EOS among them), fp32 on CPU, one thread per process. Two batches of the same mean length:
+
+* **long-tailed**: responses end at EOS (a geometric-like length distribution, a few at the cap);
+* **uniform**: ``rollout.ignore_eos`` with ``max_new_tokens`` = the long-tailed batch's mean
+  length, so every response is that long: the same real tokens, no tail.
+
+For each engine (``dynamic``: the default; ``static``: Megatron's static batch engine) and each
+layout (EP=1: one process; EP=2: two gloo ranks, each with its own prompts, in lock-step) it reports
+the seconds per real (response) token of each batch and their ratio (the target: <= 1.3x), the
+engine's forward steps against the longest response, and tokens forwarded per real token. The
+batches alternate within each round (A, B, B, A, ...); medians over the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+
+TARGET = 1.3
+VOCAB, PROMPTS, NEW_TOKENS = 24, 128, 256
+
+
+def _child(spec: dict) -> dict:
+    """One layout in this process (rank 0 of a torchrun group under EP=2)."""
+    import dataclasses
+    import os
+    import time
+
+    import torch
+
+    from gspo_megatron.backends.megatron.parallel import initialize_distributed
+    from gspo_megatron.backends.megatron.policy import build_policy
+    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.config import OptimConfig, RolloutConfig
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+    from tools.bench.common import median, quiet_megatron
+
+    quiet_megatron()
+    torch.set_num_threads(1)
+    ep, new_tokens, prompts_n, rounds = spec["ep"], spec["new_tokens"], spec["prompts"], spec["rounds"]
+    model = model_config_from_preset("tiny", seq_length=16 + new_tokens)
+    parallel = ParallelConfig(expert_model_parallel_size=ep)
+    groups = initialize_distributed(parallel, model, seed=0)
+    torch.manual_seed(0)  # the same random weights on every rank and in every run
+    pol = build_policy(model, parallel, PrecisionConfig(transformer_impl="local"),
+                       OptimConfig(lr=1e-5), groups, total_steps=1, with_optimizer=False)
+    rank = int(os.environ.get("RANK", "0"))
+    gen = torch.Generator().manual_seed(1 + rank)  # each EP rank holds different prompts
+    prompts = [torch.randint(1, VOCAB - 1, (int(n),), generator=gen).tolist()
+               for n in torch.randint(4, 12, (prompts_n,), generator=gen)]
+    base = RolloutConfig(max_new_tokens=new_tokens, max_batch_size=prompts_n, temperature=1.0)
+    engines = {name: RolloutEngine(pol.model, groups, eos_id=VOCAB - 1, pad_id=0,
+                                   vocab_size=VOCAB, config=dataclasses.replace(base, engine=name))
+               for name in spec["engines"]}
+    out: dict = {}
+    for name, eng in engines.items():
+        longest = eng.generate(prompts, seed=0)  # warm-up, and the lengths
+        lengths = [len(s.response_ids) for s in longest]
+        mean = max(1, round(sum(lengths) / len(lengths)))
+        uniform = eng.with_sampling(dataclasses.replace(base, engine=name, max_new_tokens=mean,
+                                                        ignore_eos=True))
+        batches = {"long_tailed": eng, "uniform": uniform}
+        times = {k: [] for k in batches}
+        real = {}
+        steps = {}
+        for r in range(rounds):
+            for k in (("long_tailed", "uniform") if r % 2 == 0 else ("uniform", "long_tailed")):
+                calls = eng.wrapper.forward_calls
+                t = time.perf_counter()
+                samples = batches[k].generate(prompts, seed=0)
+                times[k].append(time.perf_counter() - t)
+                real[k] = sum(len(s.response_ids) for s in samples)
+                steps[k] = eng.wrapper.forward_calls - calls
+        per_token = {k: median(times[k]) / real[k] for k in batches}
+        out[name] = {"seconds": {k: median(v) for k, v in times.items()}, "real_tokens": real,
+                     "forward_steps": steps, "longest": max(lengths), "mean_length": mean,
+                     "per_token_s": per_token,
+                     "ratio": per_token["long_tailed"] / per_token["uniform"]}
+    return out
+
+
+def run(smoke: bool = False, rounds: int = 3) -> dict:
+    from tools.bench.common import make_result, row
+
+    spec = {"new_tokens": 16 if smoke else NEW_TOKENS, "prompts": 8 if smoke else PROMPTS,
+            "rounds": 1 if smoke else rounds, "engines": ["dynamic", "static"]}
+    results = {f"ep{ep}": _layout(ep, spec) for ep in (1, 2)}
+    rows, worst = [], 0.0
+    for layout, per_engine in results.items():
+        for name, r in per_engine.items():
+            tag = f"{layout}, {name}"
+            lt, un = "long_tailed", "uniform"
+            rows += [
+                row(f"{tag}: per real token, long-tailed / uniform", r["ratio"], "x"),
+                row(f"{tag}: long-tailed rollout ({r['real_tokens'][lt]} real tokens, longest "
+                    f"{r['longest']})", r["seconds"][lt], "s"),
+                row(f"{tag}: uniform rollout ({r['real_tokens'][un]} real tokens, "
+                    f"{r['mean_length']} each)", r["seconds"][un], "s"),
+                row(f"{tag}: forward steps, long-tailed (longest response {r['longest']})",
+                    r["forward_steps"][lt], "steps")]
+            if name == "dynamic":
+                worst = max(worst, r["ratio"])
+    for layout, per_engine in results.items():
+        if {"dynamic", "static"} <= set(per_engine):
+            d, s = per_engine["dynamic"], per_engine["static"]
+            rows.append(row(f"{layout}: long-tailed rollout, dynamic / static time",
+                            d["seconds"]["long_tailed"] / s["seconds"]["long_tailed"], "x"))
+            rows.append(row(f"{layout}: uniform rollout (equal work), dynamic / static time",
+                            d["seconds"]["uniform"] / s["seconds"]["uniform"], "x"))
+    return make_result(
+        "long_tail", "Rollout cost per real token: long-tailed vs uniform responses",
+        f"dynamic engine: long-tailed / uniform cost per real token <= {TARGET}x at EP=1 and EP=2",
+        None if smoke else worst <= TARGET, rows,
+        ratios={f"{layout}_{name}": r["ratio"] for layout, per in results.items()
+                for name, r in per.items()},
+        config={**spec, "vocab": VOCAB, "results": results})
+
+
+def _layout(ep: int, spec: dict) -> dict:
+    from tools.bench.common import run_child
+
+    args = ["--child", json.dumps({**spec, "ep": ep})]
+    if ep == 1:
+        return run_child("tools.bench.long_tail", args)
+    import socket
+
+    with socket.socket() as s:  # a free port on this machine for the gloo rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return run_child("torch.distributed.run", ["--nproc-per-node", str(ep), "--master-addr",
+                                               "127.0.0.1", "--master-port", str(port), "-m",
+                                               "tools.bench.long_tail", *args], timeout=1800)
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    if "--child" in sys.argv:
+        res = _child(json.loads(sys.argv[sys.argv.index("--child") + 1]))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(res), flush=True)
+    else:
+        from tools.bench.common import module_main
+
+        module_main(run, extra_args=lambda ap: ap.add_argument("--rounds", type=int))
