@@ -36,6 +36,9 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     same = [r["value"] for r in by_name["r3_cost"]["rows"] if "same tokens" in r["metric"]]
     assert same == [1.0, 1.0]  # recording routes does not change what is sampled
     assert "ours_vs_hf_tokens_per_s_batch2" in by_name["rollout"]["ratios"]
+    # long-tailed vs uniform cost per real token, both engines, one process and EP=2 (2 ranks)
+    assert {"ep1_dynamic", "ep1_static", "ep2_dynamic", "ep2_static"} <= set(
+        by_name["long_tail"]["ratios"])
     assert by_name["rollout"]["rows"][-1]["value"] == 1.0  # greedy tokens identical to HF's
     assert by_name["rl_step"]["met"] is None and by_name["rl_step"]["rows"]
     assert {"critical_path_async_over_sync", "step_async_over_sync"} <= set(by_name["checkpoint"]["ratios"])
