@@ -118,10 +118,13 @@ def test_ignore_eos_samples_the_full_budget(setup):
 
 def test_seed_determinism_and_model_state(setup):
     policy, _ = setup
-    eng = engine(setup, temperature=1.0)
-    prompts = make_prompts()
     gpt = policy.unwrapped()
     gpt.train()
+    eng = engine(setup, temperature=1.0)
+    # building the engine leaves training alone too (Megatron's prep for inference sets eval
+    # mode: an update in eval mode has no MoE load-balancing loss)
+    assert gpt.training, "train mode must survive building the engine"
+    prompts = make_prompts()
     rng_before = torch.get_rng_state()
     a = eng.generate(prompts, seed=7)
     assert gpt.training, "train mode must be restored"

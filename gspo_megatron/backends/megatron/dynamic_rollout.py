@@ -98,7 +98,9 @@ class DynamicRollout:
                 f"{BLOCK_SIZE_TOKENS} tokens, one request of {owner.max_sequence_length} tokens "
                 f"needs {need}")
         self.wrapper.inference_context = self.context
-        self.wrapper.prep_model_for_inference()
+        training = model.training
+        self.wrapper.prep_model_for_inference()  # puts the model in eval mode ...
+        model.train(training)  # ... which training must not inherit (no MoE aux loss in eval)
         self.controller._init_dynamic_sampling_tensors()
         self.engine = DynamicInferenceEngine(controller=self.controller, context=self.context,
                                              random_seed=1234)
