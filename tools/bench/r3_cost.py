@@ -9,7 +9,7 @@ most 5% to the training phase. Measured on two CPU-sized MoE models (fp32, Megat
 * ``fine32``: the same widths with 4 MoE layers of 32 experts top-4 (``moe_ffn_hidden_size`` 32):
   twice the MoE layers and twice the top-k, i.e. 4x the route ids per token of ``tiny``.
 
-Rollout (``rollout_*``): :class:`RolloutEngine` (static engine) with ``record_routes=False`` vs
+Rollout (``rollout_*``): :class:`RolloutEngine` (the dynamic engine) with ``record_routes=False`` vs
 ``True``, the same ``batch`` prompts (random, ``prompt_len // 2`` to ``prompt_len`` tokens, so the
 longer prompts are fed during the decode steps as in a real batch), the same seed, ``new_tokens``
 new tokens sampled at temperature 1 (EOS = the last vocabulary id: lengths vary, identically on
@@ -83,7 +83,9 @@ def _recorder_share(engine, prompts) -> tuple[float, float]:
 
     rec = engine._route_recorder
     spent = [0.0]
-    originals = {n: getattr(rec, n) for n in ("before_forward", "after_forward", "take")}
+    hooks = [n for n in ("before_forward", "after_forward", "take", "take_request")
+             if hasattr(rec, n)]  # the static engine's windows, the dynamic engine's requests
+    originals = {n: getattr(rec, n) for n in hooks}
 
     def timed(fn):
         def wrapper(*a, **k):
@@ -139,8 +141,7 @@ def _measure(name: str, overrides: dict, smoke: bool, rounds: int, batch: int, p
         tr = {k: _model.policy(cfg, groups) for k in ("off", "r3")}
         for pol in tr.values():  # the trainer builds its policy with these
             pol.micro_batch_size, pol.scoring.vocab_size = micro_batch_size, cfg.vocab_size
-        rcfg = RolloutConfig(max_new_tokens=new_tokens, max_batch_size=batch, temperature=1.0,
-                             engine="static")
+        rcfg = RolloutConfig(max_new_tokens=new_tokens, max_batch_size=batch, temperature=1.0)
         engines = {k: RolloutEngine(pol.model, groups, eos_id=eos, pad_id=0,
                                     vocab_size=cfg.vocab_size, config=rcfg,
                                     max_sequence_length=cfg.seq_length,
