@@ -70,19 +70,19 @@ def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, ma
     # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
     # block is cut before the attention (a 256-token block holding 20 keys costs 20, not 256).
     Lk = min(nb * block_size, max(max_kv, 1))
-    pos = torch.arange(Lk, device=q.device)
-    block_of, slot = blocks[:, pos // block_size], (pos % block_size).expand(B, -1)  # [B, Lk]
-    k = k_cache[block_of, slot].transpose(1, 2)  # [B, Hk, Lk, D]: only the first Lk keys copied
-    v = v_cache[block_of, slot].transpose(1, 2)
-    # Slots past a request's keys were never written (Megatron allocates the cache with
-    # torch.empty): they may hold NaN bit patterns, and a masked score or a zero weight does not
-    # cancel a NaN (NaN - inf, 0 * NaN), so they are zeroed.
-    unwritten = (pos[None, :] >= kv_lens.to(q.device).long()[:, None])[:, None, :, None]
-    k, v = k.masked_fill(unwritten, 0.0), v.masked_fill(unwritten, 0.0)
-    i = torch.arange(Lq, device=q.device)
+    kv_lens, q_lens = kv_lens.to(q.device).long(), q_lens.to(q.device).long()
     j = torch.arange(Lk, device=q.device)
-    q_lens, kv_lens = q_lens.to(q.device).long(), kv_lens.to(q.device).long()
-    mask = (j[None, None, :] < kv_lens[:, None, None]) & (i[None, :, None] < q_lens[:, None, None])
+    written = j[None, :] < kv_lens[:, None]  # [B, Lk]: the request's own keys
+    # Flat cache row of each key. Slots past a request's keys were never written (Megatron
+    # allocates the cache with torch.empty): they may hold NaN bit patterns, and a masked score or
+    # a zero weight does not cancel a NaN (NaN - inf, 0 * NaN), so they read the request's first
+    # key instead (written, finite, and masked). One gather per cache, only the first Lk keys.
+    rows = blocks[:, j // block_size] * block_size + j % block_size  # [B, Lk]
+    rows = torch.where(written, rows, rows[:, :1])
+    k = k_cache.reshape(-1, Hk, D)[rows].transpose(1, 2)  # [B, Hk, Lk, D]
+    v = v_cache.reshape(-1, Hk, D)[rows].transpose(1, 2)
+    i = torch.arange(Lq, device=q.device)
+    mask = written[:, None, :] & (i[None, :, None] < q_lens[:, None, None])  # [B, Lq, Lk]
     if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i
         pos = (kv_lens - q_lens)[:, None] + i[None, :]  # [B, Lq]
         mask = mask & (j[None, None, :] <= pos[:, :, None])

@@ -4,15 +4,18 @@
 trainer updates; nothing is copied, unless ``rollout.precision`` asks for other numerics: see
 *Precision* below) with Megatron-Core's text-generation controller:
 
-* CPU (no CUDA): ``StaticInferenceEngine(legacy=True)`` + ``GPTInferenceWrapper`` +
-  ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache; the controller's batch
-  loop is a lean copy of Megatron's (:mod:`.inference_hooks`), a batch's prompts are left-padded
-  to one length (:meth:`RolloutEngine._left_pad`) and, on CPU, the experts run as grouped GEMMs
-  (:func:`~gspo_megatron.backends.megatron.local_kernels.stacked_expert_weights`).
-* GPU: ``DynamicInferenceEngine`` with a ``DynamicInferenceContext`` (paged KV cache, continuous
-  batching; ``rollout.engine``). Same interface; it cannot run on CPU (its context allocates on
-  CUDA), so the CPU test-suite does not execute it. Without flash-attn its attention runs on
-  :mod:`gspo_megatron.compat.paged_attention` (PyTorch SDPA, tested on CPU).
+* ``rollout.engine: auto`` (the default), on CPU and GPU: Megatron's ``DynamicInferenceEngine``
+  over a paged ``DynamicInferenceContext`` (continuous batching: a response leaves the packed
+  batch the step it ends), sized from the recipe, expert-parallel ranks in lock-step, the KV cache
+  released between rollouts (:mod:`.dynamic_rollout`). Without flash-attn its attention runs on
+  :mod:`gspo_megatron.compat.paged_attention` (PyTorch SDPA).
+* ``rollout.engine: static``: ``StaticInferenceEngine(legacy=True)`` + ``GPTInferenceWrapper`` +
+  ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache, the A/B reference; the
+  controller's batch loop is a lean copy of Megatron's (:mod:`.inference_hooks`), a batch's
+  prompts are left-padded to one length (:meth:`RolloutEngine._left_pad`).
+
+On CPU the experts run as grouped GEMMs over weights stacked once per generate
+(:func:`~gspo_megatron.backends.megatron.local_kernels.stacked_expert_weights`).
 
 :meth:`RolloutEngine.with_sampling` gives a second sampling configuration (the greedy evaluator)
 over the same engine and KV cache.
@@ -56,10 +59,10 @@ Parallelism: every rank of a model-parallel group (TP x PP) calls ``generate`` w
 and seed and gets the same samples (logits are gathered over TP and, under PP, broadcast from the
 last stage; every rank samples from identical logits with an identically seeded generator). Under
 expert parallelism (EP > 1) the MoE all-to-alls couple ranks that hold *different* prompts, so
-**every rank of the world must call** ``generate`` together; the static path then disables
-Megatron's early stop on EOS (so the number of forward steps is known up front), agrees on the
-largest step count and pads with Megatron's ``dummy_forward`` (not available together with PP > 1
-on the static path). Seeds are used as given: fold the
+**every rank of the world must call** ``generate`` together; the dynamic engine agrees every step
+whether any rank still has work and pads idle ranks with Megatron's ``dummy_forward``; the static
+path disables the early stop on EOS (so the number of forward steps is known up front), agrees on
+the largest step count and pads the same way. Neither works together with PP > 1. Seeds are used as given: fold the
 data-parallel rank into ``seed`` if different DP ranks should draw independent samples.
 """
 

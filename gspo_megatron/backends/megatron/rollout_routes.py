@@ -111,6 +111,10 @@ class PackedRouteRecorder:
         indices, _ = self.routing.collect(len(self._steps), 1)  # [L, 1, T_padded, k]
         self.routing.set_action(None)
         n = int(context.active_token_count)
+        if indices.shape[2] < n:  # the routers saw a sequence-parallel shard of the buffer
+            raise NotImplementedError(
+                f"R3 recording: the routers routed {indices.shape[2]} of the step's {n} tokens "
+                "(sequence parallel stays on in generation under TP > 1 with EP > 1)")
         slots = context.token_to_request_idx[:n].long()
         ids = context.request_ids[slots].long().cpu()  # indexing copies
         positions = context.token_to_pos_ids[:n].cpu().long().clone()  # a view of the buffer
