@@ -28,74 +28,71 @@ What this module adds to Megatron's engine (:class:`DynamicRollout`):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from gspo_megatron.distributed import any_rank
+from gspo_megatron.distributed import ParallelGroups, any_rank
 from gspo_megatron.kv_cache import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
 
 class DynamicRollout:
-    """The dynamic engine of one :class:`~.rollout.RolloutEngine`: build, generate, suspend."""
+    """The dynamic engine of one :class:`~.rollout.RolloutEngine`: build, generate, suspend.
 
-    def __init__(self, owner: "RolloutEngine", buffer_size_gb: float | None):
+    ``model``: the ``GPTModel`` that samples (its config sizes the KV cache); ``runner``: the module
+    Megatron's wrapper calls (``model``, or the ``Float16Module`` around a precision copy);
+    ``tokenizer``: the controller's id tokenizer (:class:`~.inference_hooks.IdTokenizer`)."""
+
+    def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
+                 max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None):
         from megatron.core.inference.contexts import StaticInferenceContext
         from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
         from megatron.core.inference.engines import DynamicInferenceEngine
 
         from gspo_megatron.backends.megatron.inference_hooks import (
-            IdTokenizer,
             RolloutInferenceWrapper,
             RolloutTextGenerationController,
         )
 
-        self.owner = owner
-        groups, model = owner.groups, owner.sampling_model
+        self.groups = groups
         cfg = model.config
         # The controller's constructor needs a context; the dynamic one replaces it below.
-        placeholder = StaticInferenceContext.from_config(owner.wrapper_config)
-        self.wrapper = RolloutInferenceWrapper(owner._runner, owner.wrapper_config, placeholder)
-        self.wrapper.real_vocab_size = owner.vocab_size
-        self.controller = RolloutTextGenerationController(
-            self.wrapper, IdTokenizer(owner.eos_id, owner.pad_id, owner.vocab_size),
-            pp_group=groups.pp_group)
-        max_requests = int(owner.config.max_batch_size)
+        placeholder = StaticInferenceContext.from_config(wrapper_config)
+        self.wrapper = RolloutInferenceWrapper(runner, wrapper_config, placeholder)
+        self.wrapper.real_vocab_size = tokenizer.vocab_size
+        self.controller = RolloutTextGenerationController(self.wrapper, tokenizer,
+                                                          pp_group=groups.pp_group)
+        max_requests = int(max_batch_size)
         if groups.tp_size > 1:  # Megatron splits the request table over TP ranks
             max_requests = -(-max_requests // groups.tp_size) * groups.tp_size
         if buffer_size_gb is None:  # every slot can hold a request of the full length
             per_token = kv_bytes_per_token(
                 cfg.num_layers, cfg.num_query_groups, cfg.kv_channels, groups.tp_size,
-                groups.pp_size, torch.tensor([], dtype=owner.wrapper_config.params_dtype)
-                .element_size())
-            budget = kv_budget_bytes(max_requests, owner.max_sequence_length, per_token)
+                groups.pp_size, torch.tensor([], dtype=wrapper_config.params_dtype).element_size())
+            budget = kv_budget_bytes(max_requests, max_sequence_length, per_token)
             # + half a block: Megatron floors buffer bytes / block bytes
             buffer_size_gb = (budget + BLOCK_SIZE_TOKENS * per_token // 2) / 1024 ** 3
         self.context = DynamicInferenceContext(
-            params_dtype=owner.wrapper_config.params_dtype,
+            params_dtype=wrapper_config.params_dtype,
             num_layers=cfg.num_layers // groups.pp_size,
             kv_channels=cfg.kv_channels,
             num_attention_heads=cfg.num_query_groups,
             tensor_model_parallel_size=groups.tp_size,
             pipeline_model_parallel_size=groups.pp_size,
-            max_sequence_length=owner.max_sequence_length,
+            max_sequence_length=max_sequence_length,
             buffer_size_gb=buffer_size_gb,
             max_requests=max_requests,
-            max_tokens=max(max_requests, owner.max_sequence_length, 2048),
+            max_tokens=max(max_requests, max_sequence_length, 2048),
             block_size_tokens=BLOCK_SIZE_TOKENS,
             materialize_only_last_token_logits=False,  # log-probs read every token's logits
             use_flashinfer_fused_rope=None,
             unified_memory_level=0,
         )
-        need = blocks_per_request(owner.max_sequence_length)
+        need = blocks_per_request(max_sequence_length)
         have = self.context.block_allocator.total_count - 1  # one dummy block
         if have < need:
             raise ValueError(
                 f"rollout.dynamic_buffer_size_gb={buffer_size_gb} holds {have} KV blocks of "
-                f"{BLOCK_SIZE_TOKENS} tokens, one request of {owner.max_sequence_length} tokens "
+                f"{BLOCK_SIZE_TOKENS} tokens, one request of {max_sequence_length} tokens "
                 f"needs {need}")
         self.wrapper.inference_context = self.context
         training = model.training
@@ -146,7 +143,7 @@ class DynamicRollout:
                 first = request_id if first is None else first
                 self.engine.add_request(request_id, list(prompt), sp)
             records = {}
-            lock_step = self.owner.groups.ep_size > 1
+            lock_step = self.groups.ep_size > 1
             self.steps = 0
             while True:
                 mine = self.engine.has_unfinished_requests()

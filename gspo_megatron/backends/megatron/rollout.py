@@ -357,7 +357,13 @@ class RolloutEngine:
         """Megatron's dynamic engine, sized from the recipe (:mod:`.dynamic_rollout`)."""
         from gspo_megatron.backends.megatron.dynamic_rollout import DynamicRollout
 
-        self.dynamic = DynamicRollout(self, buffer_size_gb)
+        from gspo_megatron.backends.megatron.inference_hooks import IdTokenizer
+
+        self.dynamic = DynamicRollout(
+            model=self.sampling_model, runner=self._runner, wrapper_config=self.wrapper_config,
+            groups=self.groups, tokenizer=IdTokenizer(self.eos_id, self.pad_id, self.vocab_size),
+            max_batch_size=self.config.max_batch_size,
+            max_sequence_length=self.max_sequence_length, buffer_size_gb=buffer_size_gb)
         self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
         self.engine = self.dynamic.engine
 
