@@ -182,10 +182,11 @@ def test_mixed_prompt_lengths_are_left_padded_and_prefilled_at_once(setup):
     together: max_new_tokens forward steps (Megatron's ragged batch would take max_new_tokens +
     longest - shortest, feeding the longer prompts' tails one step at a time). Each sample is
     what its prompt gets alone (no padding there): the same greedy tokens, log-probs within
-    LOGPROB_TOL, and the trainer's log-probs of the padded batch's samples within LOGPROB_TOL."""
+    LOGPROB_TOL, and the trainer's log-probs of the padded batch's samples within LOGPROB_TOL.
+    (The static engine's path: the dynamic engine packs prompts without padding.)"""
     prompts = make_prompts(12, seed=5)
     assert min(map(len, prompts)) == 2 and max(map(len, prompts)) == 6
-    eng = engine(setup, top_k=1, ignore_eos=True)
+    eng = engine(setup, top_k=1, ignore_eos=True, engine="static")
     eng.wrapper.forward_calls = 0
     batch = eng.generate(prompts, seed=0)
     assert eng.wrapper.forward_calls == 8
