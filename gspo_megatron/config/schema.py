@@ -314,10 +314,10 @@ class RoutingConfig(Section, name="routing"):
     """'none' = free routing in every update forward; 'r2' = Routing Replay: the top-k experts
     recorded in the old-policy log-prob pass are forced in every forward and recompute of that
     batch's updates; 'r3' = Rollout Routing Replay (arXiv 2510.11370): the experts the rollout
-    engine chose while sampling (prefill and every decode step, recorded on Megatron's static
-    engine) are forced in the old-log-prob pass and in every update forward; positions the engine
-    never forwarded (each response's last token, padding) route freely. Logs the rollout-vs-trainer
-    route disagreement (``routing/rollout/*``) every step."""
+    engine chose while sampling (prefill and every decode step, recorded from the dynamic
+    engine's packed buffer) are forced in the old-log-prob pass and in every update forward;
+    positions the engine never forwarded (each response's last token, padding) route freely. Logs
+    the rollout-vs-trainer route disagreement (``routing/rollout/*``) every step."""
     diagnostics: bool = False
     """Log ``routing/*`` after every optimiser step: route change rate vs the old policy (overall,
     per MoE layer), top-k Jaccard overlap, router entropy, expert load and imbalance, |log ratio|
