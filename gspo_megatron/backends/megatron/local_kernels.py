@@ -22,11 +22,15 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
   modules, an activation closure) per expert; this runs the same per-expert GEMM pair as plain
   ``F.linear`` calls and, without autograd, skips experts that received no token. Inside
   :func:`stacked_expert_weights` (the rollout engine's generate) the experts of a CPU model run as
-  two ``torch._grouped_mm`` calls instead, bitwise equal to the loop (the HF model's path).
-* :class:`DirectMoELayer`: without autograd on one expert and one tensor rank, the token dispatch
-  is Megatron's ``permute``/``unpermute`` pair alone; the all-to-all dispatcher's single-rank
-  collectives and its chunk sorts (identity permutations at EP=1, ~40 tensor ops per layer and
-  decoding step) are skipped. Bitwise the dispatcher's result.
+  two ``torch._grouped_mm`` calls instead, bitwise equal to the loop (the HF model's path). With
+  autograd (the update's forward) a CPU model's experts are grouped GEMMs too, over weights
+  stacked inside autograd each forward: forward and backward bitwise the loop's (-6 % of an
+  update's forward + backward on TRL's workload, ``docs/benchmarks.md`` section 10).
+* :class:`DirectMoELayer`: on one expert and one tensor rank the token dispatch is Megatron's
+  ``permute``/``unpermute`` pair alone, with or without autograd; the all-to-all dispatcher's
+  single-rank collectives and its chunk sorts (identity permutations at EP=1, ~40 tensor ops per
+  layer and decoding step, as many again in backward) are skipped. Bitwise the dispatcher's
+  output and gradients.
 """
 
 from __future__ import annotations
@@ -269,7 +273,19 @@ class LoopedSequentialMLP(SequentialMLP):
         if not self._direct:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         if self.stacked is not None and not torch.is_grad_enabled():
-            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                                 self.stacked)
+        if torch.is_grad_enabled() and self._grouped_training:
+            # Stacked inside autograd (the weights change every step): the stack's backward
+            # hands each expert its own slice of the grouped GEMM's weight gradient (an exact
+            # zero for an expert without tokens, as the loop's empty GEMMs give). Cost: a copy
+            # of this layer's expert weights per forward, held until backward (the grouped GEMM
+            # saves it), and its gradient; ~0.2 MB per layer on TRL's workload.
+            stacked = (
+                torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2),
+                torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2))
+            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                                 stacked)
         counts = tokens_per_expert.tolist()
         # Without autograd an empty expert is skipped; with it, the empty GEMMs still run so every
         # weight gets a (zero) gradient, as Megatron's DDP bucketing expects.
@@ -297,12 +313,21 @@ class LoopedSequentialMLP(SequentialMLP):
             h = c.activation_func(h)
         return (h * probs.unsqueeze(-1)).to(dtype)
 
-    def _grouped(self, x, tokens_per_expert, probs):
+    @functools.cached_property  # layout and device are fixed once built: decided on first call
+    def _grouped_training(self) -> bool:
+        """Whether the training (autograd) forward runs the experts as grouped GEMMs too: CPU
+        weights and ``torch._grouped_mm`` (whose CPU forward and backward are bitwise the
+        per-expert ``F.linear`` loop's: ``tests/unit/test_local_kernels.py``)."""
+        return (hasattr(torch, "_grouped_mm") and bool(self.local_experts)
+                and self.local_experts[0].linear_fc1.weight.device.type == "cpu")
+
+    def _grouped(self, x, tokens_per_expert, probs, stacked):
         """All local experts in two grouped GEMMs over the rows ``x [N, H]`` sorted by expert:
         ``offs`` are the cumulative row counts (int32), an empty expert is an empty group. One
         kernel call per GEMM instead of ``2 E`` (the loop's Python and dispatch cost per expert is
-        most of a decoding step's MoE time at small widths)."""
-        w1, w2 = self.stacked
+        most of a decoding step's MoE time at small widths). ``stacked``: ``(W1 [E, H, (2)F],
+        W2 [E, F, H])`` as in :attr:`stacked`."""
+        w1, w2 = stacked
         offs = tokens_per_expert.cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x, w1, offs=offs)  # [N, H] x [E, H, (2)F] -> [N, (2)F]
         return torch._grouped_mm(self._activate(h, probs, x.dtype), w2, offs=offs), None
@@ -336,17 +361,23 @@ def stacked_expert_weights(model):
 
 
 class DirectMoELayer(MoELayer):
-    """``MoELayer`` whose no-grad forward on a single expert/tensor rank routes, permutes and
-    combines with Megatron's own ``permute``/``unpermute`` directly.
+    """``MoELayer`` whose forward on a single expert/tensor rank routes, permutes and combines
+    with Megatron's own ``permute``/``unpermute`` directly (rollout, old-log-prob pass and the
+    update's forward alike).
 
     At EP = TP = 1 the all-to-all dispatcher's work reduces to: ``permute`` the tokens ``[T, H]``
     into expert-major order (with their router probs), run the experts, ``unpermute`` (scatter-add
     the ``k`` expert outputs of each token back). Its all-to-alls are then copies to a group of one
     and its ``sort_chunks_by_idxs`` calls identity permutations (host syncs, a split and a cat
     each), which this path leaves out; the arithmetic, and so the result, is the dispatcher's.
-    The router is still called as a module (forward hooks, R2/R3 route recording and replay see
-    it). Training, EP/TP > 1, capacity factors, fused permutes, shared experts and latent
-    projections take Megatron's path.
+    Under autograd too: the single-rank all-to-alls return their input and the identity sorts a
+    ``cat`` of the chunks in order, so their backward hands the gradient through unchanged, and
+    ``permute``/``unpermute`` (the only ops left) are the ones the dispatcher runs (tested
+    bitwise, gradients included). Saves ~1 ms of an update minibatch's forward + backward on
+    TRL's workload (~7 %). The router is still called as a module (forward hooks, R2/R3 route
+    recording and replay see it; its aux loss attaches to the probs as before). EP/TP > 1,
+    capacity factors, fused permutes, shared experts, latent projections and MoE recompute take
+    Megatron's path.
     """
 
     @functools.cached_property  # layout and config are fixed once built: decided on first call
@@ -360,7 +391,7 @@ class DirectMoELayer(MoELayer):
                 and self.fwd_execution_map == ["route", "expert_compute", "postprocess"])
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if torch.is_grad_enabled() or intermediate_tensors is not None or not self._direct:
+        if intermediate_tensors is not None or not self._direct:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
