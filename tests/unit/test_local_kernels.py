@@ -300,33 +300,79 @@ def test_direct_moe_layer_with_autograd_is_the_dispatchers_bitwise(setup):
     assert sum(int(w1[n].abs().sum() > 0) for n in w1) >= 8  # router and experts got gradient
 
 
+def test_lean_attention_is_megatrons_bitwise(setup):
+    """Without an inference context (old-log-prob pass, update) the attention takes the lean
+    forward (one shared cos/sin table, no per-call branching): output, input gradient and the
+    QKV/norm/projection ``main_grad`` are bitwise ``Attention.forward``'s, and the shared table
+    is reused across calls with the same rotary table."""
+    from gspo_megatron.backends.megatron import local_kernels as lk
+
+    fast = setup[2]
+    gpt = fast.unwrapped()
+    attn = next(m for m in gpt.modules() if isinstance(m, lk.RopeOnceSelfAttention))
+    assert attn._lean
+    gen = torch.Generator().manual_seed(9)
+    x0 = torch.randn(11, 3, attn.config.hidden_size, generator=gen)
+    g = torch.randn(x0.shape, generator=gen)
+    freqs = gpt.rotary_pos_emb(11)
+    out = {}
+    for lean in (True, False):
+        attn.__dict__["_lean"] = lean
+        calls = []
+        real = attn._lean_forward
+        attn._lean_forward = lambda *a: calls.append(1) or real(*a)
+        try:
+            fast.zero_grad()
+            x = x0.clone().requires_grad_()
+            y, bias = attn(x, None, rotary_pos_emb=freqs)
+            y.backward(g)
+            with torch.no_grad():
+                y_nograd, _ = attn(x0, None, rotary_pos_emb=freqs)
+        finally:
+            del attn._lean_forward
+            attn.__dict__["_lean"] = True
+        assert len(calls) == 2 * int(lean) and bias is None
+        out[lean] = (y.detach(), y_nograd, x.grad, _main_grads(fast))
+    (y1, n1, x1, w1), (y2, n2, x2, w2) = out[True], out[False]
+    assert torch.equal(y1, y2) and torch.equal(n1, n2) and torch.equal(x1, x2)
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    assert sum(int(w1[n].abs().sum() > 0) for n in w1) == 4  # qkv, q/k norms, projection
+    cos, sin, rot = lk._rope_tables(freqs, torch.float32, attn._mscale)
+    assert lk._rope_tables(freqs, torch.float32, attn._mscale)[0] is cos and rot == freqs.shape[-1]
+    assert torch.equal(cos, torch.cos(freqs) * attn._mscale)
+
+
 def test_training_short_paths_are_bitwise_megatrons(setup):
-    """A whole SFT minibatch (forward, loss, backward through DDP) with the direct MoE layer and
-    the grouped experts gives bitwise the loss and every ``main_grad`` of the same model with
-    Megatron's dispatcher and the per-expert loop."""
-    from gspo_megatron.backends.megatron.local_kernels import DirectMoELayer, LoopedSequentialMLP
-    from gspo_megatron.backends.megatron.schedule import ScoringConfig
+    """A whole SFT minibatch (forward, loss, backward through DDP) with the direct MoE layer, the
+    grouped experts and the lean attention gives bitwise the loss and every ``main_grad`` of the
+    same model through Megatron's dispatcher, the per-expert loop and ``Attention.forward``; the
+    no-grad log-prob pass too."""
+    from gspo_megatron.backends.megatron.local_kernels import (DirectMoELayer, LoopedSequentialMLP,
+                                                               RopeOnceSelfAttention)
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
     from tests.helpers.megatron import train_sft_minibatch
 
     model, groups, fast, _ = setup
     scoring = ScoringConfig(vocab_size=model.vocab_size)
     batch = _batch(model.vocab_size, seed=8)
-    switches = [(m, "_direct") for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer)]
-    switches += [(m, "_grouped_training") for m in fast.unwrapped().modules()
-                 if isinstance(m, LoopedSequentialMLP)]
-    assert len(switches) == 4
+    modules = list(fast.unwrapped().modules())
+    switches = [(m, "_direct") for m in modules if isinstance(m, DirectMoELayer)]
+    switches += [(m, "_grouped_training") for m in modules if isinstance(m, LoopedSequentialMLP)]
+    switches += [(m, "_lean") for m in modules if isinstance(m, RopeOnceSelfAttention)]
+    assert len(switches) == 2 + 2 + 3
     out = {}
     for short in (True, False):
         for m, attr in switches:
             m.__dict__[attr] = short
         try:
+            lp, _ = compute_logprobs(fast.model, batch, 3, scoring, groups)
             fast.zero_grad()
             loss = train_sft_minibatch(fast.model, batch, 3, scoring, groups)["loss/sft_nll"]
         finally:
             for m, attr in switches:
                 m.__dict__[attr] = True
-        out[short] = (loss, _main_grads(fast))
-    assert out[True][0] == out[False][0]
+        out[short] = (loss, _main_grads(fast), lp)
+    assert out[True][0] == out[False][0] and torch.equal(out[True][2], out[False][2])
     assert all(torch.equal(out[True][1][n], out[False][1][n]) for n in out[True][1])
 
 
