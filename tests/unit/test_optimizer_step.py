@@ -1,5 +1,6 @@
 """MegatronPolicy.optimizer_step's fast paths: torch's multi-tensor (``foreach``) AdamW inside
-Megatron's optimizer is bitwise its default per-parameter loop on CPU, and the non-finite check
+Megatron's optimizer is bitwise its default per-parameter loop on CPU, the lean step (norm and
+clipping with foreach ops) is bitwise Megatron's ``optimizer.step()``, and the non-finite check
 reads DDP's flat gradient buffers with the same answer as the per-parameter check."""
 
 import pytest
@@ -56,15 +57,24 @@ def _steps(policy, groups, n=5):
     return norms
 
 
-def test_foreach_adamw_is_the_per_parameter_loop_bitwise(groups):
+@pytest.mark.parametrize("clip_grad", [0.05, 0.0, 1e9])
+def test_lean_step_and_foreach_adamw_are_megatrons_step_bitwise(groups, clip_grad):
+    """Against Megatron's own ``optimizer.step()`` with torch's per-parameter Adam loop: the
+    same gradient norms, weights and Adam state after 5 steps, with clipping active on every
+    step (0.05), disabled (0) and never triggered (1e9)."""
     fast, slow = _policy(groups), _policy(groups)
+    for pol in (fast, slow):
+        for o in getattr(pol.optimizer, "chained_optimizers", [pol.optimizer]):
+            o.config.clip_grad = clip_grad
     fast.copy_weights_to(slow)
+    assert fast._lean_step
     assert all(g["foreach"] is True for g in _inner_groups(fast))
     assert {g["weight_decay"] for g in _inner_groups(fast)} == {0.0, 0.1}
+    slow.__dict__["_lean_step"] = False  # Megatron's step()
     for g in _inner_groups(slow):
         g["foreach"] = False  # torch's default on CPU: _single_tensor_adam
     norms_fast, norms_slow = _steps(fast, groups), _steps(slow, groups)
-    assert norms_fast == norms_slow and max(norms_fast) > 0.05  # clipped steps included
+    assert norms_fast == norms_slow and max(norms_fast) > 0.05  # clipped steps at clip_grad 0.05
     slow_params = dict(slow.unwrapped().named_parameters())
     for name, p in fast.unwrapped().named_parameters():
         assert torch.equal(p, slow_params[name]), name
