@@ -1,7 +1,9 @@
-"""MegatronPolicy.optimizer_step's fast paths: torch's multi-tensor (``foreach``) AdamW inside
-Megatron's optimizer is bitwise its default per-parameter loop on CPU, the lean step (norm and
-clipping with foreach ops) is bitwise Megatron's ``optimizer.step()``, and the non-finite check
-reads DDP's flat gradient buffers with the same answer as the per-parameter check."""
+"""The update path's fast paths against Megatron's own: torch's multi-tensor (``foreach``)
+AdamW inside Megatron's optimizer is bitwise its default per-parameter loop on CPU, the lean step
+(norm and clipping with foreach ops) is bitwise Megatron's ``optimizer.step()``, the non-finite
+check reads DDP's flat gradient buffers with the same answer as the per-parameter check, the
+single-rank ``finalize_model_grads`` leaves the gradients as Megatron's does, and the eval/train
+switch of the log-prob pass sets every module's flag as ``nn.Module.train`` does."""
 
 import pytest
 import torch
@@ -106,3 +108,39 @@ def test_nonfinite_check_reads_the_flat_buffers(groups):
     applied, norm = policy.optimizer_step(corrupt_grad=lambda g: g * float("nan"))
     assert not applied and norm != norm
     assert all(torch.equal(a, p) for a, p in zip(before, params))
+
+
+def test_single_rank_finalize_is_megatrons(groups):
+    from megatron.core.distributed import finalize_model_grads
+
+    from gspo_megatron.backends.megatron.policy import single_rank_finalize_model_grads
+
+    a, b = _policy(groups), _policy(groups)
+    a.copy_weights_to(b)
+    assert a.transformer_config.finalize_model_grads_func is single_rank_finalize_model_grads
+    b.transformer_config.finalize_model_grads_func = finalize_model_grads
+    norms = [_steps(p, groups, n=3) for p in (a, b)]
+    assert norms[0] == norms[1]
+    params_b = dict(b.unwrapped().named_parameters())
+    for name, p in a.unwrapped().named_parameters():
+        assert torch.equal(p.main_grad, params_b[name].main_grad) and torch.equal(p, params_b[name])
+    groups_a = a.model[0].bucket_groups + a.model[0].expert_parallel_bucket_groups
+    assert groups_a and not any(g.param_gather_dispatched for g in groups_a)
+
+
+def test_set_training_is_module_train(groups):
+    from gspo_megatron.backends.megatron.schedule import set_training
+
+    policy = _policy(groups)
+    modules = list(policy.model[0].modules())
+    assert len(modules) > 50
+    set_training(policy.model, False)
+    assert not any(m.training for m in modules)
+    set_training(policy.model, True)
+    assert all(m.training for m in modules)
+    policy.model[0].eval()
+    expected = [m.training for m in modules]
+    set_training(policy.model, True)
+    set_training(policy.model, False)
+    assert [m.training for m in modules] == expected
+    set_training(policy.model, True)
