@@ -19,7 +19,9 @@ from gspo_megatron.algorithms.dapo import soft_overlong_penalty
 from gspo_megatron.config import OptimConfig, TrainConfig
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
 from gspo_megatron.faults import FaultInjector
-from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, StepRouting
+from gspo_megatron.layout import TokenLayout
+from gspo_megatron.policy import (Generator, Policy, PolicyBatch, RolloutSample, StepRouting,
+                                  make_policy_batch)
 
 
 def all_finite(tensor: torch.Tensor | None, mask: torch.Tensor | None = None) -> bool:
@@ -99,16 +101,48 @@ class StepSamples(NamedTuple):
     """Response tokens decoded in the step, every rollout batch included."""
 
 
+def pack_batch(sequences: list[list[int]], prompt_lengths: list[int], pad_id: int,
+               pad_to_multiple_of: int = 1, seq_length: int | None = None) -> PolicyBatch:
+    """:func:`gspo_megatron.policy.make_policy_batch`'s batch (the same layout, tokens, labels and
+    response mask; ``tests/unit/test_trainer_stages.py`` compares them) built with whole-batch
+    tensor ops: one ``torch.tensor`` of the padded token lists and the response mask from two
+    comparisons (row ``i`` is a response label at ``[max(p_i - 1, 0), n_i - 1)``), instead of two
+    indexed writes per sequence (~1.5 ms -> ~0.2 ms for 128 sequences)."""
+    if not sequences:
+        return make_policy_batch(sequences, prompt_lengths, pad_id, pad_to_multiple_of, seq_length)
+    layout = TokenLayout.right_padded([len(s) for s in sequences], prompt_lengths,
+                                      pad_to_multiple_of, seq_length)
+    t = layout.seq_length
+    tokens = torch.tensor([list(seq) + [pad_id] * (t - len(seq)) for seq in sequences],
+                          dtype=torch.long)
+    labels = torch.full_like(tokens, pad_id)
+    labels[:, :-1] = tokens[:, 1:]
+    positions = torch.arange(t)
+    start = (layout.prompt_lengths - 1).clamp(min=0)
+    mask = (positions >= start[:, None]) & (positions < (layout.lengths - 1)[:, None])
+    return PolicyBatch(tokens=tokens, labels=labels, response_mask=mask, layout=layout)
+
+
 def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) -> PolicyBatch:
     """A label-aligned :class:`PolicyBatch` ``[N, T]`` of the samples, with their advantages
     ``[N]`` and the rollout engine's log-probs ``[N, T]``. ``pack(sequences, prompt_lengths)``
-    pads (:meth:`Trainer.pack`)."""
+    pads (:meth:`Trainer.pack`).
+
+    The log-probs go in with one masked write: the response mask's positions, row by row in
+    ascending order, are exactly each sample's label span, so the concatenated per-sample values
+    land where the per-sample writes put them (the same float32 conversions; a count mismatch,
+    which the per-sample write refuses too, takes that path and its error)."""
     batch = pack([s.prompt_ids + s.response_ids for s in samples],
                  [len(s.prompt_ids) for s in samples])
     rollout_lp = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-    for i, s in enumerate(samples):
-        row, labels = batch.layout.label_span(i)
-        rollout_lp[row, labels] = torch.tensor(s.response_logprobs)
+    values = [x for s in samples for x in s.response_logprobs]
+    mask = batch.response_mask
+    if batch.layout.num_rows == len(samples) and int(mask.sum()) == len(values):
+        rollout_lp[mask] = torch.tensor(values, dtype=torch.float32)
+    else:
+        for i, s in enumerate(samples):
+            row, labels = batch.layout.label_span(i)
+            rollout_lp[row, labels] = torch.tensor(s.response_logprobs)
     batch.rollout_logprobs = rollout_lp
     batch.advantages = advantages
     return batch

@@ -28,10 +28,10 @@ from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
-from gspo_megatron.policy import Generator, Policy, PolicyBatch, make_policy_batch
+from gspo_megatron.policy import Generator, Policy, PolicyBatch
 from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, batch_stage,
-                                  overlong_stage, response_metrics, reward_stage, rollout_stage,
-                                  sft_stage, update_stage)
+                                  overlong_stage, pack_batch, response_metrics, reward_stage,
+                                  rollout_stage, sft_stage, update_stage)
 
 logger = logging.getLogger(__name__)
 
@@ -401,9 +401,9 @@ class Trainer:
         """Right-pad token lists into a :class:`PolicyBatch`: to a multiple of TP x 2CP (sequence
         and context sharding), and to ``model.seq_length`` under pipeline parallelism (one
         activation shape for every microbatch of a run)."""
-        return make_policy_batch(sequences, prompt_lengths, self.task.tokenizer.pad_id,
-                                 pad_to_multiple_of=self.pad_multiple,
-                                 seq_length=self.cfg.model.seq_length if self.groups.pp_size > 1 else None)
+        return pack_batch(sequences, prompt_lengths, self.task.tokenizer.pad_id,
+                          pad_to_multiple_of=self.pad_multiple,
+                          seq_length=self.cfg.model.seq_length if self.groups.pp_size > 1 else None)
 
     def _local_prompts(self, global_prompts: list) -> list:
         per_rank = self.cfg.rollout.prompts_per_step

@@ -136,6 +136,39 @@ def test_batch_aligns_rollout_logprobs_with_labels():
     assert batch.advantages.tolist() == [1.0, -1.0]
 
 
+@pytest.mark.parametrize("multiple, seq_length", [(1, None), (4, None), (1, 40), (8, 40)])
+def test_pack_batch_is_make_policy_batch(multiple, seq_length):
+    """The trainer's whole-batch packing gives make_policy_batch's layout and tensors exactly,
+    empty prompts and empty responses included; batch_stage's one masked write of the rollout
+    log-probs equals the per-sample writes."""
+    import random
+
+    from gspo_megatron.policy import make_policy_batch
+    from gspo_megatron.stages import pack_batch
+
+    rng = random.Random(multiple * 100 + (seq_length or 0))
+    plens = [rng.randint(0, 6) for _ in range(37)] + [0, 3]
+    seqs = [[rng.randrange(2, 50) for _ in range(p + rng.randint(0 if p else 1, 20))]
+            for p in plens[:-2]] + [[7], [4, 5, 6]]  # an empty-prompt and an empty response
+    a = pack_batch(seqs, plens, 1, multiple, seq_length)
+    b = make_policy_batch(seqs, plens, 1, multiple, seq_length)
+    assert (torch.equal(a.layout.lengths, b.layout.lengths)
+            and torch.equal(a.layout.prompt_lengths, b.layout.prompt_lengths)
+            and a.layout.seq_length == b.layout.seq_length)
+    for name in ("tokens", "labels", "response_mask"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    samples = [RolloutSample(s[:p], s[p:], [rng.uniform(-5, 0) for _ in s[p:]], "eos")
+               for s, p in zip(seqs, plens) if p > 0]
+    fast = batch_stage(samples, torch.zeros(len(samples)),
+                       lambda q, pl: pack_batch(q, pl, 1, multiple, seq_length))
+    slow = torch.zeros(fast.tokens.shape)
+    for i, smp in enumerate(samples):
+        row, labels = fast.layout.label_span(i)
+        slow[row, labels] = torch.tensor(smp.response_logprobs)
+    assert torch.equal(fast.rollout_logprobs, slow) and fast.rollout_logprobs.abs().sum() > 0
+
+
 def test_advantages_are_group_normalised():
     adv, m, tied = advantage_stage(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, normalize_std=True)
     assert adv[2:].tolist() == [0.0, 0.0] and adv[0] > 0 > adv[1]
