@@ -144,3 +144,26 @@ def test_set_training_is_module_train(groups):
     set_training(policy.model, False)
     assert [m.training for m in modules] == expected
     set_training(policy.model, True)
+
+
+def test_reduce_metrics_of_one_microbatch_is_the_general_reduction():
+    """One microbatch on one rank takes a single stack + tolist; the values are the general
+    path's (sum for loss/*, min/max by suffix, else mean, each of one float32 value)."""
+    from gspo_megatron.backends.megatron.schedule import reduce_metrics
+
+    class OneRank:
+        dp_size, dp_group = 1, None
+
+    gen = torch.Generator().manual_seed(3)
+    out = {f"loss/{i}": torch.randn((), generator=gen, dtype=torch.float64) for i in range(3)}
+    out.update({f"x/{i}_min": torch.randn((), generator=gen) for i in range(3)})
+    out.update({f"x/{i}_max": torch.randn((), generator=gen) * 1e30 for i in range(3)})
+    out.update({f"y/{i}": torch.randn((), generator=gen, dtype=torch.float64) / 3 for i in range(5)})
+    out["z/nan"] = torch.tensor(float("nan"))
+    fast = reduce_metrics([out], OneRank())
+    for key, value in out.items():
+        vals = torch.stack([value.float().reshape(())])
+        ref = (vals.sum() if key.startswith("loss/") else vals.min() if key.endswith("min")
+               else vals.max() if key.endswith("max") else vals.mean())
+        assert repr(fast[key]) == repr(float(ref)), key
+    assert list(fast) == sorted(out)

@@ -198,6 +198,12 @@ def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, flo
     if not outputs:
         return {}
     keys = sorted(outputs[0])
+    if len(outputs) == 1 and groups.dp_size == 1:
+        # One microbatch on one rank: the sum, mean, min and max of a single value are that
+        # value exactly, so one stack and one host transfer give every metric (the per-key
+        # stack/reduce/float below costs ~25 x 3 dispatches per update on the RL objective).
+        values = torch.stack([outputs[0][k].float().reshape(()) for k in keys]).tolist()
+        return dict(zip(keys, values))
     out: dict[str, float] = {}
     for key in keys:
         vals = torch.stack([o[key].float().reshape(()) for o in outputs])
