@@ -80,12 +80,27 @@ class TokenLayout:
         return i, slice(max(p - 1, 0), n - 1)
 
     def response_mask(self) -> torch.Tensor:
-        """``[B, T]`` bool, True where the label is a response token."""
-        mask = torch.zeros(self.num_rows, self.seq_length, dtype=torch.bool)
-        for i in range(self.num_sequences):
+        """``[B, T]`` bool, True where the label is a response token: row ``i``'s
+        :meth:`label_span`, from two whole-batch comparisons (no per-sequence write)."""
+        positions = torch.arange(self.seq_length)
+        start = (self.prompt_lengths - 1).clamp(min=0)
+        return (positions >= start[:, None]) & (positions < (self.lengths - 1)[:, None])
+
+    def place_labels(self, values: Sequence[Sequence[float]]) -> torch.Tensor:
+        """``[B, T]`` float32 with sequence ``i``'s per-response-token ``values[i]`` at its
+        :meth:`label_span` (the rollout engine's log-probs), zeros elsewhere. Right padding puts
+        the spans in row order, so one masked write does it; a sequence whose value count does
+        not fill its span is refused by the per-sequence write (its shape error)."""
+        out = torch.zeros(self.num_rows, self.seq_length, dtype=torch.float32)
+        mask = self.response_mask()
+        flat = [float(x) for v in values for x in v]
+        if int(mask.sum()) == len(flat):
+            out[mask] = torch.tensor(flat, dtype=torch.float32)
+            return out
+        for i, v in enumerate(values):
             row, span = self.label_span(i)
-            mask[row, span] = True
-        return mask
+            out[row, span] = torch.tensor(v, dtype=torch.float32)
+        return out
 
     def position_ids(self, device: torch.device | None = None) -> torch.Tensor:
         """``[B, T]`` rotary positions: right padding keeps tokens at their true positions."""

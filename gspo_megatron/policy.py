@@ -93,10 +93,9 @@ def make_policy_batch(
     needs; otherwise the longest sequence rounded up to ``pad_to_multiple_of``)."""
     layout = TokenLayout.right_padded([len(s) for s in sequences], prompt_lengths,
                                       pad_to_multiple_of, seq_length)
-    tokens = torch.full((layout.num_rows, layout.seq_length), pad_id, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        row, span = layout.token_span(i)
-        tokens[row, span] = torch.tensor(seq, dtype=torch.long)
+    t = layout.seq_length  # one tensor of the padded lists (right padding: row i, from 0)
+    tokens = torch.tensor([list(seq) + [pad_id] * (t - len(seq)) for seq in sequences],
+                          dtype=torch.long).reshape(layout.num_rows, t)
     labels = torch.full_like(tokens, pad_id)
     labels[:, :-1] = tokens[:, 1:]
     return PolicyBatch(tokens=tokens, labels=labels, response_mask=layout.response_mask(),

@@ -102,14 +102,11 @@ class StepSamples(NamedTuple):
 def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) -> PolicyBatch:
     """A label-aligned :class:`PolicyBatch` ``[N, T]`` of the samples, with their advantages
     ``[N]`` and the rollout engine's log-probs ``[N, T]``. ``pack(sequences, prompt_lengths)``
-    pads (:meth:`Trainer.pack`)."""
+    pads (:meth:`Trainer.pack`); the log-probs are placed by its layout
+    (:meth:`~gspo_megatron.layout.TokenLayout.place_labels`)."""
     batch = pack([s.prompt_ids + s.response_ids for s in samples],
                  [len(s.prompt_ids) for s in samples])
-    rollout_lp = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-    for i, s in enumerate(samples):
-        row, labels = batch.layout.label_span(i)
-        rollout_lp[row, labels] = torch.tensor(s.response_logprobs)
-    batch.rollout_logprobs = rollout_lp
+    batch.rollout_logprobs = batch.layout.place_labels([s.response_logprobs for s in samples])
     batch.advantages = advantages
     return batch
 

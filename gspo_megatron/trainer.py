@@ -30,8 +30,8 @@ from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
 from gspo_megatron.policy import Generator, Policy, PolicyBatch, make_policy_batch
 from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, batch_stage,
-                                  overlong_stage, response_metrics, reward_stage, rollout_stage,
-                                  sft_stage, update_stage)
+                                  overlong_stage, response_metrics, reward_stage,
+                                  rollout_stage, sft_stage, update_stage)
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +403,8 @@ class Trainer:
         activation shape for every microbatch of a run)."""
         return make_policy_batch(sequences, prompt_lengths, self.task.tokenizer.pad_id,
                                  pad_to_multiple_of=self.pad_multiple,
-                                 seq_length=self.cfg.model.seq_length if self.groups.pp_size > 1 else None)
+                                 seq_length=self.cfg.model.seq_length if self.groups.pp_size > 1
+                                 else None)
 
     def _local_prompts(self, global_prompts: list) -> list:
         per_rank = self.cfg.rollout.prompts_per_step

@@ -221,13 +221,164 @@ def test_grouped_experts_inside_the_rollout_scope_equal_the_loop(setup):
     assert all(m.stacked is None for m in mlps)
     assert torch.equal(grouped, loop) and loop.abs().sum() > 0
     calls = []
+    real = mlp._grouped
     with stacked_expert_weights(fast.unwrapped()), torch.enable_grad():
-        mlp._grouped = lambda *a: calls.append(a)  # must not be reached with autograd on
+        # With autograd the scope's stacked weights (a snapshot) are not used: the training path
+        # stacks the live weights inside autograd instead.
+        mlp._grouped = lambda *a: calls.append(a[-1]) or real(*a)
         try:
             out, _ = mlp(x, counts, probs)
         finally:
             del mlp._grouped
-    assert not calls and torch.equal(out.detach(), loop)
+        assert len(calls) == 1 and calls[0] is not mlp.stacked
+    assert torch.equal(out.detach(), loop)
+
+
+def _main_grads(policy) -> dict[str, torch.Tensor]:
+    return {n: p.main_grad.clone() for n, p in policy.unwrapped().named_parameters()}
+
+
+def test_grouped_training_experts_are_the_loop_bitwise(setup):
+    """With autograd (the update's forward) a CPU MoE layer's experts run as two grouped GEMMs
+    over weights stacked inside autograd: output, input/probs gradients and every expert's weight
+    gradient (DDP's ``main_grad``) are bitwise the per-expert loop's, an empty expert included
+    (its weights get an exact zero gradient, as in the loop)."""
+    from gspo_megatron.backends.megatron.local_kernels import LoopedSequentialMLP
+
+    fast = setup[2]
+    mlp = next(m for m in fast.unwrapped().modules() if isinstance(m, LoopedSequentialMLP))
+    assert mlp._grouped_training
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.tensor([37, 0, 23, 61, 9, 0, 44, 18])
+    x0 = torch.randn(int(counts.sum()), mlp.config.hidden_size, generator=gen)
+    p0 = torch.rand(int(counts.sum()), generator=gen)
+    g = torch.randn(x0.shape, generator=gen)
+    out = {}
+    for grouped in (True, False):
+        mlp.__dict__["_grouped_training"] = grouped
+        calls = []
+        real = mlp._grouped
+        mlp._grouped = lambda *a: calls.append(1) or real(*a)
+        try:
+            fast.zero_grad()
+            x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+            y, _ = mlp(x, counts, p)
+            y.backward(g)
+        finally:
+            del mlp._grouped
+            mlp.__dict__["_grouped_training"] = True
+        assert len(calls) == int(grouped)
+        out[grouped] = (y.detach(), x.grad, p.grad, _main_grads(fast))
+    (y1, x1, p1, w1), (y2, x2, p2, w2) = out[True], out[False]
+    assert torch.equal(y1, y2) and torch.equal(x1, x2) and torch.equal(p1, p2)
+    experts = [n for n in w1 if "local_experts" in n]
+    assert len(experts) == 2 * 8 * 2  # fc1 + fc2, 8 experts, 2 MoE layers
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    assert sum(int(w1[n].abs().sum() > 0) for n in experts) == 6 * 2  # 6 experts got tokens
+
+
+def test_direct_moe_layer_with_autograd_is_the_dispatchers_bitwise(setup):
+    """The update's forward takes the direct MoE path too (single expert/tensor rank): output,
+    input gradient and every parameter's ``main_grad`` (router, experts) are bitwise those of
+    Megatron's all-to-all dispatcher path, whose single-rank all-to-alls and identity chunk sorts
+    pass values and gradients through unchanged."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from gspo_megatron.backends.megatron.local_kernels import DirectMoELayer
+
+    fast = setup[2]
+    layer = next(m for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer))
+    gen = torch.Generator().manual_seed(6)
+    x0 = torch.randn(9, 4, layer.config.hidden_size, generator=gen)
+    g = torch.randn(x0.shape, generator=gen)
+    out = {}
+    for name, forward in (("direct", layer.__call__),
+                          ("megatron", lambda x: MoELayer.forward(layer, x))):
+        fast.zero_grad()
+        x = x0.clone().requires_grad_()
+        y, _ = forward(x)
+        y.backward(g)
+        out[name] = (y.detach(), x.grad, _main_grads(fast))
+    (y1, x1, w1), (y2, x2, w2) = out["direct"], out["megatron"]
+    assert torch.equal(y1, y2) and torch.equal(x1, x2) and y1.abs().sum() > 0
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    assert sum(int(w1[n].abs().sum() > 0) for n in w1) >= 8  # router and experts got gradient
+
+
+def test_lean_attention_is_megatrons_bitwise(setup):
+    """Without an inference context (old-log-prob pass, update) the attention takes the lean
+    forward (one shared cos/sin table, no per-call branching): output, input gradient and the
+    QKV/norm/projection ``main_grad`` are bitwise ``Attention.forward``'s, and the shared table
+    is reused across calls with the same rotary table."""
+    from gspo_megatron.backends.megatron import local_kernels as lk
+
+    fast = setup[2]
+    gpt = fast.unwrapped()
+    attn = next(m for m in gpt.modules() if isinstance(m, lk.RopeOnceSelfAttention))
+    assert attn._lean
+    gen = torch.Generator().manual_seed(9)
+    x0 = torch.randn(11, 3, attn.config.hidden_size, generator=gen)
+    g = torch.randn(x0.shape, generator=gen)
+    freqs = gpt.rotary_pos_emb(11)
+    out = {}
+    for lean in (True, False):
+        attn.__dict__["_lean"] = lean
+        calls = []
+        real = attn._lean_forward
+        attn._lean_forward = lambda *a: calls.append(1) or real(*a)
+        try:
+            fast.zero_grad()
+            x = x0.clone().requires_grad_()
+            y, bias = attn(x, None, rotary_pos_emb=freqs)
+            y.backward(g)
+            with torch.no_grad():
+                y_nograd, _ = attn(x0, None, rotary_pos_emb=freqs)
+        finally:
+            del attn._lean_forward
+            attn.__dict__["_lean"] = True
+        assert len(calls) == 2 * int(lean) and bias is None
+        out[lean] = (y.detach(), y_nograd, x.grad, _main_grads(fast))
+    (y1, n1, x1, w1), (y2, n2, x2, w2) = out[True], out[False]
+    assert torch.equal(y1, y2) and torch.equal(n1, n2) and torch.equal(x1, x2)
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)
+    assert sum(int(w1[n].abs().sum() > 0) for n in w1) == 4  # qkv, q/k norms, projection
+    cos, sin, rot = lk._rope_tables(freqs, torch.float32, attn._mscale)
+    assert lk._rope_tables(freqs, torch.float32, attn._mscale)[0] is cos and rot == freqs.shape[-1]
+    assert torch.equal(cos, torch.cos(freqs) * attn._mscale)
+
+
+def test_training_short_paths_are_bitwise_megatrons(setup):
+    """A whole SFT minibatch (forward, loss, backward through DDP) with the direct MoE layer, the
+    grouped experts and the lean attention gives bitwise the loss and every ``main_grad`` of the
+    same model through Megatron's dispatcher, the per-expert loop and ``Attention.forward``; the
+    no-grad log-prob pass too."""
+    from gspo_megatron.backends.megatron.local_kernels import (DirectMoELayer, LoopedSequentialMLP,
+                                                               RopeOnceSelfAttention)
+    from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+    from tests.helpers.megatron import train_sft_minibatch
+
+    model, groups, fast, _ = setup
+    scoring = ScoringConfig(vocab_size=model.vocab_size)
+    batch = _batch(model.vocab_size, seed=8)
+    modules = list(fast.unwrapped().modules())
+    switches = [(m, "_direct") for m in modules if isinstance(m, DirectMoELayer)]
+    switches += [(m, "_grouped_training") for m in modules if isinstance(m, LoopedSequentialMLP)]
+    switches += [(m, "_lean") for m in modules if isinstance(m, RopeOnceSelfAttention)]
+    assert len(switches) == 2 + 2 + 3
+    out = {}
+    for short in (True, False):
+        for m, attr in switches:
+            m.__dict__[attr] = short
+        try:
+            lp, _ = compute_logprobs(fast.model, batch, 3, scoring, groups)
+            fast.zero_grad()
+            loss = train_sft_minibatch(fast.model, batch, 3, scoring, groups)["loss/sft_nll"]
+        finally:
+            for m, attr in switches:
+                m.__dict__[attr] = True
+        out[short] = (loss, _main_grads(fast), lp)
+    assert out[True][0] == out[False][0] and torch.equal(out[True][2], out[False][2])
+    assert all(torch.equal(out[True][1][n], out[False][1][n]) for n in out[True][1])
 
 
 # ---------------------------------------------------------------- bf16 (rollout.precision=bf16)

@@ -136,6 +136,42 @@ def test_batch_aligns_rollout_logprobs_with_labels():
     assert batch.advantages.tolist() == [1.0, -1.0]
 
 
+@pytest.mark.parametrize("multiple, seq_length", [(1, None), (4, None), (1, 40), (8, 40)])
+def test_whole_batch_packing_equals_per_sequence_writes(multiple, seq_length):
+    """make_policy_batch and TokenLayout build the batch with whole-batch tensor ops; they equal
+    per-sequence writes through the layout's spans exactly, empty prompts and empty responses
+    included, and the rollout log-probs' one masked write (place_labels) equals per-sample
+    writes."""
+    import random
+
+    from gspo_megatron.policy import make_policy_batch
+
+    rng = random.Random(multiple * 100 + (seq_length or 0))
+    plens = [rng.randint(0, 6) for _ in range(37)] + [0, 3]
+    seqs = [[rng.randrange(2, 50) for _ in range(p + rng.randint(0 if p else 1, 20))]
+            for p in plens[:-2]] + [[7], [4, 5, 6]]  # an empty-prompt and an empty response
+    batch = make_policy_batch(seqs, plens, 1, multiple, seq_length)
+    layout = batch.layout
+    tokens = torch.full((layout.num_rows, layout.seq_length), 1, dtype=torch.long)
+    mask = torch.zeros(layout.num_rows, layout.seq_length, dtype=torch.bool)
+    for i, seq in enumerate(seqs):
+        row, span = layout.token_span(i)
+        tokens[row, span] = torch.tensor(seq)
+        row, span = layout.label_span(i)
+        mask[row, span] = True
+    assert torch.equal(batch.tokens, tokens) and torch.equal(batch.response_mask, mask)
+    assert torch.equal(batch.labels[:, :-1], tokens[:, 1:]) and bool((batch.labels[:, -1] == 1).all())
+    samples = [RolloutSample(s[:p], s[p:], [rng.uniform(-5, 0) for _ in s[p:]], "eos")
+               for s, p in zip(seqs, plens) if p > 0]
+    fast = batch_stage(samples, torch.zeros(len(samples)),
+                       lambda q, pl: make_policy_batch(q, pl, 1, multiple, seq_length))
+    slow = torch.zeros(fast.tokens.shape)
+    for i, smp in enumerate(samples):
+        row, labels = fast.layout.label_span(i)
+        slow[row, labels] = torch.tensor(smp.response_logprobs)
+    assert torch.equal(fast.rollout_logprobs, slow) and fast.rollout_logprobs.abs().sum() > 0
+
+
 def test_advantages_are_group_normalised():
     adv, m, tied = advantage_stage(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, normalize_std=True)
     assert adv[2:].tolist() == [0.0, 0.0] and adv[0] > 0 > adv[1]

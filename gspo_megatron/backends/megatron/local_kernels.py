@@ -22,17 +22,22 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
   modules, an activation closure) per expert; this runs the same per-expert GEMM pair as plain
   ``F.linear`` calls and, without autograd, skips experts that received no token. Inside
   :func:`stacked_expert_weights` (the rollout engine's generate) the experts of a CPU model run as
-  two ``torch._grouped_mm`` calls instead, bitwise equal to the loop (the HF model's path).
-* :class:`DirectMoELayer`: without autograd on one expert and one tensor rank, the token dispatch
-  is Megatron's ``permute``/``unpermute`` pair alone; the all-to-all dispatcher's single-rank
-  collectives and its chunk sorts (identity permutations at EP=1, ~40 tensor ops per layer and
-  decoding step) are skipped. Bitwise the dispatcher's result.
+  two ``torch._grouped_mm`` calls instead, bitwise equal to the loop (the HF model's path). With
+  autograd (the update's forward) a CPU model's experts are grouped GEMMs too, over weights
+  stacked inside autograd each forward: forward and backward bitwise the loop's (-6 % of an
+  update's forward + backward on TRL's workload, ``docs/benchmarks.md`` section 10).
+* :class:`DirectMoELayer`: on one expert and one tensor rank the token dispatch is Megatron's
+  ``permute``/``unpermute`` pair alone, with or without autograd; the all-to-all dispatcher's
+  single-rank collectives and its chunk sorts (identity permutations at EP=1, ~40 tensor ops per
+  layer and decoding step, as many again in backward) are skipped. Bitwise the dispatcher's
+  output and gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -84,9 +89,65 @@ class RopeOnceSelfAttention(SelfAttention):
       and keys are rotated at their positions in the unpadded sequence, ``j - pads[b]``, as Hugging
       Face derives ``position_ids`` from the attention mask; the pad keys are masked by the mask.
 
-    Training and the dynamic engine (which already rotates before caching into its paged cache)
-    take Megatron's path unchanged.
+    * Without an inference context (the old-log-prob pass and the update's forward) a lean
+      forward (:meth:`_lean_forward`): Megatron's own query/key/value projection and split, one
+      cos/sin table per rotary table and dtype shared by every layer and both of queries and keys
+      (:func:`_rope_tables`; Megatron recomputes ``cos``/``sin`` for each, and concatenates an
+      empty pass-through slice), the core attention and the output projection, without
+      ``Attention.forward``'s branches for inference, packing, offloading, recompute and fused
+      kernels. Bitwise Megatron's output and gradients (``tests/unit/test_local_kernels.py``);
+      ~0.3 ms less per layer call on TRL's workload. Configurations that need any of those
+      branches take Megatron's forward.
+
+    The dynamic engine (which already rotates before caching into its paged cache) takes
+    Megatron's path unchanged.
     """
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        if (inference_context is None and inference_params is None and key_value_states is None
+                and rotary_pos_cos is None and rotary_pos_sin is None
+                and rotary_pos_cos_sin is None and attention_bias is None
+                and packed_seq_params is None and self._lean
+                and (rotary_pos_emb is None or isinstance(rotary_pos_emb, torch.Tensor))):
+            return self._lean_forward(hidden_states, attention_mask, rotary_pos_emb)
+        return super().forward(
+            hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
+            rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params,
+            sequence_len_offset, inference_params=inference_params)
+
+    @functools.cached_property  # layout and config are fixed once built: decided on first call
+    def _lean(self) -> bool:
+        """Whether a forward without inference context reduces to :meth:`_lean_forward`: self
+        attention, split QKV, no output gate, unfused non-interleaved RoPE on every layer, no
+        context parallelism, no core-attention recompute and no activation offloading."""
+        c = self.config
+        return (self.attention_type == "self" and not c.no_rope_freq
+                and not c.fused_single_qkv_rope and not c.attention_output_gate
+                and not c.apply_rope_fusion and not c.multi_latent_attention
+                and not c.rotary_interleaved and not c.flash_decode
+                and _single_rank(self.pg_collection.cp)
+                and not self.checkpoint_core_attention and not self.offload_qkv_linear
+                and not self.offload_core_attention and not self.offload_attn_proj)
+
+    @functools.cached_property
+    def _mscale(self) -> float:
+        return _yarn_get_concentration_factor_from_config(self.config)
+
+    def _lean_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+        """``Attention.forward`` without inference context, for the configurations of
+        :attr:`_lean`: ``hidden_states [s, b, h] -> ([s, b, h], bias)``; the same modules and
+        ops in the same order, minus the per-call branching and the duplicate RoPE tables."""
+        query, key, value = self.get_query_key_value_tensors(hidden_states, None, split_qkv=True)
+        if rotary_pos_emb is not None:
+            cos, sin, rot_dim = _rope_tables(rotary_pos_emb, query.dtype, self._mscale)
+            query, key = _rotate(query, cos, sin, rot_dim), _rotate(key, cos, sin, rot_dim)
+        core_attn_out = self.core_attention(query, key, value, attention_mask,
+                                            attn_mask_type=self.attn_mask_type,
+                                            attention_bias=None, packed_seq_params=None)
+        return self.linear_proj(core_attn_out)
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                         *args, **kwargs):
@@ -147,6 +208,31 @@ class RopeOnceSelfAttention(SelfAttention):
                                   (torch.sin(freqs) * mscale).to(key.dtype), freqs.shape[-1]))
             context.rotary_cos_sin = cached
         return cached[2]
+
+
+_ROPE_TABLES: dict[int, tuple] = {}
+
+
+def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
+    """``(cos, sin, rot_dim)`` of the rotary table ``freqs [S, 1, 1, rot]`` as Megatron's unfused
+    ``_apply_rotary_pos_emb_bshd`` computes them (``(cos(freqs) * mscale).to(dtype)``), cached
+    per table object: Megatron's ``RotaryEmbedding`` returns the same (``lru_cache``d) tensor for
+    a sequence length, so the two layers' queries and keys of every forward of that length share
+    one pair (Megatron computes 4 pairs per forward). Entries hold the table weakly (keyed by
+    ``id``, checked by identity; dead ones are dropped once there are more than 64); an entry
+    made under ``torch.inference_mode`` is not reused outside it (inference tensors cannot be
+    saved for backward). Cost: one ``[S, 1, 1, rot]`` cos/sin pair per live table."""
+    key = (id(freqs), dtype, mscale)
+    entry = _ROPE_TABLES.get(key)
+    if (entry is None or entry[0]() is not freqs
+            or (entry[1].is_inference() and not torch.is_inference_mode_enabled())):
+        if len(_ROPE_TABLES) > 64:
+            for k in [k for k, e in _ROPE_TABLES.items() if e[0]() is None]:
+                del _ROPE_TABLES[k]
+        entry = (weakref.ref(freqs), (torch.cos(freqs) * mscale).to(dtype),
+                 (torch.sin(freqs) * mscale).to(dtype))
+        _ROPE_TABLES[key] = entry
+    return entry[1], entry[2], freqs.shape[-1]
 
 
 def _positions(context, table: torch.Tensor, start: int, end: int, b0: int, b: int):
@@ -269,7 +355,19 @@ class LoopedSequentialMLP(SequentialMLP):
         if not self._direct:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         if self.stacked is not None and not torch.is_grad_enabled():
-            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                                 self.stacked)
+        if torch.is_grad_enabled() and self._grouped_training:
+            # Stacked inside autograd (the weights change every step): the stack's backward
+            # hands each expert its own slice of the grouped GEMM's weight gradient (an exact
+            # zero for an expert without tokens, as the loop's empty GEMMs give). Cost: a copy
+            # of this layer's expert weights per forward, held until backward (the grouped GEMM
+            # saves it), and its gradient; ~0.2 MB per layer on TRL's workload.
+            stacked = (
+                torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2),
+                torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2))
+            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                                 stacked)
         counts = tokens_per_expert.tolist()
         # Without autograd an empty expert is skipped; with it, the empty GEMMs still run so every
         # weight gets a (zero) gradient, as Megatron's DDP bucketing expects.
@@ -297,12 +395,21 @@ class LoopedSequentialMLP(SequentialMLP):
             h = c.activation_func(h)
         return (h * probs.unsqueeze(-1)).to(dtype)
 
-    def _grouped(self, x, tokens_per_expert, probs):
+    @functools.cached_property  # layout and device are fixed once built: decided on first call
+    def _grouped_training(self) -> bool:
+        """Whether the training (autograd) forward runs the experts as grouped GEMMs too: CPU
+        weights and ``torch._grouped_mm`` (whose CPU forward and backward are bitwise the
+        per-expert ``F.linear`` loop's: ``tests/unit/test_local_kernels.py``)."""
+        return (hasattr(torch, "_grouped_mm") and bool(self.local_experts)
+                and self.local_experts[0].linear_fc1.weight.device.type == "cpu")
+
+    def _grouped(self, x, tokens_per_expert, probs, stacked):
         """All local experts in two grouped GEMMs over the rows ``x [N, H]`` sorted by expert:
         ``offs`` are the cumulative row counts (int32), an empty expert is an empty group. One
         kernel call per GEMM instead of ``2 E`` (the loop's Python and dispatch cost per expert is
-        most of a decoding step's MoE time at small widths)."""
-        w1, w2 = self.stacked
+        most of a decoding step's MoE time at small widths). ``stacked``: ``(W1 [E, H, (2)F],
+        W2 [E, F, H])`` as in :attr:`stacked`."""
+        w1, w2 = stacked
         offs = tokens_per_expert.cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x, w1, offs=offs)  # [N, H] x [E, H, (2)F] -> [N, (2)F]
         return torch._grouped_mm(self._activate(h, probs, x.dtype), w2, offs=offs), None
@@ -336,17 +443,23 @@ def stacked_expert_weights(model):
 
 
 class DirectMoELayer(MoELayer):
-    """``MoELayer`` whose no-grad forward on a single expert/tensor rank routes, permutes and
-    combines with Megatron's own ``permute``/``unpermute`` directly.
+    """``MoELayer`` whose forward on a single expert/tensor rank routes, permutes and combines
+    with Megatron's own ``permute``/``unpermute`` directly (rollout, old-log-prob pass and the
+    update's forward alike).
 
     At EP = TP = 1 the all-to-all dispatcher's work reduces to: ``permute`` the tokens ``[T, H]``
     into expert-major order (with their router probs), run the experts, ``unpermute`` (scatter-add
     the ``k`` expert outputs of each token back). Its all-to-alls are then copies to a group of one
     and its ``sort_chunks_by_idxs`` calls identity permutations (host syncs, a split and a cat
     each), which this path leaves out; the arithmetic, and so the result, is the dispatcher's.
-    The router is still called as a module (forward hooks, R2/R3 route recording and replay see
-    it). Training, EP/TP > 1, capacity factors, fused permutes, shared experts and latent
-    projections take Megatron's path.
+    Under autograd too: the single-rank all-to-alls return their input and the identity sorts a
+    ``cat`` of the chunks in order, so their backward hands the gradient through unchanged, and
+    ``permute``/``unpermute`` (the only ops left) are the ones the dispatcher runs (tested
+    bitwise, gradients included). Saves ~1 ms of an update minibatch's forward + backward on
+    TRL's workload (~7 %). The router is still called as a module (forward hooks, R2/R3 route
+    recording and replay see it; its aux loss attaches to the probs as before). EP/TP > 1,
+    capacity factors, fused permutes, shared experts, latent projections and MoE recompute take
+    Megatron's path.
     """
 
     @functools.cached_property  # layout and config are fixed once built: decided on first call
@@ -360,7 +473,7 @@ class DirectMoELayer(MoELayer):
                 and self.fwd_execution_map == ["route", "expert_compute", "postprocess"])
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if torch.is_grad_enabled() or intermediate_tensors is not None or not self._direct:
+        if intermediate_tensors is not None or not self._direct:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()

@@ -1,0 +1,169 @@
+"""The update path's fast paths against Megatron's own: torch's multi-tensor (``foreach``)
+AdamW inside Megatron's optimizer is bitwise its default per-parameter loop on CPU, the lean step
+(norm and clipping with foreach ops) is bitwise Megatron's ``optimizer.step()``, the non-finite
+check reads DDP's flat gradient buffers with the same answer as the per-parameter check, the
+single-rank ``finalize_model_grads`` leaves the gradients as Megatron's does, and the eval/train
+switch of the log-prob pass sets every module's flag as ``nn.Module.train`` does."""
+
+import pytest
+import torch
+
+from gspo_megatron.algorithms import PolicyLossConfig
+from gspo_megatron.backends.megatron.policy import build_policy
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+from gspo_megatron.config import OptimConfig
+from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
+from gspo_megatron.policy import make_policy_batch
+from tests.helpers.megatron import train_minibatch
+
+pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+
+    g = initialize_distributed(ParallelConfig(), model_config_from_preset("tiny"), seed=5)
+    yield g
+    destroy_distributed()
+
+
+def _inner_groups(policy):
+    opt = policy.optimizer
+    return [g for o in getattr(opt, "chained_optimizers", [opt]) for g in o.optimizer.param_groups]
+
+
+def _policy(groups):
+    # weight decay on (a decayed and an undecayed group), clipping active at this lr
+    optim = OptimConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.05, lr_warmup_steps=2,
+                        lr_decay_style="cosine", min_lr=1e-4)
+    return build_policy(model_config_from_preset("tiny"), ParallelConfig(), PrecisionConfig(),
+                        optim, groups, total_steps=6)
+
+
+def _steps(policy, groups, n=5):
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
+            for k in torch.randint(6, 14, (8,), generator=gen)]
+    batch = make_policy_batch(seqs, [3] * 8, pad_id=0)
+    batch.advantages = torch.randn(8, generator=gen)
+    scoring = ScoringConfig(vocab_size=100)
+    batch.old_logprobs, _ = compute_logprobs(policy.model, batch, 4, scoring, groups)
+    norms = []
+    for _ in range(n):
+        policy.zero_grad()
+        train_minibatch(policy.model, batch, 4, PolicyLossConfig(variant="gspo"), scoring, groups)
+        applied, norm = policy.optimizer_step()
+        assert applied
+        norms.append(norm)
+    return norms
+
+
+@pytest.mark.parametrize("clip_grad", [0.05, 0.0, 1e9])
+def test_lean_step_and_foreach_adamw_are_megatrons_step_bitwise(groups, clip_grad):
+    """Against Megatron's own ``optimizer.step()`` with torch's per-parameter Adam loop: the
+    same gradient norms, weights and Adam state after 5 steps, with clipping active on every
+    step (0.05), disabled (0) and never triggered (1e9)."""
+    fast, slow = _policy(groups), _policy(groups)
+    for pol in (fast, slow):
+        for o in getattr(pol.optimizer, "chained_optimizers", [pol.optimizer]):
+            o.config.clip_grad = clip_grad
+    fast.copy_weights_to(slow)
+    assert fast._lean_step
+    assert all(g["foreach"] is True for g in _inner_groups(fast))
+    assert {g["weight_decay"] for g in _inner_groups(fast)} == {0.0, 0.1}
+    slow.__dict__["_lean_step"] = False  # Megatron's step()
+    for g in _inner_groups(slow):
+        g["foreach"] = False  # torch's default on CPU: _single_tensor_adam
+    norms_fast, norms_slow = _steps(fast, groups), _steps(slow, groups)
+    assert norms_fast == norms_slow and max(norms_fast) > 0.05  # clipped steps at clip_grad 0.05
+    slow_params = dict(slow.unwrapped().named_parameters())
+    for name, p in fast.unwrapped().named_parameters():
+        assert torch.equal(p, slow_params[name]), name
+    states = [[o.optimizer.state for o in getattr(pol.optimizer, "chained_optimizers",
+                                                   [pol.optimizer])] for pol in (fast, slow)]
+    for state_f, state_s in zip(*states):
+        for (pf, sf), (ps, ss) in zip(state_f.items(), state_s.items(), strict=True):
+            assert pf.shape == ps.shape and sorted(sf) == sorted(ss)
+            assert all(torch.equal(sf[k], ss[k]) for k in sf)  # step, exp_avg, exp_avg_sq
+
+
+def test_nonfinite_check_reads_the_flat_buffers(groups):
+    policy = _policy(groups)
+    _steps(policy, groups, n=1)
+    buffers = policy._grad_buffers
+    assert buffers is not None
+    assert sum(b.numel() for b in buffers) >= sum(p.numel() for p in policy.unwrapped().parameters())
+    assert policy.grads_are_finite()
+    params = [p for p in policy.unwrapped().parameters() if hasattr(p, "main_grad")]
+    for param, bad in ((params[0], float("nan")), (params[-1], float("inf")),
+                       (params[len(params) // 2], float("-inf"))):
+        saved = param.main_grad.clone()
+        param.main_grad.view(-1)[-1] = bad
+        assert not policy.grads_are_finite()
+        param.main_grad.copy_(saved)
+        assert policy.grads_are_finite()
+    # A skipped step leaves weights and Adam state alone.
+    before = [p.detach().clone() for p in params]
+    applied, norm = policy.optimizer_step(corrupt_grad=lambda g: g * float("nan"))
+    assert not applied and norm != norm
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+
+
+def test_single_rank_finalize_is_megatrons(groups):
+    from megatron.core.distributed import finalize_model_grads
+
+    from gspo_megatron.backends.megatron.policy import single_rank_finalize_model_grads
+
+    a, b = _policy(groups), _policy(groups)
+    a.copy_weights_to(b)
+    assert a.transformer_config.finalize_model_grads_func is single_rank_finalize_model_grads
+    b.transformer_config.finalize_model_grads_func = finalize_model_grads
+    norms = [_steps(p, groups, n=3) for p in (a, b)]
+    assert norms[0] == norms[1]
+    params_b = dict(b.unwrapped().named_parameters())
+    for name, p in a.unwrapped().named_parameters():
+        assert torch.equal(p.main_grad, params_b[name].main_grad) and torch.equal(p, params_b[name])
+    groups_a = a.model[0].bucket_groups + a.model[0].expert_parallel_bucket_groups
+    assert groups_a and not any(g.param_gather_dispatched for g in groups_a)
+
+
+def test_set_training_is_module_train(groups):
+    from gspo_megatron.backends.megatron.schedule import set_training
+
+    policy = _policy(groups)
+    modules = list(policy.model[0].modules())
+    assert len(modules) > 50
+    set_training(policy.model, False)
+    assert not any(m.training for m in modules)
+    set_training(policy.model, True)
+    assert all(m.training for m in modules)
+    policy.model[0].eval()
+    expected = [m.training for m in modules]
+    set_training(policy.model, True)
+    set_training(policy.model, False)
+    assert [m.training for m in modules] == expected
+    set_training(policy.model, True)
+
+
+def test_reduce_metrics_of_one_microbatch_is_the_general_reduction():
+    """One microbatch on one rank takes a single stack + tolist; the values are the general
+    path's (sum for loss/*, min/max by suffix, else mean, each of one float32 value)."""
+    from gspo_megatron.backends.megatron.schedule import reduce_metrics
+
+    class OneRank:
+        dp_size, dp_group = 1, None
+
+    gen = torch.Generator().manual_seed(3)
+    out = {f"loss/{i}": torch.randn((), generator=gen, dtype=torch.float64) for i in range(3)}
+    out.update({f"x/{i}_min": torch.randn((), generator=gen) for i in range(3)})
+    out.update({f"x/{i}_max": torch.randn((), generator=gen) * 1e30 for i in range(3)})
+    out.update({f"y/{i}": torch.randn((), generator=gen, dtype=torch.float64) / 3 for i in range(5)})
+    out["z/nan"] = torch.tensor(float("nan"))
+    fast = reduce_metrics([out], OneRank())
+    for key, value in out.items():
+        vals = torch.stack([value.float().reshape(())])
+        ref = (vals.sum() if key.startswith("loss/") else vals.min() if key.endswith("min")
+               else vals.max() if key.endswith("max") else vals.mean())
+        assert repr(fast[key]) == repr(float(ref)), key
+    assert list(fast) == sorted(out)
