@@ -120,13 +120,20 @@ class RolloutCorrectionConfig(Section, name="rollout_correction"):
                         "keeps every weight up to rollout_correction.cap"))
             return
         low, high = self.band()
+        # A problem names every field its edges come from (band() fills an unset edge from the
+        # other one or from cap) and the mode that selects these checks: the loader then drops it
+        # when one of them did not parse and holds its default.
+        high_from = ("band_high",) if self.band_high is not None else ("band_high", "cap")
+        low_from = ("band_low",) if self.band_low is not None else ("band_low", *high_from)
         if low >= high:
-            yield self._problem(("band_low", "band_high"), (
+            yield self._problem((*dict.fromkeys(low_from + high_from), "mode"), (
                 f"must be < band_high: the band [{low}, {high}] is empty"))
         elif low > 1:
-            yield self._problem("band_low", f"must be <= 1 (an on-policy token has weight 1), got {low}")
+            yield self._problem((*low_from, "mode"),
+                                f"must be <= 1 (an on-policy token has weight 1), got {low}")
         elif high < 1:
-            yield self._problem("band_high", f"must be >= 1 (an on-policy token has weight 1), got {high}")
+            yield self._problem((*high_from, "mode"),
+                                f"must be >= 1 (an on-policy token has weight 1), got {high}")
 
 
 class CorrectionResult(NamedTuple):

@@ -107,14 +107,20 @@ class DataConfig(Section, name="data"):
             if not getattr(self, name):
                 yield self._problem(name, "must be a non-empty field name")
         yield from self._at_least(1, "max_prompt_length")
-        if self.source != "file":  # the built-in tasks' knobs
-            yield from self._at_least(1, "num_train_examples", "max_operand")
-            yield from self._at_least(2, "chain_operands")
-            yield from self._at_least(0, "seed", note=" or null")
-            yield from self._at_least(0, "num_eval_examples")
-            if not 0.0 < self.heldout_fraction < 1.0:
-                yield self._problem("heldout_fraction",
-                                    f"must be in (0, 1), got {self.heldout_fraction}")
+        if self.source != "file":
+            # Checked for the built-in tasks only, so each problem names source too (the loader
+            # drops it when source did not parse and holds its default).
+            for fields, text in self._builtin_task_problems():
+                yield (*fields, "source"), text
+
+    def _builtin_task_problems(self) -> Iterator[Problem]:
+        """The built-in tasks' knobs."""
+        yield from self._at_least(1, "num_train_examples", "max_operand")
+        yield from self._at_least(2, "chain_operands")
+        yield from self._at_least(0, "seed", note=" or null")
+        yield from self._at_least(0, "num_eval_examples")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            yield self._problem("heldout_fraction", f"must be in (0, 1), got {self.heldout_fraction}")
 
 
 @dataclass

@@ -203,3 +203,31 @@ def test_an_unparsed_value_only_reports_itself():
         load_config(TINY_RECIPE, ["--optim.lr=.inf"])
     assert ei.value.errors == ["override '--optim.lr=.inf': optim.lr: expected a finite float, "
                                "got inf"]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["--loss.variant=GRPO_", "--loss.aggregation=token_mean"],
+     "override '--loss.variant=GRPO_': loss.variant: expected one of 'gspo', 'gspo_token', 'grpo', "
+     "got 'GRPO_'; did you mean 'grpo'?"),
+    (["--data.source=fiel", "--data.num_train_examples=0"],  # checked for built-in tasks only
+     "override '--data.source=fiel': data.source: expected one of 'arithmetic', 'arithmetic_chain', "
+     "'file', got 'fiel'; did you mean 'file'?"),
+    (["--rollout_correction.mode=mask", "--rollout_correction.band_low=3",
+      "--rollout_correction.cap=.inf"],  # the band's upper edge comes from cap
+     "override '--rollout_correction.cap=.inf': rollout_correction.cap: expected a finite float, "
+     "got inf"),
+], ids=["loss.variant", "data.source", "rollout_correction.cap"])
+def test_checks_that_depend_on_an_unparsed_value_stay_silent(overrides, error):
+    """Every problem names each field it depends on (data's built-in-task knobs name source, the
+    correction band names cap and mode), so the one value that failed to parse is the only
+    error."""
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, overrides)
+    assert ei.value.errors == [error]
+
+
+def test_an_unparsed_value_leaves_the_sections_other_checks():
+    with pytest.raises(ConfigError) as ei:
+        load_config(TINY_RECIPE, ["--optim.lr=.inf", "--optim.adam_beta1=2"])
+    assert len(ei.value.errors) == 2 and "optim.lr" in ei.value.errors[0]
+    assert "optim.adam_beta1" in ei.value.errors[1]
