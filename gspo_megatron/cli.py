@@ -189,6 +189,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     def policy(**kwargs):
         return build_policy(cfg.model, cfg.parallel, cfg.precision, cfg.optim, groups,
                             micro_batch_size=cfg.trainer.micro_batch_size,
+                            max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                             vocab_size=tokenizer.vocab_size, **kwargs)
 
     actor = policy(total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches,

@@ -109,3 +109,132 @@ class TokenLayout:
     def select(self, rows: slice | torch.Tensor) -> "TokenLayout":
         """The layout of rows ``rows`` (as :meth:`PolicyBatch.select` takes them)."""
         return TokenLayout(self.lengths[rows], self.prompt_lengths[rows], self.seq_length)
+
+
+# ----------------------------------------------------------------------------- packed microbatches
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Sequences of a microbatch concatenated into one row of ``S`` tokens (Megatron's ``thd``
+    format, ``PackedSeqParams``): no padding between sequences, attention and rotary positions
+    restart at each sequence. The microbatch's ``[n, T]`` tensors stay right-padded (sequence
+    ``i`` in row ``i``, positions ``0 .. len_i - 1``); :meth:`pack` / :meth:`unpack` move
+    label-aligned values between that form and the packed row::
+
+        [n, T] rows      a0 a1 a2 .  .        packed [1, S]   a0 a1 a2 b0 b1 b2 b3 | pad
+                         b0 b1 b2 b3 .        cu_seqlens      [0, 3, 7, 8]
+
+    ``S`` is the real tokens rounded up to ``pad_to_multiple_of`` (TP under sequence parallel):
+    the tail pad is one more segment of ``cu_seqlens`` (it attends only to itself) and is marked in
+    :meth:`padding_mask`, so the MoE routers give it no expert and no load-balancing weight. A
+    label sits where its token sits (position ``t`` of a sequence scores token ``t + 1``), so the
+    last token of each sequence scores the pad label, as in the padded layout."""
+
+    lengths: torch.Tensor
+    """[n] int64: tokens of each packed sequence."""
+    total: int
+    """S: positions of the packed row (real tokens + the tail pad)."""
+
+    @classmethod
+    def of(cls, lengths: torch.Tensor, pad_to_multiple_of: int = 1) -> "PackedRows":
+        real = int(lengths.sum())
+        return cls(lengths.long(), -(-max(real, 1) // pad_to_multiple_of) * pad_to_multiple_of)
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.total - self.real_tokens
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """``[n + 1]`` (``[n + 2]`` with a tail pad) int32 segment starts, the pad its own
+        segment."""
+        seg = self.lengths if self.pad_tokens == 0 else torch.cat(
+            [self.lengths, torch.tensor([self.pad_tokens])])
+        return torch.cat([torch.zeros(1, dtype=torch.long), seg.cumsum(0)]).to(torch.int32)
+
+    def max_seqlen(self) -> int:
+        return max(int(self.lengths.max()) if self.lengths.numel() else 0, self.pad_tokens)
+
+    def flat_index(self, seq_length: int) -> torch.Tensor:
+        """``[S_real]`` int64: for each real token of the packed row, its index in the flattened
+        ``[n, seq_length]`` right-padded tensors (row ``i`` position ``t`` -> ``i * T + t``)."""
+        n = self.lengths.shape[0]
+        positions = torch.arange(seq_length)
+        keep = positions[None, :] < self.lengths[:, None]  # [n, T]
+        return (torch.arange(n)[:, None] * seq_length + positions[None, :])[keep]
+
+    def pack(self, x: torch.Tensor, pad_value=0) -> torch.Tensor:
+        """``[n, T] -> [1, S]``: the real tokens of every row, in order, then the tail pad."""
+        flat = x.reshape(-1)[self.flat_index(x.shape[1]).to(x.device)]
+        if self.pad_tokens:
+            flat = torch.cat([flat, flat.new_full((self.pad_tokens,), pad_value)])
+        return flat[None]
+
+    def unpack(self, y: torch.Tensor, seq_length: int) -> torch.Tensor:
+        """``[1, S] (or [S]) -> [n, T]``: the inverse of :meth:`pack`, zeros at the padding
+        (differentiable: the gradient of a padded position is dropped)."""
+        n = self.lengths.shape[0]
+        flat = y.reshape(-1)[: self.real_tokens]
+        out = flat.new_zeros(n * seq_length)
+        return out.index_copy(0, self.flat_index(seq_length).to(y.device), flat).view(n, seq_length)
+
+    def position_ids(self, device=None) -> torch.Tensor:
+        """``[1, S]`` rotary positions, restarting at 0 in every segment (the pad included)."""
+        cu = self.cu_seqlens().long()
+        seg = cu[1:] - cu[:-1]
+        starts = torch.repeat_interleave(cu[:-1], seg)
+        return (torch.arange(self.total) - starts).to(device)[None]
+
+    def padding_mask(self, device=None) -> torch.Tensor | None:
+        """``[1, S]`` bool, True at the tail pad (Megatron's MoE ``padding_mask``); None without
+        one."""
+        if self.pad_tokens == 0:
+            return None
+        mask = torch.zeros(1, self.total, dtype=torch.bool, device=device)
+        mask[:, self.real_tokens:] = True
+        return mask
+
+
+def pack_into_microbatches(lengths: Sequence[int], max_tokens: int, pad_to_multiple_of: int = 1,
+                           min_microbatches: int = 1) -> list[list[int]]:
+    """Sequences ``0 .. N-1`` of ``lengths`` grouped into microbatches of at most ``max_tokens``
+    packed tokens each (tail pad included), no sequence split: first-fit decreasing (longest
+    first, each into the first microbatch with room; deterministic, ties by index), the bins
+    then taken apart until there are ``min_microbatches`` (every rank of a data-parallel group
+    must run as many microbatches as the others: their expert all-to-alls pair up) by halving
+    the bin of most tokens that holds two or more sequences. Each microbatch lists its sequences
+    in ascending order.
+
+    Raises ``ValueError`` for a sequence longer than ``max_tokens`` or more microbatches asked
+    than there are sequences."""
+    lengths = [int(x) for x in lengths]
+    fit = lambda tokens: -(-tokens // pad_to_multiple_of) * pad_to_multiple_of  # noqa: E731
+    too_long = [i for i, n in enumerate(lengths) if fit(n) > max_tokens]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than "
+                         f"max_tokens_per_microbatch={max_tokens}")
+    if min_microbatches > len(lengths):
+        raise ValueError(f"{min_microbatches} microbatches asked for {len(lengths)} sequences")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if fit(load + lengths[i]) <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    while len(bins) < min_microbatches:
+        b = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: (loads[b], -b))
+        seqs = sorted(bins[b], key=lambda i: (-lengths[i], i))
+        bins[b], new = seqs[0::2], seqs[1::2]  # alternate: two halves of about equal tokens
+        loads[b] = sum(lengths[i] for i in bins[b])
+        bins.append(new)
+        loads.append(sum(lengths[i] for i in new))
+    return [sorted(b) for b in bins]

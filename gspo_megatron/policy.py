@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from gspo_megatron.layout import TokenLayout
+from gspo_megatron.layout import PackedRows, TokenLayout
 
 
 @dataclass
@@ -50,6 +50,12 @@ class PolicyBatch:
     layout: TokenLayout | None = None
     """Where each sequence's tokens sit (:func:`make_policy_batch` sets it; None: every row is
     one sequence starting at position 0, e.g. a hand-made test batch)."""
+    rows: torch.Tensor | None = None
+    """[B] int64, on a microbatch: the rows of the batch it was cut from (routes recorded or
+    replayed for it are those rows'). None on a whole batch."""
+    packing: PackedRows | None = None
+    """On a packed microbatch: how its rows are concatenated into the one row the model sees
+    (:class:`~gspo_megatron.layout.PackedRows`); None when the model sees the ``[B, T]`` rows."""
 
     @property
     def size(self) -> int:
@@ -65,7 +71,9 @@ class PolicyBatch:
                 if torch.is_tensor(getattr(self, f.name))}
 
     def select(self, index: slice | torch.Tensor) -> "PolicyBatch":
-        """Rows ``index`` of every field."""
+        """Rows ``index`` of every field (of a batch, not of a packed microbatch)."""
+        if self.packing is not None:
+            raise ValueError("a packed microbatch cannot be re-sliced; select from its batch")
         layout = self.layout.select(index) if self.layout is not None else None
         return dataclasses.replace(self, layout=layout,
                                    **{k: v[index] for k, v in self.tensors().items()})

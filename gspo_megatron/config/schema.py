@@ -262,7 +262,15 @@ class TrainerConfig(Section, name="trainer"):
     num_minibatches: int = 4
     """Optimiser steps per rollout batch (the paper: 4)."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward (gradient accumulation inside a minibatch)."""
+    """Sequences per forward/backward (gradient accumulation inside a minibatch), each
+    right-padded to the batch's longest sequence. Not used when packing."""
+    max_tokens_per_microbatch: int | None = None
+    """Padding-free training: the sequences of every old-log-prob, update and SFT pass are packed
+    (concatenated, Megatron's ``thd`` ``PackedSeqParams``: no attention across sequences, rotary
+    positions restart per sequence) into microbatches of at most this many tokens, so compute
+    follows the real tokens instead of ``batch x longest``. Must hold the longest sequence
+    (``data.max_prompt_length + rollout.max_new_tokens``). verl's ``ppo_max_token_len_per_gpu``
+    with ``use_remove_padding``; None (default): padded microbatches of ``micro_batch_size``."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """pi_old from a trainer forward pass, or the rollout engine's log-probs (paper Sec. 5.4)."""
     normalize_advantage_std: bool = True
@@ -281,6 +289,8 @@ class TrainerConfig(Section, name="trainer"):
         yield from self._at_least(0, "steps", "eval_interval", "seed")
         yield from self._at_least(1, "num_minibatches", "micro_batch_size",
                                   "max_consecutive_faults")
+        if self.max_tokens_per_microbatch is not None:
+            yield from self._at_least(1, "max_tokens_per_microbatch")
 
 
 @dataclass

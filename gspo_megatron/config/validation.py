@@ -71,7 +71,8 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
         raise ConfigError(errors)
     dp, layout_errors = _layout_errors(cfg, world_size)
     errors = (layout_errors + _batch_errors(cfg, dp, world_size) + _length_errors(cfg)
-              + _engine_errors(cfg) + _routing_errors(cfg) + _loss_errors(cfg)
+              + _engine_errors(cfg) + _packing_errors(cfg) + _routing_errors(cfg)
+              + _loss_errors(cfg)
               + _start_weights_errors(cfg) + _path_errors(cfg, check_paths)
               + _reward_errors(cfg, reward_search_dirs))
     if errors:
@@ -111,7 +112,7 @@ def _batch_errors(cfg: TrainConfig, dp: int, world_size: int) -> list[str]:
             f"trainer.num_minibatches ({tr.num_minibatches}) must divide the rollout batch "
             f"rollout.prompts_per_step x rollout.group_size = {ro.prompts_per_step} x "
             f"{ro.group_size} = {batch}")
-    elif (batch // tr.num_minibatches) % tr.micro_batch_size:
+    elif tr.max_tokens_per_microbatch is None and (batch // tr.num_minibatches) % tr.micro_batch_size:
         errors.append(
             f"trainer.micro_batch_size ({tr.micro_batch_size}) must divide the minibatch "
             f"(rollout.prompts_per_step x rollout.group_size / trainer.num_minibatches = "
@@ -157,6 +158,33 @@ def _engine_errors(cfg: TrainConfig) -> list[str]:
                 f"rollout.dynamic_buffer_size_gb={ro.dynamic_buffer_size_gb} cannot hold one "
                 f"request of model.seq_length={m.seq_length} tokens: it needs "
                 f"{need / 1024 ** 3:.3g} GB of paged KV cache per rank")
+    return errors
+
+
+def _packing_errors(cfg: TrainConfig) -> list[str]:
+    """Packed microbatches (``trainer.max_tokens_per_microbatch``) against the lengths, the
+    attention kernel and routing replay."""
+    tr, par, pr, errors = cfg.trainer, cfg.parallel, cfg.precision, []
+    budget = tr.max_tokens_per_microbatch
+    if budget is None:
+        return errors
+    name = f"trainer.max_tokens_per_microbatch={budget}"
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    shards = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    if -(-longest // shards) * shards > budget:
+        errors.append(f"{name} cannot hold the longest sequence the recipe allows: "
+                      f"data.max_prompt_length + rollout.max_new_tokens = "
+                      f"{cfg.data.max_prompt_length} + {cfg.rollout.max_new_tokens} = {longest}"
+                      + (f" (rounded up to a multiple of TP={shards})" if shards > 1 else ""))
+    if pr.local_kernels is False and pr.transformer_impl == "local":
+        errors.append(f"{name} needs an attention kernel that packs: precision.local_kernels=false "
+                      "keeps Megatron's local DotProductAttention, which refuses packed "
+                      "sequences; leave precision.local_kernels unset or use Transformer Engine")
+    if cfg.routing.enabled and par.tensor_model_parallel_size > 1:
+        errors.append(f"{name} with routing replay/diagnostics needs "
+                      f"parallel.tensor_model_parallel_size=1, got "
+                      f"{par.tensor_model_parallel_size} (sequence-parallel shards of a packed "
+                      "row are not recorded); unset trainer.max_tokens_per_microbatch")
     return errors
 
 

@@ -110,9 +110,11 @@ class RopeOnceSelfAttention(SelfAttention):
         if (inference_context is None and inference_params is None and key_value_states is None
                 and rotary_pos_cos is None and rotary_pos_sin is None
                 and rotary_pos_cos_sin is None and attention_bias is None
-                and packed_seq_params is None and self._lean
+                and (packed_seq_params is None or packed_seq_params.qkv_format == "thd")
+                and self._lean
                 and (rotary_pos_emb is None or isinstance(rotary_pos_emb, torch.Tensor))):
-            return self._lean_forward(hidden_states, attention_mask, rotary_pos_emb)
+            return self._lean_forward(hidden_states, attention_mask, rotary_pos_emb,
+                                      packed_seq_params)
         return super().forward(
             hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
             rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params,
@@ -136,17 +138,26 @@ class RopeOnceSelfAttention(SelfAttention):
     def _mscale(self) -> float:
         return _yarn_get_concentration_factor_from_config(self.config)
 
-    def _lean_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+    def _lean_forward(self, hidden_states, attention_mask, rotary_pos_emb, packed_seq_params=None):
         """``Attention.forward`` without inference context, for the configurations of
         :attr:`_lean`: ``hidden_states [s, b, h] -> ([s, b, h], bias)``; the same modules and
-        ops in the same order, minus the per-call branching and the duplicate RoPE tables."""
+        ops in the same order, minus the per-call branching and the duplicate RoPE tables.
+
+        Packed (``thd``) microbatches (``b = 1``, ``s`` = the packed row): each token is rotated
+        at its position within its own sequence (``cu_seqlens``; Megatron's
+        ``_apply_rotary_pos_emb_thd`` does the same per sequence), and the core attention keeps
+        every sequence to itself (:class:`SDPADotProductAttention`)."""
         query, key, value = self.get_query_key_value_tensors(hidden_states, None, split_qkv=True)
         if rotary_pos_emb is not None:
             cos, sin, rot_dim = _rope_tables(rotary_pos_emb, query.dtype, self._mscale)
+            if packed_seq_params is not None:  # [max_seqlen, 1, 1, rot] -> [S, 1, 1, rot]
+                positions = _packed_positions(packed_seq_params, query.shape[0], query.device)
+                cos, sin = cos[positions], sin[positions]
             query, key = _rotate(query, cos, sin, rot_dim), _rotate(key, cos, sin, rot_dim)
         core_attn_out = self.core_attention(query, key, value, attention_mask,
                                             attn_mask_type=self.attn_mask_type,
-                                            attention_bias=None, packed_seq_params=None)
+                                            attention_bias=None,
+                                            packed_seq_params=packed_seq_params)
         return self.linear_proj(core_attn_out)
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
@@ -235,6 +246,38 @@ def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
     return entry[1], entry[2], freqs.shape[-1]
 
 
+def _packed_positions(params, total: int, device) -> torch.Tensor:
+    """``[S]`` int64 position of each token of a packed row within its sequence, from the
+    ``PackedSeqParams``' ``cu_seqlens_q`` (kept on the params object: one per microbatch, shared
+    by every layer)."""
+    cached = getattr(params, "_gspo_positions", None)
+    if cached is None or cached.shape[0] != total:
+        cu = params.cu_seqlens_q.long().to(device)
+        starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=total)
+        cached = torch.arange(total, device=device) - starts
+        params._gspo_positions = cached
+    return cached
+
+
+def _packed_sdpa(query, key, value, params, scale):
+    """Causal attention of a packed row, each sequence attending only to itself: ``query
+    [S, np, hn]``, ``key/value [S, ng, hn]`` -> ``[S, np, hn]``. The sequences are gathered into
+    right-padded ``[n, heads, L, hn]`` (``L = max_seqlen``), where causal masking alone keeps a
+    real query off the pads behind it; pad queries are dropped. Costs ``n * L^2`` scores against
+    flash-attn's / TE's ``sum len_i^2`` (packing keeps sequences of similar length together).
+    Differentiable (gathers)."""
+    cu = params.cu_seqlens_q.long().to(query.device)
+    lens = cu[1:] - cu[:-1]
+    longest = int(params.max_seqlen_q)
+    t = torch.arange(longest, device=query.device)
+    valid = t[None, :] < lens[:, None]  # [n, L]
+    index = torch.where(valid, cu[:-1, None] + t[None, :], cu[:-1, None])  # pads read token 0
+    q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [n, heads, L, hn]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[valid]  # [S, np, hn], packed order
+
+
 def _positions(context, table: torch.Tensor, start: int, end: int, b0: int, b: int):
     """Rotary embeddings of the window ``[start, end)`` from ``table [S, 1, 1, rot]``: a slice
     ``[sq, 1, 1, rot]``, or per sequence ``[sq, b, 1, rot]`` at ``j - pads[b]`` for a left-padded
@@ -267,6 +310,18 @@ class SDPADotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+                and attention_bias is None and attention_mask is None
+                and self.config.softmax_type == "vanilla" and self.config.window_size is None
+                and not (self.training and self.attention_dropout.p > 0)
+                and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal):
+            # Packed sequences: [S, 1, heads, hn] (our lean forward) or [S, heads, hn]
+            # (Megatron's thd path); the output keeps the matching [S, 1, np * hn] / [S, np * hn].
+            squeeze = query.dim() == 4
+            q, k, v = ((x.squeeze(1) if squeeze else x) for x in (query, key, value))
+            out = _packed_sdpa(q, k, v, packed_seq_params, self.softmax_scale)
+            out = out.reshape(out.shape[0], -1)
+            return out.unsqueeze(1) if squeeze else out
         if (attention_bias is not None or packed_seq_params is not None
                 or self.config.softmax_type != "vanilla" or self.config.window_size is not None
                 or (self.training and self.attention_dropout.p > 0)):
@@ -479,9 +534,11 @@ class DirectMoELayer(MoELayer):
             padding_mask = padding_mask.transpose(0, 1).bool()
         probs, routing_map = self.route(hidden_states, padding_mask)  # [T, E] each
         tokens = hidden_states.view(-1, hidden_states.shape[-1])  # [T, H]
+        # A padded token (packed row's tail) gets no expert: k routes per real token.
+        routed = (routing_map.size(0) if padding_mask is None
+                  else int((~padding_mask).sum())) * self.config.moe_router_topk
         permuted, permuted_probs, mapping = permute(
-            tokens, routing_map, probs=probs,
-            num_out_tokens=routing_map.size(0) * self.config.moe_router_topk)  # [T k, H]
+            tokens, routing_map, probs=probs, num_out_tokens=routed)  # [T k, H]
         out, bias = self.experts(permuted, routing_map.sum(dim=0).long(), permuted_probs)
         out = unpermute(out, mapping, restore_shape=tokens.shape, routing_map=routing_map)
         return out.view(hidden_states.shape), bias

@@ -19,7 +19,9 @@ import torch
 from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.backends.megatron.model import build_gpt_model
 from gspo_megatron.backends.megatron.routing_session import PolicyRouting
-from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs, run_objective
+from gspo_megatron.backends.megatron.schedule import (Microbatching, ScoringConfig,
+                                                      compute_logprobs, make_microbatches,
+                                                      run_objective)
 from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
 from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                                   RoutingConfig)
@@ -33,13 +35,19 @@ class MegatronPolicy:
 
     def __init__(self, model: list, optimizer, scheduler, transformer_config,
                  groups: ParallelGroups, micro_batch_size: int = 1, vocab_size: int | None = None,
-                 routing_cfg: RoutingConfig | None = None):
+                 routing_cfg: RoutingConfig | None = None,
+                 max_tokens_per_microbatch: int | None = None):
         self.model = model  # list[DistributedDataParallel]
         self.optimizer = optimizer  # MegatronOptimizer
         self.scheduler = scheduler  # OptimizerParamScheduler
         self.transformer_config = transformer_config
         self.groups = groups
         self.micro_batch_size = micro_batch_size
+        self.batching = Microbatching(
+            micro_batch_size=micro_batch_size, max_tokens=max_tokens_per_microbatch,
+            pad_to_multiple_of=groups.tp_size if transformer_config.sequence_parallel else 1)
+        """How every pass cuts a batch into microbatches (padded rows, or packed under a token
+        budget: ``trainer.max_tokens_per_microbatch``)."""
         self.scoring = ScoringConfig(vocab_size=vocab_size)
         """The tokenizer's real vocabulary: padded entries are excluded from every softmax."""
         self.routing = (PolicyRouting(self, routing_cfg)
@@ -59,18 +67,19 @@ class MegatronPolicy:
         """``[B, T]`` log-probs of ``batch.labels`` (no grad) on the last pipeline stage, else None."""
         scoring = dataclasses.replace(self.scoring, temperature=temperature)
         with stacked_expert_weights(self.unwrapped()):  # weights fixed: CPU grouped expert GEMMs
-            lp, _ = compute_logprobs(self.model, batch, self.micro_batch_size, scoring,
+            lp, _ = compute_logprobs(self.model, batch, self.batching, scoring,
                                      self.groups, routing=routing)
         return lp
 
     def train_minibatch(self, batch: PolicyBatch, objective, *, routing=None) -> dict[str, float]:
         """Forward + backward of ``objective`` over ``batch`` (gradients accumulate; call
         :meth:`zero_grad` before and :meth:`optimizer_step` after). Adds ``moe/aux_loss``."""
-        metrics = run_objective(self.model, batch, self.micro_batch_size, objective, self.scoring,
-                                self.groups, routing)
+        micro = make_microbatches(batch, self.batching, self.groups)
+        metrics = run_objective(self.model, batch, self.batching, objective, self.scoring,
+                                self.groups, routing, microbatches=micro)
         aux = pop_moe_aux_loss()
         if aux is not None and self.groups.is_last_stage and self.groups.pp_size == 1:
-            metrics["moe/aux_loss"] = aux / -(-batch.size // self.micro_batch_size)
+            metrics["moe/aux_loss"] = aux / len(micro)
         return metrics
 
     # -- optimisation
@@ -231,6 +240,7 @@ def build_policy(
     micro_batch_size: int = 1,
     vocab_size: int | None = None,
     routing_cfg: RoutingConfig | None = None,
+    max_tokens_per_microbatch: int | None = None,
 ) -> MegatronPolicy:
     """Build this rank's pipeline stage, wrap it in Megatron DDP and attach the optimizer
     (``routing_cfg``: the RL loop's MoE routing, :attr:`MegatronPolicy.routing`)."""
@@ -258,13 +268,17 @@ def build_policy(
                                            if single_rank_finalize_applies(ddp)
                                            else finalize_model_grads)
     tf_config.grad_scale_func = None
+    if max_tokens_per_microbatch is not None and groups.pp_size > 1:
+        # Packed microbatches differ in length: the pipeline exchanges each one's shape first.
+        tf_config.variable_seq_lengths = True
 
     optimizer = scheduler = None
     if with_optimizer:
         optimizer, scheduler = build_optimizer(model, optim_cfg, total_steps)
     return MegatronPolicy(model, optimizer, scheduler, tf_config, groups,
                           micro_batch_size=micro_batch_size, vocab_size=vocab_size,
-                          routing_cfg=routing_cfg)
+                          routing_cfg=routing_cfg,
+                          max_tokens_per_microbatch=max_tokens_per_microbatch)
 
 
 def build_optimizer(model: list, optim_cfg: OptimConfig, total_steps: int):

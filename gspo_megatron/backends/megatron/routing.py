@@ -181,6 +181,21 @@ class RouteStore:
             return None
         return ~self.known[rows].transpose(0, 1).reshape(-1)
 
+    def packed(self, rows: torch.Tensor, packing) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Per local layer, the routes of rows ``rows`` in the order of their packed row
+        (:class:`~gspo_megatron.layout.PackedRows`): int64 ``[S, k]``, the tail pad given experts
+        ``0 .. k-1`` (its routing is masked out); and ``[S]`` bool, True where no route was
+        recorded (the pad included), or None when every position is known."""
+        x = self.indices[:, rows].long()  # [L, n, T, k]
+        t, k = x.shape[2], x.shape[-1]
+        index = packing.flat_index(t)
+        pad = torch.arange(k).expand(packing.pad_tokens, k)
+        routes = [torch.cat([x[i].reshape(-1, k)[index], pad]) for i in range(x.shape[0])]
+        if self.known is None:
+            return routes, None
+        free = ~self.known[rows].reshape(-1)[index]
+        return routes, torch.cat([free, torch.ones(packing.pad_tokens, dtype=torch.bool)])
+
     @property
     def nbytes(self) -> int:
         return self.indices.numel() * self.indices.element_size()
@@ -282,23 +297,47 @@ class ModelRouting:
                  capture_natural: bool = False) -> "RouteReplayer":
         return RouteReplayer(self, store, micro_batch_size, capture_natural)
 
-    def collect(self, mb_index: int, b: int, capture_entropy: bool = False,
+    def check_packed(self, microbatch) -> None:
+        """Packed microbatches are routed as one row; under sequence parallelism each TP rank
+        would hold a shard of that row that no other pass shares (not supported)."""
+        if getattr(microbatch, "packing", None) is not None and self.route_shards > 1:
+            raise ValueError("routing replay/diagnostics with packed microbatches "
+                             "(trainer.max_tokens_per_microbatch) need "
+                             "parallel.tensor_model_parallel_size 1 (sequence-parallel shards "
+                             "of a packed row are not recorded)")
+
+    @property
+    def route_shards(self) -> int:
+        """Ranks that each route one slice of a microbatch's tokens (TP under SP)."""
+        return self.tp_size if self.sequence_parallel else 1
+
+    def _to_rows(self, x: torch.Tensor, microbatch, b: int) -> torch.Tensor:
+        """A router's per-token values ``[s * b, ...]`` (sequence-major) -> ``[b, s, ...]``; for a
+        packed microbatch ``[S, ...]`` -> ``[n, T, ...]`` at each sequence's positions."""
+        packing = getattr(microbatch, "packing", None)
+        if packing is None:
+            return x.reshape(-1, b, *x.shape[1:]).transpose(0, 1)
+        n, t = microbatch.size, microbatch.seq_length
+        out = x.new_zeros(n * t, *x.shape[1:])
+        out[packing.flat_index(t).to(x.device)] = x[: packing.real_tokens]
+        return out.view(n, t, *x.shape[1:])
+
+    def collect(self, mb_index: int, microbatch, capture_entropy: bool = False,
                 attr: str = "recorded_topk_idx"):
-        """The routes each router recorded for the microbatch just run (``b`` sequences):
-        ``([L, b, T_local, k] indices, [L, b, T_local] entropy or None)`` on the CPU, taken out
-        of the routers (their ``attr`` is cleared: ``recorded_topk_idx``, or ``used_topk_idx``
-        for the routes a partial replay used)."""
+        """The routes each router recorded for the microbatch just run (a ``PolicyBatch``, or
+        its number of sequences ``b`` for padded rows): ``([L, b, T_local, k] indices,
+        [L, b, T_local] entropy or None)`` on the CPU, taken out of the routers (their ``attr``
+        is cleared: ``recorded_topk_idx``, or ``used_topk_idx`` for the routes a partial replay
+        used). A packed microbatch's routes are put back at its sequences' positions."""
+        b = microbatch if isinstance(microbatch, int) else microbatch.size
         per_layer, ent = [], []
         for layer, r in zip(self.moe_layers, self.replays):
             idx = getattr(r, attr)
             if idx is None:
                 raise RuntimeError(f"MoE layer {layer} recorded no routes for microbatch {mb_index}")
-            # [s * b, k] sequence-major -> [b, s, k]
-            per_layer.append(idx.detach().reshape(-1, b, idx.shape[-1]).transpose(0, 1)
-                             .to(self.dtype).cpu())
+            per_layer.append(self._to_rows(idx.detach(), microbatch, b).to(self.dtype).cpu())
             if capture_entropy:
-                e = r.recorded_entropy
-                ent.append(e.reshape(-1, b).transpose(0, 1).float().cpu())
+                ent.append(self._to_rows(r.recorded_entropy, microbatch, b).float().cpu())
             setattr(r, attr, None)
         if not per_layer:  # a pipeline stage without MoE layers
             return torch.zeros(0, b, 0, self.topk, dtype=self.dtype), None
@@ -314,17 +353,20 @@ class RouteRecorder:
         self.capture_entropy = capture_entropy
         self._indices: list[torch.Tensor] = []  # per microbatch [L, b, T_local, k]
         self._entropy: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor | None] = []  # per microbatch, its batch rows
 
     def before_forward(self, mb_index: int, microbatch=None) -> None:
         A = _actions()
+        self.routing.check_packed(microbatch)
         for r in self.routing.replays:
             r.set_router_replay_action(A.RECORD)
             r.recorded_topk_idx = None
             r.capture_entropy = self.capture_entropy
 
     def after_forward(self, mb_index: int, microbatch=None) -> None:
-        indices, entropy = self.routing.collect(mb_index, microbatch.size, self.capture_entropy)
+        indices, entropy = self.routing.collect(mb_index, microbatch, self.capture_entropy)
         self._indices.append(indices)
+        self._rows.append(getattr(microbatch, "rows", None))
         if entropy is not None:
             self._entropy.append(entropy)
 
@@ -332,8 +374,23 @@ class RouteRecorder:
         self.routing.reset()
 
     def store(self) -> RouteStore:
-        return RouteStore(torch.cat(self._indices, dim=1), list(self.routing.moe_layers),
-                          torch.cat(self._entropy, dim=1) if self._entropy else None)
+        """The recorded routes, rows in the batch's order (microbatches of packed sequences
+        hold rows out of order: put back by their ``rows``)."""
+        return RouteStore(_batch_order(self._indices, self._rows, 1),
+                          list(self.routing.moe_layers),
+                          _batch_order(self._entropy, self._rows, 1) if self._entropy else None)
+
+
+def _batch_order(parts: list[torch.Tensor], rows: list, dim: int) -> torch.Tensor:
+    """Per-microbatch tensors concatenated along ``dim`` (their rows), each row put at its index
+    in ``rows`` (the microbatch's batch rows; None or in-order rows: plain concatenation)."""
+    out = torch.cat(parts, dim=dim)
+    if any(r is None for r in rows):
+        return out
+    order = torch.cat([r.cpu() for r in rows])
+    if torch.equal(order, torch.arange(order.numel())):
+        return out
+    return torch.empty_like(out).index_copy_(dim, order, out)
 
 
 class RouteReplayer:
@@ -352,16 +409,25 @@ class RouteReplayer:
         self.capture_natural = capture_natural
         self._natural: list[torch.Tensor] = []
         self._used: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor | None] = []
 
     def before_forward(self, mb_index: int, microbatch=None) -> None:
         A = _actions()
         start = mb_index * self.mbs
         b = microbatch.size if microbatch is not None else self.mbs
-        if start + b > self.store.batch_size:
-            raise RuntimeError(f"routing replay: microbatch {mb_index} needs rows {start}:{start + b}"
+        rows = getattr(microbatch, "rows", None)
+        if rows is None:
+            rows = torch.arange(start, start + b)
+        if int(rows.max()) >= self.store.batch_size:
+            raise RuntimeError(f"routing replay: microbatch {mb_index} needs row {int(rows.max())}"
                                f" but the route store has {self.store.batch_size}")
-        routes = self.store.sequence_major(slice(start, start + b))
-        free = self.store.free_sequence_major(slice(start, start + b))
+        self.routing.check_packed(microbatch)
+        if getattr(microbatch, "packing", None) is not None:
+            routes, free = self.store.packed(rows.cpu(), microbatch.packing)
+        else:
+            rows = slice(int(rows[0]), int(rows[0]) + b)
+            routes = self.store.sequence_major(rows)
+            free = self.store.free_sequence_major(rows)
         for r, idx in zip(self.routing.replays, routes):
             r.set_target_indices(idx.to(self.device))
             r.set_router_replay_action(A.REPLAY_FORWARD)
@@ -371,13 +437,14 @@ class RouteReplayer:
             r.used_topk_idx = None
 
     def after_forward(self, mb_index: int, microbatch=None) -> None:
-        b = microbatch.size if microbatch is not None else self.mbs
+        mb = microbatch if microbatch is not None else self.mbs
+        self._rows.append(getattr(microbatch, "rows", None))
         if self.capture_natural:
-            self._natural.append(self.routing.collect(mb_index, b)[0])
+            self._natural.append(self.routing.collect(mb_index, mb)[0])
             for r in self.routing.replays:
                 r.capture_natural = False  # not in the backward's recompute
         if self.store.known is not None:
-            self._used.append(self.routing.collect(mb_index, b, attr="used_topk_idx")[0])
+            self._used.append(self.routing.collect(mb_index, mb, attr="used_topk_idx")[0])
             for r in self.routing.replays:
                 r.target_free = None  # the recompute pops the merged routes as they are
         self.routing.set_action(_actions().REPLAY_BACKWARD)
@@ -389,13 +456,14 @@ class RouteReplayer:
             return RouteStore(self.store.indices, list(self.store.moe_layers))
         if not self._used:
             raise RuntimeError("replayed_store() needs a finished pass")
-        return RouteStore(torch.cat(self._used, dim=1), list(self.routing.moe_layers))
+        return RouteStore(_batch_order(self._used, self._rows, 1), list(self.routing.moe_layers))
 
     def natural_store(self) -> RouteStore:
         """The routes free routing would have taken in the replayed forwards (``capture_natural``)."""
         if not self._natural:
             raise RuntimeError("natural_store() needs capture_natural=True and a finished pass")
-        return RouteStore(torch.cat(self._natural, dim=1), list(self.routing.moe_layers))
+        return RouteStore(_batch_order(self._natural, self._rows, 1),
+                          list(self.routing.moe_layers))
 
     def finish(self) -> None:
         self.routing.reset()

@@ -67,7 +67,7 @@ def route_drift(routing: ModelRouting, old: RouteStore, new: RouteStore,
 
 
 def routing_diagnostics(policy_model: list, routing: ModelRouting, batch, old_routes: RouteStore,
-                        micro_batch_size: int, scoring, groups, clip_rule: Callable,
+                        batching, scoring, groups, clip_rule: Callable,
                         replay_gap: bool = True, prefix: str = "routing") -> dict[str, float]:
     """Routing statistics of ``policy_model`` (current weights) vs ``old_routes`` on ``batch``.
 
@@ -76,16 +76,19 @@ def routing_diagnostics(policy_model: list, routing: ModelRouting, batch, old_ro
     advantages, mask)``: the objective's ``[B, T]`` clipped positions
     (:meth:`~gspo_megatron.algorithms.PolicyGradientObjective.clipped_positions`). Returns
     ``routing/*`` metrics; the layer statistics are on every rank, the log-ratio ones on the last
-    pipeline stage."""
+    pipeline stage. ``batching``: the policy's microbatching (a micro-batch size, or a
+    :class:`~.schedule.Microbatching`)."""
     from gspo_megatron.backends.megatron.schedule import compute_logprobs
 
+    mbs = batching if isinstance(batching, int) else batching.micro_batch_size
+
     rec = routing.recorder(capture_entropy=True)
-    new_lp, _ = compute_logprobs(policy_model, batch, micro_batch_size, scoring, groups, routing=rec)
+    new_lp, _ = compute_logprobs(policy_model, batch, batching, scoring, groups, routing=rec)
     new_routes = rec.store()
     rep_lp = None
     if replay_gap:
-        rep_lp, _ = compute_logprobs(policy_model, batch, micro_batch_size, scoring, groups,
-                                     routing=routing.replayer(old_routes, micro_batch_size))
+        rep_lp, _ = compute_logprobs(policy_model, batch, batching, scoring, groups,
+                                     routing=routing.replayer(old_routes, mbs))
 
     sums, changed_count = layer_statistics(routing, old_routes, new_routes, batch.response_mask)
     metrics = sums.metrics(prefix)

@@ -121,7 +121,7 @@ class StepRouting:
             policy = self.policy
             scoring = dataclasses.replace(policy.scoring, temperature=objective.temperature)
             diag = routing_diagnostics(policy.model, self.routing, minibatch, old,
-                                       policy.micro_batch_size, scoring, policy.groups,
+                                       policy.batching, scoring, policy.groups,
                                        objective.clipped_positions,
                                        replay_gap=self.cfg.replay_gap)
             if "routing/change_rate" in diag:

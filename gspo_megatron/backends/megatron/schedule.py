@@ -19,6 +19,7 @@ import torch.distributed as dist
 from gspo_megatron.algorithms import Objective
 from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, compute_device
+from gspo_megatron.layout import PackedRows, pack_into_microbatches
 from gspo_megatron.policy import PolicyBatch
 
 
@@ -32,6 +33,99 @@ class ScoringConfig:
     """The tokenizer's real vocabulary; padded vocabulary entries are excluded."""
     logprob_chunk_size: int = 1024
     """Tokens per fp32 chunk in the log-prob kernel (bounds its memory)."""
+
+
+@dataclass(frozen=True)
+class Microbatching:
+    """How a pass cuts a batch into the microbatches the model sees."""
+
+    micro_batch_size: int = 1
+    """Sequences per microbatch when not packing (each right-padded to the batch's length)."""
+    max_tokens: int | None = None
+    """Packing: sequences concatenated (``thd``, no padding between them) into microbatches of at
+    most this many tokens (``trainer.max_tokens_per_microbatch``); None: padded microbatches of
+    ``micro_batch_size`` sequences."""
+    pad_to_multiple_of: int = 1
+    """A packed row's length is rounded up to this (TP under sequence parallelism)."""
+
+
+def make_microbatches(batch: PolicyBatch, batching: "Microbatching | int",
+                      groups: ParallelGroups) -> list[PolicyBatch]:
+    """The microbatches of ``batch`` in the order the schedule runs them, each carrying the
+    batch rows it holds (``rows``). Padded: consecutive chunks of ``micro_batch_size`` rows.
+    Packed: :func:`~gspo_megatron.layout.pack_into_microbatches` bins under the token budget,
+    as many on every data-parallel rank (one MAX all-reduce of the count: their expert
+    all-to-alls pair up microbatch by microbatch); each microbatch keeps the ``[n, T]`` rows of
+    its sequences and its :class:`~gspo_megatron.layout.PackedRows`."""
+    if isinstance(batching, int):
+        batching = Microbatching(micro_batch_size=batching)
+    if batching.max_tokens is None:
+        size = batching.micro_batch_size
+        chunks = batch.split(size)
+        for i, mb in enumerate(chunks):
+            mb.rows = torch.arange(i * size, i * size + mb.size)
+        return chunks
+    if batch.layout is None:
+        raise ValueError("packing needs the batch's TokenLayout (make_policy_batch sets it)")
+    lengths = batch.layout.lengths.tolist()
+
+    def bins(minimum: int) -> list[list[int]]:
+        return pack_into_microbatches(lengths, batching.max_tokens, batching.pad_to_multiple_of,
+                                      min_microbatches=minimum)
+
+    plan = bins(1)
+    if groups.dp_size > 1:
+        count = int(all_reduce_(torch.tensor([len(plan)], dtype=torch.float64,
+                                             device=compute_device()),
+                                groups.dp_group, op=dist.ReduceOp.MAX))
+        if count > len(plan):
+            plan = bins(count)
+    out = []
+    for seqs in plan:
+        rows = torch.tensor(seqs, dtype=torch.long)
+        mb = batch.select(rows)
+        mb.rows = rows
+        mb.packing = PackedRows.of(batch.layout.lengths[rows], batching.pad_to_multiple_of)
+        out.append(mb)
+    return out
+
+
+def packed_seq_params(packing: PackedRows, device: torch.device):
+    """Megatron's ``PackedSeqParams`` (``thd``) of a packed microbatch."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = packing.cu_seqlens().to(device)
+    longest = packing.max_seqlen()
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _model_inputs(mb: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(tokens, position_ids, extra kwargs)`` of a microbatch for ``GPTModel.forward``:
+    ``[b, T]`` rows, or for a packed microbatch the ``[1, S]`` row with its ``PackedSeqParams``
+    and the tail pad's MoE ``padding_mask``."""
+    p = mb.packing
+    if p is None:
+        return mb.tokens, mb.position_ids(), {}
+    device = mb.tokens.device
+    tokens = p.pack(mb.tokens)
+    return tokens, p.position_ids(device), {
+        "packed_seq_params": packed_seq_params(p, device),
+        "padding_mask": p.padding_mask(device)}
+
+
+def _labels_logprobs(mb: PolicyBatch, logits: torch.Tensor, **kwargs):
+    """``vocab_parallel_logprobs`` of the microbatch's labels, as ``[b, T]`` (a packed
+    microbatch's ``[1, S]`` values unpacked into its rows)."""
+    p = mb.packing
+    labels = mb.labels if p is None else p.pack(mb.labels)
+    lp, ent = vocab_parallel_logprobs(logits, labels, **kwargs)
+    if p is not None:
+        t = mb.seq_length
+        lp = p.unpack(lp, t)
+        ent = p.unpack(ent, t) if ent is not None else None
+    return lp, ent
 
 
 def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_only: bool,
@@ -50,16 +144,20 @@ def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_o
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        tokens, positions, extra = _model_inputs(mb)
         if routing is None:
-            output = model(mb.tokens, mb.position_ids(), attention_mask=None)
+            output = model(tokens, positions, attention_mask=None, **extra)
         else:
             i = next(counter)
             routing.before_forward(i, mb)
-            output = model(mb.tokens, mb.position_ids(), attention_mask=None)
+            output = model(tokens, positions, attention_mask=None, **extra)
             routing.after_forward(i, mb)
         return output, partial(loss_fn, mb)
 
-    seq_length = microbatches[0].seq_length
+    packed = microbatches[0].packing
+    # A packed microbatch is one row of its own length (the pipeline's P2P shapes then vary:
+    # ``variable_seq_lengths``, set on the model config when packing under PP).
+    seq_length = microbatches[0].seq_length if packed is None else packed.total
     try:
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -67,7 +165,7 @@ def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_o
             model=policy_model,
             num_microbatches=len(microbatches),
             seq_length=seq_length,
-            micro_batch_size=microbatches[0].size,
+            micro_batch_size=microbatches[0].size if packed is None else 1,
             decoder_seq_length=seq_length,
             forward_only=forward_only,
         )
@@ -110,7 +208,7 @@ def _to_device(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
 def compute_logprobs(
     policy_model: list,
     batch: PolicyBatch,
-    micro_batch_size: int,
+    batching: "Microbatching | int",
     scoring: ScoringConfig,
     groups: ParallelGroups,
     with_entropy: bool = False,
@@ -119,7 +217,7 @@ def compute_logprobs(
     """Log-probs of ``batch.labels`` under ``policy_model`` (one forward, no grad).
 
     ``routing``: optional MoE routing hooks (record or replay routes; see :func:`_run_schedule`),
-    applied to the microbatches ``batch.split(micro_batch_size)`` in order.
+    applied to the microbatches of :func:`make_microbatches` in order.
 
     Returns ``(logprobs [B, T], entropy [B, T] or None)`` on the last pipeline stage, ``(None, None)``
     on the others (only the last stage computes the loss, so only it needs them).
@@ -127,14 +225,14 @@ def compute_logprobs(
     set_training(policy_model, False)
 
     def score(mb: PolicyBatch, logits: torch.Tensor):
-        lp, ent = vocab_parallel_logprobs(
-            logits, mb.labels, temperature=scoring.temperature, tp_group=groups.tp_group,
+        lp, ent = _labels_logprobs(
+            mb, logits, temperature=scoring.temperature, tp_group=groups.tp_group,
             vocab_size=scoring.vocab_size, compute_entropy=with_entropy,
             chunk_size=scoring.logprob_chunk_size)
         return torch.zeros((), device=logits.device), {"logprobs": lp, "entropy": ent}
 
     device = next(policy_model[0].parameters()).device
-    micro = [_to_device(mb, device) for mb in batch.split(micro_batch_size)]
+    micro = [_to_device(mb, device) for mb in make_microbatches(batch, batching, groups)]
     try:
         outputs = _run_schedule(policy_model, micro, forward_only=True, loss_fn=score,
                                 routing=routing)
@@ -142,19 +240,30 @@ def compute_logprobs(
         set_training(policy_model, True)
     if not groups.is_last_stage:
         return None, None
-    logprobs = torch.cat([o["logprobs"] for o in outputs]).float().cpu()
-    entropy = torch.cat([o["entropy"] for o in outputs]).float().cpu() if with_entropy else None
+    logprobs = _in_batch_order(micro, [o["logprobs"] for o in outputs])
+    entropy = _in_batch_order(micro, [o["entropy"] for o in outputs]) if with_entropy else None
     return logprobs, entropy
+
+
+def _in_batch_order(micro: list[PolicyBatch], values: list[torch.Tensor]) -> torch.Tensor:
+    """The microbatches' ``[b, T]`` values as one ``[B, T]`` float32 CPU tensor, rows back in the
+    batch's order (packed microbatches hold rows out of order)."""
+    out = torch.cat(values).float().cpu()
+    rows = torch.cat([mb.rows.cpu() for mb in micro])
+    if micro[0].packing is None:
+        return out
+    return torch.empty_like(out).index_copy_(0, rows, out)
 
 
 def run_objective(
     policy_model: list,
     batch: PolicyBatch,
-    micro_batch_size: int,
+    batching: "Microbatching | int",
     objective: Objective,
     scoring: ScoringConfig,
     groups: ParallelGroups,
     routing=None,
+    microbatches: list[PolicyBatch] | None = None,
 ) -> dict[str, float]:
     """Forward and backward of ``objective`` over one minibatch (grads accumulate in DDP buffers,
     finalised by Megatron; the caller zeroes grads before and steps the optimizer after).
@@ -166,19 +275,22 @@ def run_objective(
     scalings cancel exactly.
 
     ``routing``: optional MoE routing hooks, e.g. R2 replay of the old policy's routes (see
-    :func:`_run_schedule`), applied to ``batch.split(micro_batch_size)`` in order.
+    :func:`_run_schedule`), applied to the microbatches of :func:`make_microbatches` in order
+    (``microbatches``: already made).
 
     Returns metrics averaged over microbatches and data-parallel ranks (0 keys on non-last stages).
     """
     local = objective.local_count(batch)
     normalizer = float(all_reduce_(local.to(compute_device()), groups.dp_group))
     device = next(policy_model[0].parameters()).device
-    micro = [_to_device(mb, device) for mb in batch.split(micro_batch_size)]
+    if microbatches is None:
+        microbatches = make_microbatches(batch, batching, groups)
+    micro = [_to_device(mb, device) for mb in microbatches]
     scale = len(micro) * groups.dp_size
 
     def loss_fn(mb: PolicyBatch, logits: torch.Tensor):
-        lp, ent = vocab_parallel_logprobs(
-            logits, mb.labels, temperature=objective.temperature, tp_group=groups.tp_group,
+        lp, ent = _labels_logprobs(
+            mb, logits, temperature=objective.temperature, tp_group=groups.tp_group,
             vocab_size=scoring.vocab_size, compute_entropy=objective.needs_entropy,
             chunk_size=scoring.logprob_chunk_size)
         loss, metrics = objective(lp, ent, mb, normalizer)
