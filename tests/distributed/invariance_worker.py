@@ -21,7 +21,7 @@ from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
 from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
-from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+from gspo_megatron.backends.megatron.schedule import Microbatching, ScoringConfig, compute_logprobs
 from tests.helpers.megatron import grads_to_params, train_minibatch
 
 BATCH, VOCAB = 8, 100
@@ -48,9 +48,11 @@ VARIANTS = {
 CASES = (*CORRECTIONS, *VARIANTS)
 
 
-def tiny_model():
+def tiny_model(aux_loss: bool = True):
     # Dense layer between MoE layers, 4 experts top-2: exercises both MLP kinds and the router.
-    return model_config_from_preset("tiny", num_layers=4, moe_layer_freq=[1, 0, 1, 1], seq_length=32)
+    extra = {} if aux_loss else {"moe_aux_loss_coeff": 0.0}
+    return model_config_from_preset("tiny", num_layers=4, moe_layer_freq=[1, 0, 1, 1], seq_length=32,
+                                    **extra)
 
 
 def fixed_batch(seed: int):
@@ -104,6 +106,11 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--micro-batch-size", type=int, default=BATCH)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="pack every pass into microbatches of at most this many tokens")
+    ap.add_argument("--no-aux-loss", action="store_true",
+                    help="MoE load-balancing loss off (it depends on the microbatch composition, "
+                         "which packing changes)")
     ap.add_argument("--weights", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--make-reference", action="store_true")
@@ -111,12 +118,13 @@ def main():
                     help="grad checkpoints to compare with --out's (single process)")
     args = ap.parse_args()
 
-    model_cfg = tiny_model()
+    model_cfg = tiny_model(aux_loss=not args.no_aux_loss)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                               expert_model_parallel_size=args.ep, sequence_parallel=args.tp > 1)
     groups = initialize_distributed(parallel, model_cfg, seed=1234)
     policy = build_policy(model_cfg, parallel, PrecisionConfig(transformer_impl="local"), OptimConfig(),
-                          groups, total_steps=1, with_optimizer=False)
+                          groups, total_steps=1, with_optimizer=False,
+                          max_tokens_per_microbatch=args.max_tokens)
     if args.make_reference:
         save_model_weights(policy.unwrapped(), args.weights)
         destroy_distributed()
@@ -132,8 +140,11 @@ def main():
     rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
     local = batch.select(rows)
     scoring = ScoringConfig(vocab_size=VOCAB)
+    # Padded microbatches of --micro-batch-size rows, or packed ones under --max-tokens.
+    batching = Microbatching(micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens,
+                             pad_to_multiple_of=args.tp)
     # Old log-probs from the reference weights themselves (same for every layout up to float error).
-    logprobs, _ = compute_logprobs(policy.model, local, args.micro_batch_size, scoring, groups)
+    logprobs, _ = compute_logprobs(policy.model, local, batching, scoring, groups)
     if logprobs is not None:
         local.old_logprobs = (logprobs + noise[rows] * local.response_mask).detach()
         local.rollout_logprobs = local.old_logprobs + rollout_noise[rows] * local.response_mask
@@ -143,7 +154,7 @@ def main():
 
     loss_cfg = GSPO
     policy.zero_grad()
-    metrics = train_minibatch(policy.model, local, args.micro_batch_size, loss_cfg, scoring, groups)
+    metrics = train_minibatch(policy.model, local, batching, loss_cfg, scoring, groups)
 
     os.makedirs(args.out, exist_ok=True)
     # What this rank holds, for the layout planner's exact parameter counts.
@@ -157,7 +168,7 @@ def main():
     for case, correction in CORRECTIONS.items():
         load_model_weights(policy.unwrapped(), args.weights)
         policy.zero_grad()
-        metrics = train_minibatch(policy.model, local, args.micro_batch_size, loss_cfg, scoring,
+        metrics = train_minibatch(policy.model, local, batching, loss_cfg, scoring,
                                   groups, correction=correction)
         save_run(policy, groups, os.path.join(args.out, case), metrics)
     for case, variant_cfg in VARIANTS.items():
@@ -167,8 +178,7 @@ def main():
         if variant_cfg.variant == "gspo_token":
             mb = local.select(slice(None))
             mb.advantages = token_advantages[rows]
-        metrics = train_minibatch(policy.model, mb, args.micro_batch_size, variant_cfg, scoring,
-                                  groups)
+        metrics = train_minibatch(policy.model, mb, batching, variant_cfg, scoring, groups)
         save_run(policy, groups, os.path.join(args.out, case), metrics)
     destroy_distributed()
 

@@ -12,11 +12,13 @@ from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.policy import PolicyBatch, RolloutSample
 
 
-def train_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size: int,
+def train_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size,
                     loss_cfg: PolicyLossConfig, scoring: ScoringConfig, groups: ParallelGroups,
                     routing=None, corrupt=None, correction=None) -> dict[str, float]:
     """One RL minibatch: :class:`PolicyGradientObjective` at the scoring temperature through
-    :func:`run_objective` (the trainer goes through ``MegatronPolicy.train_minibatch``)."""
+    :func:`run_objective` (the trainer goes through ``MegatronPolicy.train_minibatch``).
+    ``micro_batch_size``: an int (padded rows) or a :class:`~gspo_megatron.backends.megatron.
+    schedule.Microbatching` (packed under a token budget)."""
     objective = PolicyGradientObjective(loss_cfg, scoring.temperature, corrupt,
                                         correction=correction)
     return run_objective(policy_model, batch, micro_batch_size, objective, scoring, groups, routing)
