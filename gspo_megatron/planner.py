@@ -12,6 +12,12 @@ Bytes per parameter, Megatron's mixed precision with ``grad_reduce_in_fp32``:
     optimizer 12 (fp32 master copy + Adam m and v), divided by the data-parallel size with the
              distributed optimizer (ZeRO-1)
 
+Activations and log-prob logits are those of one microbatch. Padded (the default): ``b =
+micro_batch_size`` sequences, each right-padded to ``s = seq_length`` tokens at worst, so ``s * b``
+tokens and an ``s x s`` attention-score matrix per sequence. Packed (``max_tokens_per_microbatch =
+T``, Megatron's ``thd``): one row of at most ``T`` tokens (tail pad included) holding whole
+sequences of at most ``s`` tokens each; see :func:`plan_memory`.
+
 Routing replay (R2/R3) keeps the routes of a rollout batch in host memory (``RouteStore``: expert
 ids on the CPU, 1 byte each up to 256 experts, 2 beyond): :func:`route_bytes_per_token` per token
 for the whole model, and :attr:`MemoryPlan.routing_replay` for one copy of a rank's rollout batch
@@ -83,6 +89,27 @@ class MemoryPlan:
     kv_cache: int = 0
     """The rollout engine's paged KV cache on this GPU (``rollout.dynamic_buffer_size_gb``, or
     ``max_batch_size`` requests of ``seq_length`` tokens; :mod:`gspo_megatron.kv_cache`)."""
+    micro_batch_size: int = 1
+    """Sequences per padded microbatch (not used when packing)."""
+    seq_length: int = 0
+    """Longest sequence ``s``: a padded microbatch's row length, a packed sequence's bound."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of a packed microbatch (``trainer.max_tokens_per_microbatch``); None: padded
+    microbatches of ``micro_batch_size`` x ``seq_length``."""
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """Tokens of one microbatch, padding included: the budget when packing, else ``s * b``."""
+        if self.max_tokens_per_microbatch is not None:
+            return self.max_tokens_per_microbatch
+        return self.seq_length * self.micro_batch_size
+
+    def describe_microbatch(self) -> str:
+        """``2 x 5120 tokens, padded`` or ``16,384 tokens, packed (sequences <= 5,120)``."""
+        if self.max_tokens_per_microbatch is None:
+            return f"{self.micro_batch_size} x {self.seq_length:,} tokens, padded"
+        return (f"{self.max_tokens_per_microbatch:,} tokens, packed "
+                f"(sequences <= {self.seq_length:,})")
 
     @property
     def state(self) -> int:
@@ -147,11 +174,40 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
                 seq_length: int | None = None, bf16: bool = True, distributed_optimizer: bool = True,
                 recompute: str | None = "full", rollout_tokens: int = 0,
                 routing_replay: bool = False, kv_cache_bytes: int | None = None,
-                rollout_requests: int = 0) -> MemoryPlan:
-    """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout is invalid.
+                rollout_requests: int = 0,
+                max_tokens_per_microbatch: int | None = None) -> MemoryPlan:
+    """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout is invalid
+    or ``max_tokens_per_microbatch`` is below 1.
 
     The rollout's KV cache: ``kv_cache_bytes`` if given, else ``rollout_requests`` requests of
-    ``seq_length`` tokens in paged blocks (0 requests: none)."""
+    ``seq_length`` tokens in paged blocks (0 requests: none).
+
+    One microbatch's activations and logits, with ``s = seq_length``, ``b = micro_batch_size``,
+    ``h`` the hidden size, ``a`` the attention heads, ``k`` the router's top-k, ``f`` the expert FFN
+    size, ``V`` the vocabulary shard (over TP) and ``N`` the tokens of the microbatch (padding
+    included): ``N = s * b`` padded, ``N = T = max_tokens_per_microbatch`` packed (one row of
+    whole sequences, tail pad included; the trainer's packer never exceeds ``T``).
+
+    - per layer, linear in the tokens: ``34 h`` bytes a token (Korthikanti et al.'s 11 h for
+      attention, 19 h for the MLP, 4 h for the two norms) over TP x CP (sequence and context
+      parallel shard the positions), and the MoE dispatch, ``k (2 h + 6 f)`` bytes a token over
+      CP x ETP (the ``k`` routed copies of each token and their expert-FFN intermediates);
+    - per layer, the attention scores and softmax: ``5 a`` bytes per query-key pair over TP x CP.
+      Padded, each of the ``b`` rows is an ``s x s`` matrix: ``s * s * b`` pairs. Packed, the
+      ``thd`` kernel keeps sequences apart, so the pairs are ``sum_i len_i^2`` over the row's
+      sequences; with ``len_i <= min(s, T)`` and ``sum_i len_i <= T`` this is at most
+      ``max_i len_i * sum_i len_i <= T * min(s, T)`` (reached when ``s`` divides ``T``: ``T / s``
+      sequences of ``s`` tokens), the bound used. With ``T = s * b`` every term equals the padded
+      one, so a budget of ``s * b`` plans exactly the padded microbatch; a smaller budget costs
+      proportionally less (the attention term quadratically once ``T < s``);
+    - the log-prob logits: the bf16 logits of the microbatch, ``2 V`` bytes a token over CP, plus
+      the fp32 chunk of the log-prob kernel, ``4 V`` bytes for ``min(1024, N)`` tokens.
+
+    Recompute ``full`` keeps each layer's input (``2 h`` bytes a token) and one layer's full set;
+    ``selective`` drops the attention scores; 1F1B keeps up to PP microbatches in flight."""
+    if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
+        raise ValueError(f"max_tokens_per_microbatch must be at least 1, got "
+                         f"{max_tokens_per_microbatch}")
     parallel = ParallelConfig(tensor_model_parallel_size=layout.tp,
                               pipeline_model_parallel_size=layout.pp,
                               expert_model_parallel_size=layout.ep,
@@ -170,10 +226,16 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
     opt_dense = 12 * dense / (dp * layout.cp if distributed_optimizer else 1)
     opt_expert = 12 * expert / (expert_dp if distributed_optimizer else 1)
 
-    # Activations of one layer for one microbatch (bytes), sequence/context sharded.
-    tokens = s * b / (layout.tp * layout.cp)
-    attn = tokens * h * 34 + 5 * model.num_attention_heads * s * s * b / (layout.tp * layout.cp)
-    moe = s * b / layout.cp * model.moe_router_topk * (2 * h + 6 * model.moe_ffn_hidden_size) / layout.etp
+    # Activations of one layer for one microbatch (bytes), sequence/context sharded. n: the
+    # microbatch's tokens; pairs: query-key pairs of its attention scores (see the docstring).
+    if max_tokens_per_microbatch is None:
+        n, pairs = s * b, s * s * b
+    else:
+        n = max_tokens_per_microbatch
+        pairs = n * min(s, n)  # sum_i len_i^2 <= max_i len_i * sum_i len_i
+    tokens = n / (layout.tp * layout.cp)
+    attn = tokens * h * 34 + 5 * model.num_attention_heads * pairs / (layout.tp * layout.cp)
+    moe = n / layout.cp * model.moe_router_topk * (2 * h + 6 * model.moe_ffn_hidden_size) / layout.etp
     per_layer = attn + moe
     layers = model.num_layers // layout.pp
     if recompute == "full":  # keep each layer's input; recompute one layer at a time
@@ -194,7 +256,7 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
             model.num_layers, model.num_query_groups, model.kv_channels, layout.tp, layout.pp,
             wbytes)) if rollout_requests else 0
     vocab_shard = model.padded_vocab_size() // layout.tp
-    logits = s * b / layout.cp * vocab_shard * 2 + min(1024, s * b) * vocab_shard * 4
+    logits = n / layout.cp * vocab_shard * 2 + min(1024, n) * vocab_shard * 4
     return MemoryPlan(
         layout=layout, num_gpus=num_gpus, dp=dp,
         params_per_gpu=dense + expert, dense_params_per_gpu=dense, expert_params_per_gpu=expert,
@@ -203,6 +265,7 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
         routing_replay=int(replay), logits=int(logits),
         route_bytes_per_token=route_bytes_per_token(model), rollout_tokens=int(rollout_tokens),
         routing_replay_on=bool(routing_replay), kv_cache=int(kv_cache_bytes),
+        micro_batch_size=b, seq_length=s, max_tokens_per_microbatch=max_tokens_per_microbatch,
     )
 
 

@@ -3,18 +3,25 @@
     gspo-plan --model qwen3-30b-a3b --gpus 16 --gpu-memory 80 --tp 2 --ep 8
     gspo-plan --model qwen3-235b-a22b --gpus 128 --gpu-memory 80 --suggest
     gspo-plan --hf-config path/to/config.json --gpus 8 --tp 1 --ep 8
+    gspo-plan --model qwen3-30b-a3b --gpus 16 --tp 2 --ep 8 --max-tokens-per-microbatch 16384
     gspo-plan --gpus 32 --config examples/configs/qwen3_30b_a3b_gspo.yaml \
         --parallel.expert_model_parallel_size=16
 
-With ``--config RECIPE`` (alias ``--recipe``) the model, layout, precision, micro-batch size,
-sequence length and routing replay come from the recipe plus ``--section.field=value`` overrides,
-read exactly as gspo-train reads them; the launch scripts pass the trainer's own arguments, so the
-layout checked is the one that runs. ``--print-layout`` (for scripts) prints ``TP PP EP ETP CP``
-as five integers on stdout before the checks, and the report on stderr.
+With ``--config RECIPE`` (alias ``--recipe``) the model, layout, precision, micro-batch size or
+token budget, sequence length and routing replay come from the recipe plus
+``--section.field=value`` overrides, read exactly as gspo-train reads them; the launch scripts pass
+the trainer's own arguments, so the layout checked is the one that runs. ``--print-layout`` (for
+scripts) prints ``TP PP EP ETP CP`` as five integers on stdout before the checks, and the report on
+stderr.
+
+``--max-tokens-per-microbatch N`` (a recipe's ``trainer.max_tokens_per_microbatch``) plans
+padding-free training: packed microbatches of at most N tokens, one row each, instead of
+``--micro-batch-size`` sequences padded to ``--seq-length``; the report's ``microbatch`` row says
+which (``planner.plan_memory`` has the formulae).
 
 Exits non-zero, before anything is submitted, when the layout does not divide the GPUs, heads or
-experts (2), does not fit in memory (3), or the recipe does not load (2); it then prints layouts
-that do fit.
+experts (2), does not fit in memory (3), or the recipe does not load or the token budget is below
+1 (2); for a layout that does not divide or fit, it then prints layouts that do fit.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ MIB = 1024 ** 2
 # which were given: there the recipe sets them, and a flag would silently disagree with it.
 FLAG_DEFAULTS = dict(tp=1, pp=1, ep=1, etp=None, cp=1, micro_batch_size=1, seq_length=None,
                      fp32=False, no_distributed_optimizer=False, recompute="full",
-                     rollout_tokens=0, routing_replay=False, rollout_requests=0)
+                     rollout_tokens=0, routing_replay=False, rollout_requests=0,
+                     max_tokens_per_microbatch=None)
 # What changes each of them (and the model flags) in --config mode instead.
 RECIPE_OVERRIDES = dict(
     model="--model.preset=NAME", hf_config="the recipe's model section",
@@ -44,7 +52,8 @@ RECIPE_OVERRIDES = dict(
     recompute="--precision.recompute_granularity=...",
     rollout_tokens="--rollout.prompts_per_step / --rollout.group_size / --rollout.max_new_tokens",
     routing_replay="--routing.replay=r2 or r3",
-    rollout_requests="--rollout.max_batch_size=N / --rollout.dynamic_buffer_size_gb=G")
+    rollout_requests="--rollout.max_batch_size=N / --rollout.dynamic_buffer_size_gb=G",
+    max_tokens_per_microbatch="--trainer.max_tokens_per_microbatch=N")
 
 
 def format_count(n: int) -> str:
@@ -66,6 +75,7 @@ def parameter_line(name: str, model) -> str:
 def table(plan) -> str:
     rows = [("parameters / GPU", f"{plan.params_per_gpu:,} (dense {plan.dense_params_per_gpu:,}, "
                                  f"experts {plan.expert_params_per_gpu:,})"),
+            ("microbatch", plan.describe_microbatch()),
             ("weights", plan.weights), ("gradients (fp32)", plan.grads),
             ("optimizer (fp32 master + Adam)", plan.optimizer),
             ("activations (estimate)", plan.activations), ("log-prob logits", plan.logits),
@@ -112,7 +122,8 @@ def from_flags(args):
                   bf16=not args.fp32, distributed_optimizer=not args.no_distributed_optimizer,
                   recompute=None if args.recompute == "none" else args.recompute,
                   rollout_tokens=args.rollout_tokens, routing_replay=args.routing_replay,
-                  rollout_requests=args.rollout_requests)
+                  rollout_requests=args.rollout_requests,
+                  max_tokens_per_microbatch=args.max_tokens_per_microbatch)
     return name, model, layout, kwargs
 
 
@@ -131,6 +142,7 @@ def from_recipe(args, overrides: list[str]):
                     ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
                     cp=p.context_parallel_size)
     kwargs = dict(micro_batch_size=cfg.trainer.micro_batch_size, seq_length=cfg.model.seq_length,
+                  max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                   bf16=cfg.precision.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
                   recompute=cfg.precision.recompute_granularity,
                   # Routes recorded for one rollout batch per DP rank: prompts x G sequences of at
@@ -171,6 +183,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rollout-requests", type=int,
                     help="requests the rollout engine decodes at once: its paged KV cache holds "
                          "that many of --seq-length tokens (the rollout peak; default 0: none)")
+    ap.add_argument("--max-tokens-per-microbatch", type=int, metavar="N",
+                    help="packed (padding-free) microbatches of at most N tokens, one row each "
+                         "(trainer.max_tokens_per_microbatch); default: --micro-batch-size "
+                         "sequences padded to --seq-length")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit instead")
     ap.add_argument("--print-layout", action="store_true",
                     help="print 'TP PP EP ETP CP' on stdout before the checks; report on stderr")
@@ -180,6 +196,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
+    if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < 1:
+        print(f"plan: --max-tokens-per-microbatch must be a positive number of tokens, got "
+              f"{args.max_tokens_per_microbatch}", file=sys.stderr)
+        return 2
     if args.config is None:
         if extra:
             ap.error(f"unrecognized arguments: {' '.join(extra)} (overrides need --config RECIPE)")

@@ -55,8 +55,14 @@ def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout
     return result
 
 
-def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
-    steps = ["--trainer.steps=4", "--checkpoint.save_interval=2"]
+# Packed training (trainer.max_tokens_per_microbatch): SMALL's sequences are at most 8 + 4 = 12
+# tokens, so 24 packs two to four per microbatch (the old-log-prob pass, updates and SFT all pack).
+PACKED = ["--trainer.max_tokens_per_microbatch=24"]
+
+
+@pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
+def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path, layout):
+    steps = ["--trainer.steps=4", "--checkpoint.save_interval=2", *layout]
     straight = tmp_path / "straight"
     gspo_train(straight, *steps)
 
@@ -77,9 +83,13 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
 
 
 @pytest.mark.distributed
-def test_two_process_expert_parallel_run(tmp_path):
+@pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
+def test_two_process_expert_parallel_run(tmp_path, layout):
+    """EP=2 on two ranks; packed, each rank packs its own sequences and both run as many
+    microbatches (their expert all-to-alls pair up)."""
     run = tmp_path / "ep2"
-    gspo_train(run, "--trainer.steps=2", "--parallel.expert_model_parallel_size=2", nproc=2)
+    gspo_train(run, "--trainer.steps=2", "--parallel.expert_model_parallel_size=2", *layout,
+               nproc=2)
     metrics = read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1]
     for m in metrics:

@@ -60,6 +60,12 @@ CONFIG_CASES = [
     ("", ["--checkpoint.keep_last=0"], 1, r"checkpoint.keep_last"),
     ("", ["--parallel.context_parallel_size=2"], 2, r"parallel.context_parallel_size=2"),
     ("", ["--trainer.max_consecutive_faults=0"], 1, r"trainer.max_consecutive_faults"),
+    # packing: a budget below the longest sequence the recipe allows, or none at all; an attention
+    # kernel that cannot pack; routes of sequence-parallel shards of a packed row
+    ("", ["--trainer.max_tokens_per_microbatch=0"], 1, r"trainer.max_tokens_per_microbatch: must be >= 1, got 0"),
+    ("", ["--trainer.max_tokens_per_microbatch=10"], 1, r"trainer.max_tokens_per_microbatch=10 cannot hold the longest sequence the recipe allows: data.max_prompt_length \+ rollout.max_new_tokens = \d+ \+ \d+ = \d+$"),
+    ("", ["--trainer.max_tokens_per_microbatch=256", "--precision.transformer_impl=local", "--precision.local_kernels=false"], 1, r"trainer.max_tokens_per_microbatch=256 needs an attention kernel that packs: precision.local_kernels=false"),
+    ("", ["--trainer.max_tokens_per_microbatch=256", "--routing.replay=r2", "--parallel.tensor_model_parallel_size=2"], 2, r"trainer.max_tokens_per_microbatch=256 with routing replay/diagnostics needs parallel.tensor_model_parallel_size=1, got 2"),
     ("model: !!python/object/apply:os.system ['echo pwned']\n", [], 1, r"recipe.yaml:1"),
 ]
 
@@ -157,6 +163,8 @@ def test_verbose_is_a_flag_not_an_override():
     (["--rollout.group_szie=4"], "rollout.group_szie: unknown field; did you mean 'group_size'"),
     (["--data.source=file", "--data.train_path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["--data.max_prompt_length=3"], "more than data.max_prompt_length=3"),
+    (["--trainer.max_tokens_per_microbatch=8"], "trainer.max_tokens_per_microbatch=8 cannot hold "
+                                                "the longest sequence the recipe allows"),
     (["--loss.clip_low=2"], "override '--loss.clip_low=2': loss.clip_low: must be < 1 (lower "
                             "bound 1 - clip_low > 0), got 2.0"),
     (["--loss.clip_high=-1"], "override '--loss.clip_high=-1': loss.clip_high: must be >= 0, "

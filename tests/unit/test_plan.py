@@ -214,3 +214,132 @@ def test_rollout_and_training_peaks_are_separate(plan):
     assert p.training_peak == p.weights + p.grads + p.optimizer + p.activations + p.logits
     assert p.total == max(p.rollout_peak, p.training_peak) < p.training_peak + p.kv_cache
     assert plan_memory(m, layout, 16, kv_cache_bytes=2 * GIB).kv_cache == 2 * GIB
+
+
+@pytest.mark.parametrize("layout,recompute", [(Layout(tp=2, ep=8), "full"), (Layout(ep=4), None),
+                                              (Layout(tp=2, ep=4, pp=2, cp=2), "selective")])
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_packed_budget_of_s_times_b_is_the_padded_microbatch(layout, recompute, b):
+    """trainer.max_tokens_per_microbatch = s * b plans exactly b padded sequences of s tokens:
+    the same tokens, and T * min(s, T) = s * b * s attention pairs (b = 1: one sequence in the
+    row). Everything else is the padded plan's."""
+    m = model_config_from_preset("qwen3-30b-a3b")
+    s = 4096
+    padded = plan_memory(m, layout, 16, micro_batch_size=b, seq_length=s, recompute=recompute)
+    packed = plan_memory(m, layout, 16, seq_length=s, recompute=recompute,
+                         max_tokens_per_microbatch=s * b)
+    assert (packed.activations, packed.logits) == (padded.activations, padded.logits)
+    assert packed.total == padded.total and packed.state == padded.state
+    assert packed.microbatch_tokens == padded.microbatch_tokens == s * b
+    assert padded.describe_microbatch() == f"{b} x 4,096 tokens, padded"
+    assert packed.describe_microbatch() == f"{s * b:,} tokens, packed (sequences <= 4,096)"
+
+
+def test_packed_activations_follow_the_budget():
+    """Below s * b a packed microbatch costs less: linearly in the budget while it holds a whole
+    sequence (T >= s: the attention pairs T * s are linear too), quadratically in the attention
+    term below s (T * T pairs); the state and the KV cache do not move."""
+    m = model_config_from_preset("qwen3-30b-a3b")
+    layout, s = Layout(tp=2, ep=8), 4096
+
+    def mem(recompute=None, **kw):
+        return plan_memory(m, layout, 16, seq_length=s, recompute=recompute, **kw)
+
+    padded = mem(micro_batch_size=4)
+    half = mem(max_tokens_per_microbatch=2 * s)
+    assert half.activations < padded.activations and half.logits < padded.logits
+    assert half.training_peak < padded.training_peak
+    assert (half.state, half.kv_cache) == (padded.state, padded.kv_cache)
+    assert abs(2 * half.activations - padded.activations) <= 2  # int() of each
+    one = mem(max_tokens_per_microbatch=s)
+    assert abs(2 * one.activations - half.activations) <= 2
+    # Below s: the linear terms halve, the attention term quarters.
+    quarter, eighth = mem(max_tokens_per_microbatch=s // 4), mem(max_tokens_per_microbatch=s // 8)
+
+    def attn(p):  # recompute none minus selective: the attention-score term alone
+        budget = p.microbatch_tokens
+        return p.activations - mem("selective", max_tokens_per_microbatch=budget).activations
+
+    assert abs(4 * attn(eighth) - attn(quarter)) <= 4
+    assert 2 * eighth.activations < quarter.activations
+
+
+def test_packed_attention_term_bounds_every_packing():
+    """The attention scores of a packed row cost 5 a bytes per query-key pair of each sequence
+    with itself: sum_i len_i^2 <= T * min(s, T), the planned term (recompute none minus selective
+    leaves it alone). Checked against the trainer's own packer on random lengths, and reached by
+    T / s sequences of s tokens."""
+    import random
+
+    from gspo_megatron.layout import pack_into_microbatches
+
+    m = model_config_from_preset("qwen3-30b-a3b")
+    layout, s = Layout(tp=2, ep=8), 4096
+    per_pair = 5 * m.num_attention_heads * m.num_layers / (layout.tp * layout.cp)
+
+    def attn_term(budget):
+        kw = dict(seq_length=s, max_tokens_per_microbatch=budget)
+        return (plan_memory(m, layout, 16, recompute=None, **kw).activations
+                - plan_memory(m, layout, 16, recompute="selective", **kw).activations)
+
+    rng = random.Random(0)
+    for budget in (s // 2, s, 3 * s, 16384):
+        term = attn_term(budget)
+        assert abs(term - per_pair * budget * min(s, budget)) <= 1
+        lengths = [rng.randint(1, min(s, budget)) for _ in range(64)]
+        for mb in pack_into_microbatches(lengths, budget):
+            assert sum(lengths[i] for i in mb) <= budget
+            assert per_pair * sum(lengths[i] ** 2 for i in mb) <= term + 1
+    # Tight: three sequences of s tokens fill a budget of 3 s.
+    assert pack_into_microbatches([s, s, s], 3 * s) == [[0, 1, 2]]
+    assert abs(per_pair * 3 * s * s - attn_term(3 * s)) <= 1
+
+
+def test_cli_max_tokens_per_microbatch(plan):
+    """--max-tokens-per-microbatch plans packed rows (the microbatch row says which); a budget of
+    s * b prints the padded numbers; the recipe's trainer.max_tokens_per_microbatch is read in
+    --config mode, where the flag is refused with that override."""
+    base = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "2", "--ep", "8", "--seq-length", "5120"]
+    padded = plan(*base, "--micro-batch-size", "2")
+    packed = plan(*base, "--max-tokens-per-microbatch", "10240")
+    assert padded.returncode == packed.returncode == 0, packed.stderr
+    assert "microbatch                       2 x 5,120 tokens, padded" in padded.stdout
+    row = "microbatch                       10,240 tokens, packed (sequences <= 5,120)"
+    assert row in packed.stdout
+    strip = lambda text: [ln for ln in text.splitlines() if "microbatch " not in ln]  # noqa: E731
+    assert strip(padded.stdout) == strip(packed.stdout)
+    big = plan(*base, "--max-tokens-per-microbatch", "16384")
+    m = model_config_from_preset("qwen3-30b-a3b")
+    want = plan_memory(m, Layout(tp=2, ep=8), 16, seq_length=5120, max_tokens_per_microbatch=16384)
+    assert big.returncode == 0 and f"{want.activations / GIB:8.2f} GiB" in big.stdout
+    assert want.activations > plan_memory(m, Layout(tp=2, ep=8), 16, seq_length=5120,
+                                          micro_batch_size=2).activations
+    recipe = os.path.join(RECIPES, "qwen3_30b_a3b_gspo.yaml")
+    r = plan("--gpus", "16", "--config", recipe, "--trainer.max_tokens_per_microbatch=16384")
+    assert r.returncode == 0, r.stderr
+    assert "microbatch                       16,384 tokens, packed (sequences <= 5,120)" in r.stdout
+    # The recipe: TP2 EP8 ETP1, full recompute, model.seq_length 5120.
+    want = plan_memory(m, Layout(tp=2, ep=8, etp=1), 16, seq_length=5120, recompute="full",
+                       max_tokens_per_microbatch=16384)
+    assert f"activations (estimate)           {want.activations / GIB:8.2f} GiB" in r.stdout
+    assert f"log-prob logits                  {want.logits / GIB:8.2f} GiB" in r.stdout
+    assert "2 x 5,120 tokens, padded" in plan("--gpus", "16", "--config", recipe).stdout
+    refused = plan("--gpus", "16", "--config", recipe, "--max-tokens-per-microbatch", "16384")
+    assert refused.returncode != 0
+    assert "--max-tokens-per-microbatch (override: --trainer.max_tokens_per_microbatch=N)" in refused.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-4096"])
+def test_cli_refuses_a_bad_token_budget(plan, value):
+    """0 or negative: one line naming the flag, exit 2, nothing planned (the recipe's field is
+    refused by the config loader the same way; plan_memory raises)."""
+    p = plan("--model", "tiny", "--gpus", "1", "--max-tokens-per-microbatch", value)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == (f"plan: --max-tokens-per-microbatch must be a positive number of tokens, "
+                        f"got {value}\n")
+    r = plan("--gpus", "1", "--config", os.path.join(RECIPES, "tiny_gspo.yaml"),
+             f"--trainer.max_tokens_per_microbatch={value}")
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert "trainer.max_tokens_per_microbatch: must be >= 1" in r.stderr
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch must be at least 1"):
+        plan_memory(model_config_from_preset("tiny"), Layout(), 1, max_tokens_per_microbatch=int(value))
