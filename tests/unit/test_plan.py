@@ -323,7 +323,7 @@ def test_cli_max_tokens_per_microbatch(plan):
                        max_tokens_per_microbatch=16384)
     assert f"activations (estimate)           {want.activations / GIB:8.2f} GiB" in r.stdout
     assert f"log-prob logits                  {want.logits / GIB:8.2f} GiB" in r.stdout
-    assert "2 x 5,120 tokens, padded" in plan("--gpus", "16", "--config", recipe).stdout
+    assert "10,240 tokens, packed (sequences <= 5,120)" in plan("--gpus", "16", "--config", recipe).stdout
     refused = plan("--gpus", "16", "--config", recipe, "--max-tokens-per-microbatch", "16384")
     assert refused.returncode != 0
     assert "--max-tokens-per-microbatch (override: --trainer.max_tokens_per_microbatch=N)" in refused.stderr
