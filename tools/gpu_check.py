@@ -25,6 +25,7 @@ by ``--deadline`` still answers most):
                    rollout/training mismatch R3 is for (``routing/rollout/*``, ``kl/rollout_vs_train``).
 ``ep2_dynamic_r3_cpu`` the dynamic engine under EP=2 with R3 (ranks in lock-step), on two gloo CPU
                    ranks (two ranks cannot share one GPU's NCCL).
+``tiny_packed``    ``tiny_dynamic`` with packed training microbatches (thd, 256-token budget).
 ``tiny_static``    ``tiny_dynamic`` with the static engine (the A/B reference), and ``tiny_fp32``:
                    ``kl/rollout_vs_train`` and rollout speed per engine and precision.
 """
@@ -95,6 +96,9 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
                                  "--precision.bf16=false", "--sft.steps=20", "--trainer.steps=3",
                                  "--trainer.eval_interval=0", "--logging.progress=false",
                                  f"--logging.run_dir={w('ep2_dynamic_r3_cpu')}"]], 300),
+        # Packed training (trainer.max_tokens_per_microbatch): Transformer Engine's thd attention
+        # where TE is installed, our packing SDPA kernel on the local spec otherwise.
+        ("tiny_packed", [_tiny(w("tiny_packed"), "--trainer.max_tokens_per_microbatch=256")], 300),
         ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
         ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
     ]

@@ -207,8 +207,12 @@ def build_gpt_model(
     post_process: bool,
     pp_rank: int | None = None,
     transformer_config_overrides: dict | None = None,
+    packed: bool = False,
 ):
     """One pipeline stage of the policy as a Megatron ``GPTModel`` (not yet wrapped in DDP).
+    ``packed``: the training passes feed packed (``thd``) microbatches; with the local spec that
+    needs our packing attention (:mod:`.local_kernels`), so the local kernels are on unless
+    ``precision.local_kernels`` is false (which the config refuses with packing).
 
     Output of ``forward(input_ids [B, T], position_ids [B, T], attention_mask)`` on the last stage:
     vocab-parallel logits ``[B, T, V/TP]`` (``parallel_output=True``; never gathered).
@@ -224,7 +228,7 @@ def build_gpt_model(
     config = build_transformer_config(model, parallel, precision, impl=impl,
                                       **(transformer_config_overrides or {}))
     local_kernels = (precision.local_kernels if precision.local_kernels is not None
-                     else not torch.cuda.is_available())  # measured on CPU only so far
+                     else packed or not torch.cuda.is_available())  # measured on CPU only so far
     spec = build_layer_spec(config, impl, pp_rank=pp_rank, local_kernels=local_kernels)
     gpt = GPTModel(
         config=config,
