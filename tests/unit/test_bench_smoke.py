@@ -39,6 +39,11 @@ def test_every_benchmark_runs_at_toy_size(tmp_path):
     # long-tailed vs uniform cost per real token, both engines, one process and EP=2 (2 ranks)
     assert {"ep1_dynamic", "ep1_static", "ep2_dynamic", "ep2_static"} <= set(
         by_name["long_tail"]["ratios"])
+    # training per real token, long-tailed vs uniform, padded and packed microbatches, one
+    # process and EP=2 (2 ranks); the synthetic reasoning-RL batch's tokens computed / real
+    assert {"ep1_padded", "ep1_packed", "ep2_padded", "ep2_packed", "synthetic_padded",
+            "synthetic_packed"} <= set(by_name["packing"]["ratios"])
+    assert by_name["packing"]["met"] is None and by_name["packing"]["ratios"]["synthetic_packed"] <= 1.05
     assert by_name["rollout"]["rows"][-1]["value"] == 1.0  # greedy tokens identical to HF's
     assert by_name["rl_step"]["met"] is None and by_name["rl_step"]["rows"]
     assert {"critical_path_async_over_sync", "step_async_over_sync"} <= set(by_name["checkpoint"]["ratios"])
