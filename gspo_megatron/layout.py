@@ -23,7 +23,7 @@ Label alignment (the convention of :mod:`gspo_megatron.policy`): position ``t`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -134,6 +134,9 @@ class PackedRows:
     """[n] int64: tokens of each packed sequence."""
     total: int
     """S: positions of the packed row (real tokens + the tail pad)."""
+    _flat_index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """:meth:`flat_index` per ``seq_length`` (tokens, labels, log-probs and routes of one
+    microbatch all move through the same index)."""
 
     @classmethod
     def of(cls, lengths: torch.Tensor, pad_to_multiple_of: int = 1) -> "PackedRows":
@@ -161,10 +164,14 @@ class PackedRows:
     def flat_index(self, seq_length: int) -> torch.Tensor:
         """``[S_real]`` int64: for each real token of the packed row, its index in the flattened
         ``[n, seq_length]`` right-padded tensors (row ``i`` position ``t`` -> ``i * T + t``)."""
-        n = self.lengths.shape[0]
-        positions = torch.arange(seq_length)
-        keep = positions[None, :] < self.lengths[:, None]  # [n, T]
-        return (torch.arange(n)[:, None] * seq_length + positions[None, :])[keep]
+        index = self._flat_index.get(seq_length)
+        if index is None:
+            n = self.lengths.shape[0]
+            positions = torch.arange(seq_length)
+            keep = positions[None, :] < self.lengths[:, None]  # [n, T]
+            index = (torch.arange(n)[:, None] * seq_length + positions[None, :])[keep]
+            self._flat_index[seq_length] = index
+        return index
 
     def pack(self, x: torch.Tensor, pad_value=0) -> torch.Tensor:
         """``[n, T] -> [1, S]``: the real tokens of every row, in order, then the tail pad."""
@@ -183,10 +190,7 @@ class PackedRows:
 
     def position_ids(self, device=None) -> torch.Tensor:
         """``[1, S]`` rotary positions, restarting at 0 in every segment (the pad included)."""
-        cu = self.cu_seqlens().long()
-        seg = cu[1:] - cu[:-1]
-        starts = torch.repeat_interleave(cu[:-1], seg)
-        return (torch.arange(self.total) - starts).to(device)[None]
+        return segment_positions(self.cu_seqlens(), self.total).to(device)[None]
 
     def padding_mask(self, device=None) -> torch.Tensor | None:
         """``[1, S]`` bool, True at the tail pad (Megatron's MoE ``padding_mask``); None without
@@ -196,6 +200,28 @@ class PackedRows:
         mask = torch.zeros(1, self.total, dtype=torch.bool, device=device)
         mask[:, self.real_tokens:] = True
         return mask
+
+
+def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total]`` int64: each token's position within its segment of ``cu_seqlens`` (``[m + 1]``
+    segment starts, the last one ``total``), on ``cu_seqlens``' device."""
+    cu = cu_seqlens.long()
+    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=total)
+    return torch.arange(total, device=cu.device) - starts
+
+
+def in_batch_order(parts: Sequence[torch.Tensor], rows: Sequence[torch.Tensor | None],
+                   dim: int = 0) -> torch.Tensor:
+    """Per-microbatch values concatenated along ``dim`` (their rows), each row put back at its
+    index in the batch, ``rows[i]`` being microbatch ``i``'s batch rows. Plain concatenation when
+    a microbatch has no ``rows`` or they are already in order (padded microbatches)."""
+    out = torch.cat(list(parts), dim=dim)
+    if any(r is None for r in rows):
+        return out
+    order = torch.cat([r.cpu() for r in rows])
+    if torch.equal(order, torch.arange(order.numel())):
+        return out
+    return torch.empty_like(out).index_copy_(dim, order.to(out.device), out)
 
 
 def pack_into_microbatches(lengths: Sequence[int], max_tokens: int, pad_to_multiple_of: int = 1,

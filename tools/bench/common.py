@@ -147,6 +147,34 @@ def run_child(module: str, args: list[str], timeout: float = 900) -> dict:
     return json.loads(lines[-1])
 
 
+def run_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> dict:
+    """Benchmark ``module``'s ``--child`` with ``spec`` (JSON) in a fresh process, or on ``nproc``
+    gloo ranks under ``torch.distributed.run`` (a free local port for the rendezvous); the JSON
+    object rank 0 printed."""
+    import socket
+
+    args = ["--child", json.dumps(spec)]
+    if nproc == 1:
+        return run_child(module, args)
+    with socket.socket() as s:  # a free port on this machine for the gloo rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return run_child("torch.distributed.run", ["--nproc-per-node", str(nproc), "--master-addr",
+                                               "127.0.0.1", "--master-port", str(port), "-m",
+                                               module, *args], timeout=timeout)
+
+
+def layout_main(run: Callable[..., dict], child: Callable[[dict], dict]) -> None:
+    """``__main__`` of a benchmark with :func:`run_layout` children: ``--child SPEC`` runs
+    ``child(spec)`` and rank 0 prints its JSON; otherwise :func:`module_main` with ``--rounds``."""
+    if "--child" in sys.argv:
+        res = child(json.loads(sys.argv[sys.argv.index("--child") + 1]))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(res), flush=True)
+    else:
+        module_main(run, extra_args=lambda ap: ap.add_argument("--rounds", type=int))
+
+
 @contextlib.contextmanager
 def tiny_trainer(overrides: list[str]):
     """``gspo-train``'s trainer (``build(cfg, prepare(cfg))``, in this process) on

@@ -56,7 +56,6 @@ microbatches against the fewest possible (real tokens / budget, rounded up). Tar
 
 from __future__ import annotations
 
-import json
 
 TARGET, SYNTH_TARGET = 1.3, 1.05
 VOCAB, SEQUENCES, MAX_RESPONSE, MEAN_RESPONSE = 24, 128, 256, 19
@@ -271,30 +270,12 @@ def run(smoke: bool = False, rounds: int = 3) -> dict:
 
 
 def _layout(ep: int, spec: dict) -> dict:
-    from tools.bench.common import run_child
+    from tools.bench.common import run_layout
 
-    args = ["--child", json.dumps({**spec, "ep": ep})]
-    if ep == 1:
-        return run_child("tools.bench.packing", args)
-    import socket
-
-    with socket.socket() as s:  # a free port on this machine for the gloo rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return run_child("torch.distributed.run", ["--nproc-per-node", str(ep), "--master-addr",
-                                               "127.0.0.1", "--master-port", str(port), "-m",
-                                               "tools.bench.packing", *args], timeout=1800)
+    return run_layout("tools.bench.packing", {**spec, "ep": ep}, nproc=ep)
 
 
 if __name__ == "__main__":
-    import os
-    import sys
+    from tools.bench.common import layout_main
 
-    if "--child" in sys.argv:
-        res = _child(json.loads(sys.argv[sys.argv.index("--child") + 1]))
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps(res), flush=True)
-    else:
-        from tools.bench.common import module_main
-
-        module_main(run, extra_args=lambda ap: ap.add_argument("--rounds", type=int))
+    layout_main(run, _child)

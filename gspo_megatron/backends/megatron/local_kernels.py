@@ -53,6 +53,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from gspo_megatron.layout import segment_positions
+
 
 def _single_rank(group) -> bool:
     return group is None or group.size() == 1
@@ -252,9 +254,7 @@ def _packed_positions(params, total: int, device) -> torch.Tensor:
     by every layer)."""
     cached = getattr(params, "_gspo_positions", None)
     if cached is None or cached.shape[0] != total:
-        cu = params.cu_seqlens_q.long().to(device)
-        starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=total)
-        cached = torch.arange(total, device=device) - starts
+        cached = segment_positions(params.cu_seqlens_q.to(device), total)
         params._gspo_positions = cached
     return cached
 

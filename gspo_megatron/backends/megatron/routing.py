@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from gspo_megatron.config.model import moe_layer_pattern
+from gspo_megatron.layout import in_batch_order
 from gspo_megatron.routing.stats import entropy_from_logits, entropy_from_probs, route_dtype
 
 __all__ = ["ModelRouting", "RouteRecorder", "RouteReplayer", "RouteStore", "ScopedRouterReplay",
@@ -376,21 +377,10 @@ class RouteRecorder:
     def store(self) -> RouteStore:
         """The recorded routes, rows in the batch's order (microbatches of packed sequences
         hold rows out of order: put back by their ``rows``)."""
-        return RouteStore(_batch_order(self._indices, self._rows, 1),
+        return RouteStore(in_batch_order(self._indices, self._rows, 1),
                           list(self.routing.moe_layers),
-                          _batch_order(self._entropy, self._rows, 1) if self._entropy else None)
+                          in_batch_order(self._entropy, self._rows, 1) if self._entropy else None)
 
-
-def _batch_order(parts: list[torch.Tensor], rows: list, dim: int) -> torch.Tensor:
-    """Per-microbatch tensors concatenated along ``dim`` (their rows), each row put at its index
-    in ``rows`` (the microbatch's batch rows; None or in-order rows: plain concatenation)."""
-    out = torch.cat(parts, dim=dim)
-    if any(r is None for r in rows):
-        return out
-    order = torch.cat([r.cpu() for r in rows])
-    if torch.equal(order, torch.arange(order.numel())):
-        return out
-    return torch.empty_like(out).index_copy_(dim, order, out)
 
 
 class RouteReplayer:
@@ -456,13 +446,13 @@ class RouteReplayer:
             return RouteStore(self.store.indices, list(self.store.moe_layers))
         if not self._used:
             raise RuntimeError("replayed_store() needs a finished pass")
-        return RouteStore(_batch_order(self._used, self._rows, 1), list(self.routing.moe_layers))
+        return RouteStore(in_batch_order(self._used, self._rows, 1), list(self.routing.moe_layers))
 
     def natural_store(self) -> RouteStore:
         """The routes free routing would have taken in the replayed forwards (``capture_natural``)."""
         if not self._natural:
             raise RuntimeError("natural_store() needs capture_natural=True and a finished pass")
-        return RouteStore(_batch_order(self._natural, self._rows, 1),
+        return RouteStore(in_batch_order(self._natural, self._rows, 1),
                           list(self.routing.moe_layers))
 
     def finish(self) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from gspo_megatron.algorithms import Objective
 from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, compute_device
-from gspo_megatron.layout import PackedRows, pack_into_microbatches
+from gspo_megatron.layout import PackedRows, in_batch_order, pack_into_microbatches
 from gspo_megatron.policy import PolicyBatch
 
 
@@ -240,19 +240,11 @@ def compute_logprobs(
         set_training(policy_model, True)
     if not groups.is_last_stage:
         return None, None
-    logprobs = _in_batch_order(micro, [o["logprobs"] for o in outputs])
-    entropy = _in_batch_order(micro, [o["entropy"] for o in outputs]) if with_entropy else None
+    rows = [mb.rows for mb in micro]  # packed microbatches hold rows out of the batch's order
+    logprobs = in_batch_order([o["logprobs"] for o in outputs], rows).float().cpu()
+    entropy = (in_batch_order([o["entropy"] for o in outputs], rows).float().cpu()
+               if with_entropy else None)
     return logprobs, entropy
-
-
-def _in_batch_order(micro: list[PolicyBatch], values: list[torch.Tensor]) -> torch.Tensor:
-    """The microbatches' ``[b, T]`` values as one ``[B, T]`` float32 CPU tensor, rows back in the
-    batch's order (packed microbatches hold rows out of order)."""
-    out = torch.cat(values).float().cpu()
-    rows = torch.cat([mb.rows.cpu() for mb in micro])
-    if micro[0].packing is None:
-        return out
-    return torch.empty_like(out).index_copy_(0, rows, out)
 
 
 def run_objective(
