@@ -8,7 +8,9 @@ tensors only, so it round-trips through :func:`compute_device` (a no-op copy on 
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,3 +97,31 @@ def gather_on_logging_rank(metrics: dict, groups: ParallelGroups) -> dict:
         for k, v in d.items():
             merged.setdefault(k, v)
     return merged
+
+
+def exchange_objects(outgoing: list[list[Any]], group=None) -> list[list[Any]]:
+    """Point-to-point exchange of picklable objects over ``group``: ``outgoing[d]`` goes to rank
+    ``d``; returns ``received[s]``, what rank ``s`` sent here, in its order. Each rank receives only
+    what is addressed to it (one ``all_to_all`` of byte counts, one of the pickled bytes, on
+    :func:`compute_device`); what a rank keeps for itself is not copied."""
+    size = process_group_size(group)
+    if size == 1:
+        return [list(outgoing[0])]
+    me = dist.get_rank(group)
+    payloads = [b"" if d == me else pickle.dumps(objs) for d, objs in enumerate(outgoing)]
+    device = compute_device()
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=device)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    recv_counts = recv_sizes.tolist()
+    send = torch.frombuffer(bytearray(b"".join(payloads)) or bytearray(1), dtype=torch.uint8)
+    recv = torch.empty(max(sum(recv_counts), 1), dtype=torch.uint8, device=device)
+    send_counts = [len(p) for p in payloads]
+    dist.all_to_all_single(recv[:sum(recv_counts)], send[:sum(send_counts)].to(device),
+                           output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                           group=group)
+    data, received, start = recv.cpu().numpy().tobytes(), [], 0
+    for s, count in enumerate(recv_counts):
+        received.append(list(outgoing[me]) if s == me else pickle.loads(data[start:start + count]))
+        start += count
+    return received

@@ -264,3 +264,74 @@ def pack_into_microbatches(lengths: Sequence[int], max_tokens: int, pad_to_multi
         bins.append(new)
         loads.append(sum(lengths[i] for i in new))
     return [sorted(b) for b in bins]
+
+
+@dataclass(frozen=True)
+class RankBalance:
+    """Which data-parallel rank trains which sequence (:func:`balance_across_ranks`)."""
+
+    sources: list[list[list[tuple[int, int]]]]
+    """``sources[r][m]``: ``(source rank, source position)`` of each sequence rank ``r`` trains in
+    minibatch ``m`` (longest first; in their order where the minibatch stays as sampled)."""
+    tokens_before: list[list[int]]
+    """``[R][M]`` tokens each rank held in each minibatch before the exchange."""
+    tokens_after: list[list[int]]
+    """``[R][M]`` the same after it."""
+
+    def sizes(self, rank: int) -> list[int]:
+        """Sequences rank ``rank`` trains in each minibatch."""
+        return [len(mb) for mb in self.sources[rank]]
+
+    @staticmethod
+    def imbalance(tokens: list[list[int]]) -> float:
+        """The largest rank's tokens over the ranks' mean, worst minibatch (1.0: even)."""
+        worst = 1.0
+        for per_rank in zip(*tokens):
+            mean = sum(per_rank) / len(per_rank)
+            worst = max(worst, max(per_rank) / mean if mean else 1.0)
+        return worst
+
+
+def balance_across_ranks(lengths: Sequence[Sequence[int]], num_minibatches: int) -> RankBalance:
+    """Whole sequences spread over ``R`` data-parallel ranks so that every rank holds about the
+    same tokens in every minibatch, each minibatch keeping its sequences (the gradient then does
+    not change: the loss normaliser is the minibatch's count over every rank).
+
+    ``lengths[r]``: rank ``r``'s sequence lengths in the order its minibatches take them (``n``
+    per rank; minibatch ``m`` is positions ``m n / M .. (m + 1) n / M - 1``). Each minibatch's
+    ``R n / M`` sequences, longest first (ties: source rank, then position), go one at a time to
+    the rank with the fewest tokens so far among those holding fewer than ``n / M`` (ties: the
+    sequence's own rank, so nothing moves that need not, then the lowest rank): greedy
+    longest-processing-time with equal counts (verl's ``equal_size`` partitions), so every rank
+    still trains ``n / M`` sequences per minibatch (as many packed microbatches can always be
+    made on every rank). A minibatch whose largest rank would not get lighter stays as sampled,
+    so the result is never worse than no exchange. Deterministic: every rank computes the same
+    plan from the same gathered lengths."""
+    num_ranks = len(lengths)
+    n = len(lengths[0])
+    if any(len(x) != n for x in lengths):
+        raise ValueError(f"every rank must hold as many sequences, got {[len(x) for x in lengths]}")
+    if num_minibatches < 1 or n % num_minibatches:
+        raise ValueError(f"{n} sequences per rank do not split into {num_minibatches} minibatches")
+    per = n // num_minibatches
+    sources: list[list[list[tuple[int, int]]]] = [[] for _ in range(num_ranks)]
+    before = [[0] * num_minibatches for _ in range(num_ranks)]
+    after = [[0] * num_minibatches for _ in range(num_ranks)]
+    for m in range(num_minibatches):
+        members = [(int(lengths[r][p]), r, p) for r in range(num_ranks)
+                   for p in range(m * per, (m + 1) * per)]
+        for r in range(num_ranks):
+            sources[r].append([])
+        for length, src, pos in sorted(members, key=lambda x: (-x[0], x[1], x[2])):
+            before[src][m] += length
+            open_ranks = [r for r in range(num_ranks) if len(sources[r][m]) < per]
+            low = min(after[r][m] for r in open_ranks)
+            dest = src if src in open_ranks and after[src][m] == low else next(
+                r for r in open_ranks if after[r][m] == low)
+            sources[dest][m].append((src, pos))
+            after[dest][m] += length
+        if max(after[r][m] for r in range(num_ranks)) >= max(before[r][m] for r in range(num_ranks)):
+            for r in range(num_ranks):  # no better than as sampled (LPT is a heuristic): keep it
+                sources[r][m] = [(r, p) for p in range(m * per, (m + 1) * per)]
+                after[r][m] = before[r][m]
+    return RankBalance(sources, before, after)

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from gspo_megatron.algorithms import NLLObjective, PolicyGradientObjective, group_advantages
 from gspo_megatron.algorithms.dapo import soft_overlong_penalty
 from gspo_megatron.config import OptimConfig, TrainConfig
-from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
+from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, exchange_objects
 from gspo_megatron.faults import FaultInjector
+from gspo_megatron.layout import RankBalance, balance_across_ranks
 from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, StepRouting
 
 
@@ -111,11 +112,61 @@ def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) ->
     return batch
 
 
+def minibatch_order(num_samples: int, seed: int) -> torch.Tensor:
+    """``[N]`` the shuffle that deals a rank's samples into minibatches (consecutive slices):
+    :func:`update_stage`'s, and :func:`balance_stage`'s before it moves samples."""
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
+
+
+class BalancedSamples(NamedTuple):
+    """A rank's samples after :func:`balance_stage`, dealt into minibatches already."""
+
+    samples: list[RolloutSample]
+    """The samples this rank trains, minibatch after minibatch."""
+    advantages: torch.Tensor
+    """``[N_rank]`` their advantages."""
+    minibatch_sizes: list[int]
+    """Samples in each minibatch on this rank (as many as before the exchange)."""
+    metrics: dict[str, float]
+    """``perf/dp_token_imbalance`` (largest rank's tokens / the mean, worst minibatch; 1.0 is
+    even) after the exchange, and ``..._before`` without it."""
+
+
+def balance_stage(samples: list[RolloutSample], advantages: torch.Tensor, num_minibatches: int,
+                  seed: int, groups: ParallelGroups) -> BalancedSamples:
+    """Move whole samples between data-parallel ranks so each holds about the same tokens in every
+    minibatch (:func:`~gspo_megatron.layout.balance_across_ranks`). Every rank first deals its
+    samples into minibatches with :func:`minibatch_order` (as :func:`update_stage` would), so a
+    minibatch keeps its sequences over all ranks and the gradient does not change (its normaliser
+    is the count over every rank); the samples travel with their advantages and anything in
+    ``extra`` (R3's routes). Collective over ``groups.dp_group``: one all-reduce of the lengths,
+    one exchange (:func:`~gspo_megatron.distributed.exchange_objects`)."""
+    order = minibatch_order(len(samples), seed).tolist()
+    ranks, me = groups.dp_size, groups.dp_rank
+    lengths = torch.zeros(ranks, len(order), dtype=torch.float64)
+    lengths[me] = torch.tensor([len(samples[i].prompt_ids) + len(samples[i].response_ids)
+                                for i in order], dtype=torch.float64)
+    all_reduce_(lengths, groups.dp_group)
+    plan: RankBalance = balance_across_ranks(lengths.long().tolist(), num_minibatches)
+    outgoing = [[(samples[order[pos]], float(advantages[order[pos]]))
+                 for mb in plan.sources[dest] for src, pos in mb if src == me]
+                for dest in range(ranks)]
+    received = [iter(objs) for objs in exchange_objects(outgoing, groups.dp_group)]
+    mine = [next(received[src]) for mb in plan.sources[me] for src, _ in mb]
+    return BalancedSamples(
+        samples=[s for s, _ in mine],
+        advantages=torch.tensor([a for _, a in mine], dtype=advantages.dtype),
+        minibatch_sizes=plan.sizes(me),
+        metrics={"perf/dp_token_imbalance": RankBalance.imbalance(plan.tokens_after),
+                 "perf/dp_token_imbalance_before": RankBalance.imbalance(plan.tokens_before)})
+
+
 def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int, step: int = 0,
-                 routing: StepRouting | None = None, faults: FaultInjector | None = None
-                 ) -> dict[str, float]:
-    """Split the rollout batch into ``num_minibatches`` (shuffled, same order on every rank), one
-    optimiser step each. Returns metrics averaged over the minibatches, and
+                 routing: StepRouting | None = None, faults: FaultInjector | None = None,
+                 minibatch_sizes: list[int] | None = None) -> dict[str, float]:
+    """Split the rollout batch into ``num_minibatches`` (shuffled by :func:`minibatch_order`), one
+    optimiser step each; ``minibatch_sizes``: the batch is dealt already (:func:`balance_stage`),
+    minibatch ``i`` is the next ``minibatch_sizes[i]`` rows. Returns metrics averaged over the minibatches, and
     ``optim/grad_norm_max``: the largest gradient norm of the step's optimiser steps.
 
     ``routing`` (the step's :class:`~gspo_megatron.policy.StepRouting`, or None): hooks for each
@@ -127,15 +178,19 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
     faults = faults or FaultInjector()
     objective = PolicyGradientObjective(cfg.loss, cfg.rollout.temperature, faults.corrupt,
                                         correction=cfg.rollout_correction)
-    order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
-    shuffled = batch.select(order)
-    per_minibatch = batch.size // cfg.trainer.num_minibatches
+    if minibatch_sizes is None:
+        order = minibatch_order(batch.size, seed)
+        minibatch_sizes = [batch.size // cfg.trainer.num_minibatches] * cfg.trainer.num_minibatches
+        shuffled = batch.select(order)
+    else:
+        order, shuffled = torch.arange(batch.size), batch
+    starts = [sum(minibatch_sizes[:i]) for i in range(len(minibatch_sizes))]
     history: list[dict[str, float]] = []
-    for i, minibatch in enumerate(shuffled.split(per_minibatch)):
+    for i, (start, size) in enumerate(zip(starts, minibatch_sizes)):
+        minibatch = shuffled.select(slice(start, start + size))
         if i == 1:
             faults.maybe_fail("mid_update", step)
-        hooks = (routing.update(order[i * per_minibatch:(i + 1) * per_minibatch])
-                 if routing is not None else None)
+        hooks = routing.update(order[start:start + size]) if routing is not None else None
         policy.zero_grad()
         metrics = policy.train_minibatch(minibatch, objective, routing=hooks)
         if any_rank(bool(metrics.get("faults/nonfinite_loss"))):

@@ -29,8 +29,8 @@ from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gat
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
 from gspo_megatron.policy import Generator, Policy, PolicyBatch, make_policy_batch
-from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, batch_stage,
-                                  overlong_stage, response_metrics, reward_stage,
+from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, balance_stage,
+                                  batch_stage, overlong_stage, response_metrics, reward_stage,
                                   rollout_stage, sft_stage, update_stage)
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,9 @@ class Trainer:
         self._stop_signal: int | None = None
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
+        # Packed microbatches follow each rank's tokens: even those out (padded ones are equal).
+        self.balances_ranks = (cfg.trainer.balance_data_parallel and groups.dp_size > 1
+                               and cfg.trainer.max_tokens_per_microbatch is not None)
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
 
     def close(self) -> None:
@@ -225,8 +228,12 @@ class Trainer:
             sampled = self.sample(seed, watch)
         except SkipStep as skip:
             return self._skip_step(skip.fault, skip.metrics, watch)
-        samples = sampled.samples
-        batch = batch_stage(samples, sampled.advantages, self.pack)
+        samples, advantages, minibatch_sizes, extra = sampled.samples, sampled.advantages, None, {}
+        if self.balances_ranks:
+            samples, advantages, minibatch_sizes, extra = balance_stage(
+                samples, advantages, cfg.trainer.num_minibatches, seed, g)
+            watch.lap("perf/balance_s")
+        batch = batch_stage(samples, advantages, self.pack)
 
         # MoE routes of the old-policy pass (replayed from the rollout under R3, recorded
         # otherwise) and of every update: the policy's routing decides (None: no routing work).
@@ -239,7 +246,8 @@ class Trainer:
             train_lp = faults.corrupt("nan_logprobs", train_lp)
         if not all_finite(train_lp, batch.response_mask):
             return self._skip_step("faults/nonfinite_logprobs", sampled.metrics, watch)
-        extra = routing.after_old_pass(train_lp) if routing else {}
+        if routing:
+            extra.update(routing.after_old_pass(train_lp))
         if train_lp is not None:
             extra["kl/rollout_vs_train"] = rollout_mismatch(train_lp, batch.rollout_logprobs,
                                                             batch.response_mask)
@@ -254,7 +262,7 @@ class Trainer:
         self.commit_checkpoint()
         watch.lap("perf/checkpoint_wait_s")
         update_metrics = update_stage(self.policy, batch, cfg, seed, self.step, routing=routing,
-                                      faults=faults)
+                                      faults=faults, minibatch_sizes=minibatch_sizes)
         watch.lap("perf/update_s")
         self._count_faults(update_metrics.get("faults/skipped_updates", 0.0) > 0)
         self.step += 1

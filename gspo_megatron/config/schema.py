@@ -271,6 +271,12 @@ class TrainerConfig(Section, name="trainer"):
     follows the real tokens instead of ``batch x longest``. Must hold the longest sequence
     (``data.max_prompt_length + rollout.max_new_tokens``). verl's ``ppo_max_token_len_per_gpu``
     with ``use_remove_padding``; None (default): padded microbatches of ``micro_batch_size``."""
+    balance_data_parallel: bool = True
+    """With packing and data parallelism: after the advantages, whole samples move between the
+    data-parallel ranks so each trains about the same tokens in every minibatch (the minibatches
+    keep their sequences, so the gradient is unchanged; ``perf/dp_token_imbalance``). Without it
+    every rank trains the responses it sampled, and the rank with the longest ones sets the pace
+    (verl's ``trainer.balance_batch``). No effect on padded microbatches or at DP = 1."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """pi_old from a trainer forward pass, or the rollout engine's log-probs (paper Sec. 5.4)."""
     normalize_advantage_std: bool = True

@@ -19,6 +19,7 @@ from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_co
 from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.config import OptimConfig
+from gspo_megatron.layout import balance_across_ranks
 from gspo_megatron.backends.megatron.policy import build_policy
 from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
 from gspo_megatron.backends.megatron.schedule import Microbatching, ScoringConfig, compute_logprobs
@@ -108,6 +109,9 @@ def main():
     ap.add_argument("--micro-batch-size", type=int, default=BATCH)
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="pack every pass into microbatches of at most this many tokens")
+    ap.add_argument("--balance", action="store_true",
+                    help="deal the batch to data-parallel ranks by tokens (balance_across_ranks: "
+                         "unequal splits of the rows) instead of rank r taking rows r*n..")
     ap.add_argument("--no-aux-loss", action="store_true",
                     help="MoE load-balancing loss off (it depends on the microbatch composition, "
                          "which packing changes)")
@@ -138,6 +142,12 @@ def main():
     batch, noise, rollout_noise, token_advantages = fixed_batch(seed=7)
     per_rank = BATCH // groups.dp_size
     rows = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+    if args.balance:  # trainer.balance_data_parallel's rule, on the fixed batch's lengths
+        lengths = batch.layout.lengths.view(groups.dp_size, per_rank).tolist()
+        plan = balance_across_ranks(lengths, 1)
+        rows = torch.tensor([src * per_rank + pos for src, pos in plan.sources[groups.dp_rank][0]])
+        print("BALANCE " + json.dumps({"rank": groups.dp_rank, "rows": rows.tolist(),
+                                       "before": plan.tokens_before, "after": plan.tokens_after}))
     local = batch.select(rows)
     scoring = ScoringConfig(vocab_size=VOCAB)
     # Padded microbatches of --micro-batch-size rows, or packed ones under --max-tokens.

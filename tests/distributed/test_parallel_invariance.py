@@ -155,7 +155,9 @@ PACKED_LAYOUTS = {
     "packed_tp2_sp": (2, ["--tp", "2"]),
     "packed_ep2": (2, ["--ep", "2"]),
     "packed_pp2": (2, ["--pp", "2"]),
-    "packed_dp2": (2, []),
+    # DP=2 with trainer.balance_data_parallel's split: rows dealt by tokens (83 / 81 instead of
+    # the halves' 70 / 94), each rank holding rows of both halves of the batch.
+    "packed_dp2_balanced": (2, ["--balance"]),
 }
 PACKED = ["--max-tokens", "64", "--no-aux-loss"]
 
@@ -178,7 +180,7 @@ def packed_report(reference):
                                   "grpo_token_mean", "gspo_token"])
 def test_packed_microbatches_match_padded_across_layouts(packed_report, case):
     """GSPO, the corrections, GRPO (both aggregations) and GSPO-token: packed in one process and
-    under TP=2+SP, EP=2, PP=2 and DP=2, the loss and every parameter's gradient equal the padded
+    under TP=2+SP, EP=2, PP=2 and DP=2 (rows dealt to the ranks by tokens), the loss and every parameter's gradient equal the padded
     single-process run's within fp32 tolerance (1e-5 of the largest gradient entry)."""
     ref_out, outs, report = packed_report
     assert_matches(ref_out, outs, report, case)

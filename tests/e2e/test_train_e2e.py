@@ -85,8 +85,9 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path, layou
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
 def test_two_process_expert_parallel_run(tmp_path, layout):
-    """EP=2 on two ranks; packed, each rank packs its own sequences and both run as many
-    microbatches (their expert all-to-alls pair up)."""
+    """EP=2 on two ranks; packed, the ranks first trade samples so each trains about the same
+    tokens per minibatch (``trainer.balance_data_parallel``), then each packs its own sequences
+    and both run as many microbatches (their expert all-to-alls pair up)."""
     run = tmp_path / "ep2"
     gspo_train(run, "--trainer.steps=2", "--parallel.expert_model_parallel_size=2", *layout,
                nproc=2)
@@ -100,6 +101,11 @@ def test_two_process_expert_parallel_run(tmp_path, layout):
     kl = [m["kl/rollout_vs_train"] for m in metrics]
     print(f"MEASURED EP=2 kl/rollout_vs_train per step: {kl}")
     assert all(0 <= v < ROLLOUT_KL_TOL for v in kl), kl
+    if layout:  # balanced: never worse than each rank keeping its own samples
+        for m in metrics:
+            assert 1.0 <= m["perf/dp_token_imbalance"] <= m["perf/dp_token_imbalance_before"]
+    else:
+        assert all("perf/dp_token_imbalance" not in m for m in metrics)
 
 
 def test_gspo_raises_reward(tmp_path):

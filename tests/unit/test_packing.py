@@ -6,7 +6,8 @@ tests/distributed/test_parallel_invariance.py (``test_packed_microbatches_match_
 import pytest
 import torch
 
-from gspo_megatron.layout import PackedRows, pack_into_microbatches
+from gspo_megatron.layout import (PackedRows, RankBalance, balance_across_ranks,
+                                  pack_into_microbatches)
 
 
 # ----------------------------------------------------------------------------- layout (fast)
@@ -73,6 +74,85 @@ def test_microbatch_refusals_name_the_budget():
         pack_into_microbatches([8], 8, pad_to_multiple_of=3)  # 8 rounds up to 9
     with pytest.raises(ValueError, match="3 microbatches asked for 2 sequences"):
         pack_into_microbatches([1, 2], 8, min_microbatches=3)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_rank_balance_keeps_minibatches_and_evens_tokens(seed):
+    """Every sequence trained exactly once, in its own minibatch, each rank as many per
+    minibatch as before; no rank above the mean by more than the minibatch's longest sequence,
+    on long-tailed (log-normal) lengths at 2-8 ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks, minibatches, per = (int(torch.randint(lo, hi, (1,), generator=gen))
+                               for lo, hi in ((2, 9), (1, 4), (1, 9)))
+    lengths = torch.distributions.LogNormal(5.0, 1.2).sample((ranks, minibatches * per))
+    lengths = lengths.long().clamp(1, 16_000).tolist()
+    plan = balance_across_ranks(lengths, minibatches)
+    placed = sorted((src, pos) for r in range(ranks) for mb in plan.sources[r] for src, pos in mb)
+    assert placed == [(r, p) for r in range(ranks) for p in range(minibatches * per)]
+    for r in range(ranks):
+        assert plan.sizes(r) == [per] * minibatches
+        for m, mb in enumerate(plan.sources[r]):
+            assert all(m * per <= pos < (m + 1) * per for _, pos in mb)
+            assert plan.tokens_after[r][m] == sum(lengths[src][pos] for src, pos in mb)
+            assert plan.tokens_before[r][m] == sum(lengths[r][m * per:(m + 1) * per])
+    for m in range(minibatches):
+        loads = [plan.tokens_after[r][m] for r in range(ranks)]
+        longest = max(lengths[r][p] for r in range(ranks) for p in range(m * per, (m + 1) * per))
+        assert max(loads) - sum(loads) / ranks <= longest
+        assert max(loads) <= max(plan.tokens_before[r][m] for r in range(ranks))  # never worse
+    assert balance_across_ranks(lengths, minibatches) == plan  # deterministic
+
+
+def test_rank_balance_moves_only_what_it_must():
+    # Rank 0 sampled every long response: 4 x 100 vs 4 x 10 tokens (imbalance 1.82).
+    plan = balance_across_ranks([[100] * 4, [10] * 4], 1)
+    assert RankBalance.imbalance(plan.tokens_before) == pytest.approx(400 / 220)
+    assert plan.tokens_after == [[220], [220]]
+    assert RankBalance.imbalance(plan.tokens_after) == 1.0
+    # Already even: nothing moves (greedy would make 11 / 13 of 12 / 12 here).
+    even = balance_across_ranks([[6, 5, 1], [4, 4, 4]], 1)
+    assert even.sources == [[[(0, 0), (0, 1), (0, 2)]], [[(1, 0), (1, 1), (1, 2)]]]
+    assert even.tokens_after == even.tokens_before == [[12], [12]]
+    with pytest.raises(ValueError, match="do not split into 3 minibatches"):
+        balance_across_ranks([[1, 2], [3, 4]], 3)
+    with pytest.raises(ValueError, match="as many sequences"):
+        balance_across_ranks([[1, 2], [3]], 1)
+
+
+def test_packed_attention_groups_by_length_and_matches_each_sequence_alone():
+    """The CPU kernel for packed rows (``local_kernels._packed_sdpa``) on a long-tailed row
+    (lengths 1..40, GQA): every sequence's output and the gradients of q/k/v equal causal SDPA on
+    that sequence alone (float64); the sequences are padded in groups of similar length (each
+    within 2x of its group's longest), not all to the longest."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from gspo_megatron.backends.megatron.local_kernels import _length_groups, _packed_sdpa
+
+    gen = torch.Generator().manual_seed(3)
+    lens = [3, 40, 5, 17, 1, 9, 33, 2, 11]
+    groups = _length_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert all(max(lens[i] for i in g) <= 2 * min(lens[i] for i in g) for g in groups)
+    assert all(g == sorted(g) for g in groups) and len(groups) == 4  # 40 33 | 17 11 9 | 5 3 | 2 1
+    assert _length_groups([4, 4, 3]) == [[0, 1, 2]]  # one group: the packed order as it is
+    total = sum(lens)
+    q = torch.randn(total, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(total, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    params = SimpleNamespace(cu_seqlens_q=cu, max_seqlen_q=max(lens))
+    out = _packed_sdpa(q, k, v, params, scale=0.3)
+    ref = torch.cat([F.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=0.3,
+        enable_gqa=True)[0].transpose(0, 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    cotangent = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), cotangent)
+    want = torch.autograd.grad(ref, (q, k, v), cotangent)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- on Megatron (slow)

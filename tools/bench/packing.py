@@ -52,6 +52,12 @@ microbatches against the fewest possible (real tokens / budget, rounded up). Tar
 <= 1.05. Padded is ~4.1x here by construction: the capped mean response is
 ``e^(mu + sigma^2/2) Phi((ln cap - mu - sigma^2) / sigma) + cap * 5%`` ~ 3,730 tokens, and
 16,640 / (256 + 3,730) = 4.17 (this draw: 4.07).
+
+Part 3, counted (no model): data-parallel balance. 8 ranks each sample 64 responses of the same
+distribution (512 per step), 4 minibatches: the largest rank's tokens over the mean (worst
+minibatch of the step; a packed step runs at its slowest rank's pace), median and worst over 20
+steps, without and with ``trainer.balance_data_parallel``
+(:func:`gspo_megatron.layout.balance_across_ranks`).
 """
 
 from __future__ import annotations
@@ -210,6 +216,31 @@ def synthetic(responses: int = 512, median: float = 2000, sigma: float = 1.28, c
             "longest": max(lengths), "pad_to_multiple_of": pad_to_multiple_of}
 
 
+def dp_balance(ranks: int = 8, per_rank: int = 64, minibatches: int = 4, steps: int = 20,
+               median: float = 2000, sigma: float = 1.28, cap: int = 16384, prompt: int = 256,
+               seed: int = 0) -> dict:
+    """Part 3: data-parallel token imbalance (largest rank's tokens / the mean, worst minibatch)
+    of ``steps`` synthetic reasoning-RL steps, each rank sampling its own ``per_rank``
+    responses, before and after ``trainer.balance_data_parallel``'s exchange (no model)."""
+    import math
+    import random
+
+    from gspo_megatron.layout import RankBalance, balance_across_ranks
+
+    rng = random.Random(seed)
+    before, after = [], []
+    for _ in range(steps):
+        lengths = [[prompt + min(cap, max(1, round(rng.lognormvariate(math.log(median), sigma))))
+                    for _ in range(per_rank)] for _ in range(ranks)]
+        plan = balance_across_ranks(lengths, minibatches)
+        before.append(RankBalance.imbalance(plan.tokens_before))
+        after.append(RankBalance.imbalance(plan.tokens_after))
+    mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"ranks": ranks, "per_rank": per_rank, "minibatches": minibatches, "steps": steps,
+            "before_median": mid(before), "before_max": max(before),
+            "after_median": mid(after), "after_max": max(after)}
+
+
 def run(smoke: bool = False, rounds: int = 3) -> dict:
     from tools.bench.common import make_result, row
 
@@ -253,8 +284,17 @@ def run(smoke: bool = False, rounds: int = 3) -> dict:
                  synth[8]["packed_ratio"], "x"),
              row("synthetic: packed microbatches, rows rounded to 8", synth[8]["microbatches"],
                  "mb")]
+    bal = dp_balance()
+    tag = (f"synthetic DP={bal['ranks']} ({bal['per_rank']} per rank, {bal['minibatches']} "
+           f"minibatches, {bal['steps']} steps): largest rank's tokens / mean")
+    rows += [row(f"{tag}, unbalanced, median", bal["before_median"], "x"),
+             row(f"{tag}, unbalanced, worst", bal["before_max"], "x"),
+             row(f"{tag}, balance_data_parallel, median", bal["after_median"], "x"),
+             row(f"{tag}, balance_data_parallel, worst", bal["after_max"], "x")]
     ratios.update({"synthetic_padded": s["padded_ratio"], "synthetic_packed": s["packed_ratio"],
-                   "synthetic_packed_tp8": synth[8]["packed_ratio"]})
+                   "synthetic_packed_tp8": synth[8]["packed_ratio"],
+                   "dp8_imbalance_unbalanced": bal["before_median"],
+                   "dp8_imbalance_balanced": bal["after_median"]})
     met = worst <= TARGET and max(x["packed_ratio"] for x in synth.values()) <= SYNTH_TARGET
     return make_result(
         "packing", "Training cost per real token: long-tailed vs uniform, padded vs packed",
@@ -262,6 +302,7 @@ def run(smoke: bool = False, rounds: int = 3) -> dict:
         f"EP=2; synthetic reasoning-RL batch: packed tokens / real <= {SYNTH_TARGET}",
         None if smoke else met, rows, ratios=ratios,
         config={**spec, "vocab": VOCAB, "num_minibatches": NUM_MINIBATCHES, "synthetic": SYNTH,
+                "dp_balance": bal,
                 "results": results, "synthetic_results": {str(k): v for k, v in synth.items()}},
         notes=[f"{spec['rounds']} rounds after 1 warm-up, variants alternating; medians",
                "real tokens = prompt + response tokens over all ranks; tokens computed = the "
