@@ -44,7 +44,9 @@ def load_data(cfg: TrainConfig):
         heldout = data_lib.load_prompt_dataset(cfg.data.eval_path, **keys) if cfg.data.eval_path else []
 
     if cfg.tokenizer.path:
-        tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path)
+        options = ({"chat_template_kwargs": cfg.tokenizer.chat_template_kwargs}
+                   if cfg.tokenizer.chat_template_kwargs else {})
+        tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, **options)
     else:
         # Trained in-process on the task's text (deterministic); every rank trains the same one,
         # so no rank waits on a file. Saved with the run once everything has been validated.

@@ -249,8 +249,11 @@ class HFTokenizer(Tokenizer):
 
     Args:
         path: Local directory (or hub name, where the hub is reachable) of the tokenizer.
-        enable_thinking: Passed to the chat template when not None (Qwen3 uses it to switch the
-            ``<think>`` block on or off).
+        chat_template_kwargs: Extra variables for the chat template (``tokenizer.
+            chat_template_kwargs``; Qwen3: ``{"enable_thinking": False}`` drops the ``<think>``
+            block), as transformers' ``apply_chat_template(..., **kwargs)`` takes them.
+        enable_thinking: Shorthand for ``chat_template_kwargs={"enable_thinking": ...}`` when
+            not None (what tokenizers saved before ``chat_template_kwargs`` existed wrote).
         chat_template_for_plain_prompts: Wrap plain-string prompts as one user message and apply
             the chat template (default). If False, plain strings are used as they are.
         trust_remote_code: Passed to ``from_pretrained``.
@@ -259,6 +262,7 @@ class HFTokenizer(Tokenizer):
     def __init__(
         self,
         path: str | Path,
+        chat_template_kwargs: dict[str, Any] | None = None,
         enable_thinking: bool | None = None,
         chat_template_for_plain_prompts: bool = True,
         trust_remote_code: bool = False,
@@ -283,7 +287,9 @@ class HFTokenizer(Tokenizer):
             where = "directory" if os.path.isdir(text) else "Hugging Face Hub id"
             raise ValueError(f"tokenizer {text!r} ({where}): cannot load a Hugging Face "
                              f"tokenizer: {first}") from None
-        self.enable_thinking = enable_thinking
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            self.chat_template_kwargs.setdefault("enable_thinking", enable_thinking)
         self.chat_template_for_plain_prompts = chat_template_for_plain_prompts
         self.trust_remote_code = trust_remote_code
         if self._tok.eos_token_id is None:
@@ -328,8 +334,8 @@ class HFTokenizer(Tokenizer):
             messages = prompt
         if not has_template:
             return _simple_chat_format(messages)
-        extra = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-        return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
+        return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **self.chat_template_kwargs))
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -338,7 +344,7 @@ class HFTokenizer(Tokenizer):
             directory,
             {
                 "kind": "hf",
-                "enable_thinking": self.enable_thinking,
+                "chat_template_kwargs": self.chat_template_kwargs,
                 "chat_template_for_plain_prompts": self.chat_template_for_plain_prompts,
                 "trust_remote_code": self.trust_remote_code,
             },
@@ -376,7 +382,7 @@ def build_tokenizer(kind: str, path: str | Path, **kwargs: Any) -> Tokenizer:
             directory with ``gspo_tokenizer.json`` -> :func:`load_tokenizer`; a ``.model`` file ->
             SentencePiece; anything else -> Hugging Face).
         path: Where the tokenizer is.
-        **kwargs: Passed to :class:`HFTokenizer` (e.g. ``enable_thinking=False``).
+        **kwargs: Passed to :class:`HFTokenizer` (e.g. ``chat_template_kwargs``).
     """
     p = Path(path)
     kind = kind.lower()

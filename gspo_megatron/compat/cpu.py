@@ -256,6 +256,7 @@ _PATCHED_MODULES = {
     "tensor_parallel.utils": "buffers at current_device()",
     "tensor_parallel.data": "broadcast buffers on cuda",
     "models.common.embeddings.rotary_pos_embedding": "inv_freq at current_device()",
+    "models.common.embeddings.yarn_rotary_pos_embedding": "YaRN inv_freq moved to current_device()",
     "models.gpt.gpt_model": "buffers at current_device()",
     "pipeline_parallel.schedules": "token counters with device='cuda' (failure 10)",
     "pipeline_parallel.p2p_communication": "receive buffers at current_device()",

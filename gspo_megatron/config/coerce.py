@@ -3,7 +3,7 @@
 YAML gives ints, floats, bools, strings, lists and null; an override gives a YAML scalar of its
 text. :func:`coerce` converts one to a field's annotation (``int``, ``float`` incl. ``3e-4``,
 ``bool``, ``str``, ``X | None`` with ``null``/``none``, ``Literal[...]``, ``list[int]`` like
-``[1,0,1]``, ``int | list[int]``) or raises :class:`CoerceError` saying what was expected, with a
+``[1,0,1]``, ``int | list[int]``, ``dict[str, Any]`` like ``{enable_thinking: false}``) or raises :class:`CoerceError` saying what was expected, with a
 closest-name suggestion for an enum value (``GSPO`` -> ``'gspo'``).
 """
 
@@ -57,6 +57,8 @@ def type_name(tp: Any) -> str:
     if origin in (list, tuple):
         (arg, *_) = typing.get_args(tp) or (Any,)
         return f"list of {type_name(arg)}"
+    if origin is dict:
+        return "a mapping such as {key: value}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -116,6 +118,14 @@ def coerce(value: Any, tp: Any) -> Any:
             return [coerce(x, arg) for x in value]
         except CoerceError:
             raise CoerceError(f"expected {type_name(tp)}") from None
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp) or (str, Any)
+        if not isinstance(value, dict):
+            raise CoerceError(f"expected {type_name(tp)}")
+        try:
+            return {coerce(k, key_type): coerce(v, value_type) for k, v in value.items()}
+        except CoerceError:
+            raise CoerceError(f"expected {type_name(tp)} with {type_name(key_type)} keys") from None
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -92,6 +92,28 @@ class ModelConfig(Section, name="model"):
     """Maximum sequence length (prompt + response) the trainer feeds."""
     rotary_base: float = 1_000_000.0
     """RoPE theta (Qwen3: 1e6)."""
+    position_embedding_type: Literal["rope", "yarn"] = "rope"
+    """Megatron's ``position_embedding_type``: plain RoPE, or YaRN (Peng et al. 2023, arXiv
+    2309.00071: RoPE frequencies interpolated by ``yarn_rotary_scaling_factor`` below the
+    ``beta`` band, cos/sin scaled by ``0.1 ln(factor) + 1``), how Qwen3 reaches 128k from its 32k
+    pre-training context (HF ``rope_parameters.rope_type: yarn``)."""
+    yarn_rotary_scaling_factor: float = 1.0
+    """YaRN context extension factor (HF ``factor``; Qwen3's long-context recipe: 4.0)."""
+    yarn_original_max_position_embeddings: int = 4096
+    """The context the model was pre-trained at (HF ``original_max_position_embeddings``;
+    Qwen3: 32768)."""
+    yarn_beta_fast: float = 32.0
+    """YaRN ramp: dimensions with more than this many rotations over the original context keep
+    their frequency (HF ``beta_fast``)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN ramp: dimensions with fewer rotations are fully interpolated (HF ``beta_slow``)."""
+    yarn_mscale: float = 1.0
+    """Attention temperature numerator ``0.1 mscale ln(factor) + 1`` (HF ``mscale``)."""
+    yarn_mscale_all_dim: float = 0.0
+    """Attention temperature denominator ``0.1 mscale_all_dim ln(factor) + 1`` (HF
+    ``mscale_all_dim``; 0: none, the YaRN paper's ``0.1 ln(factor) + 1``)."""
+    yarn_correction_range_round_to_int: bool = True
+    """Round the ramp's dimension bounds to integers (HF ``truncate``)."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon."""
     untie_embeddings_and_output_weights: bool = True
@@ -124,6 +146,13 @@ class ModelConfig(Section, name="model"):
                                   "vocab_size", "seq_length", "make_vocab_size_divisible_by")
         yield from self._at_least(0, "moe_aux_loss_coeff", "init_method_std")
         yield from self._positive("rotary_base", "norm_epsilon")
+        if self.position_embedding_type == "yarn":
+            if not self.yarn_rotary_scaling_factor >= 1.0:
+                yield self._problem("yarn_rotary_scaling_factor", (
+                    f"must be >= 1 (YaRN extends the context), got "
+                    f"{self.yarn_rotary_scaling_factor}"))
+            yield from self._at_least(1, "yarn_original_max_position_embeddings")
+            yield from self._positive("yarn_beta_fast", "yarn_beta_slow")
         if self.num_query_groups >= 1 and self.num_attention_heads % self.num_query_groups:
             yield self._problem(("num_query_groups", "num_attention_heads"), (
                 f"must divide model.num_attention_heads ({self.num_attention_heads}), "
@@ -277,6 +306,9 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "ffn_hidden_size", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
     "moe_layer_freq", "moe_router_pre_softmax", "vocab_size", "rotary_base", "norm_epsilon",
     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
+    "position_embedding_type", "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+    "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int",
 )
 """ModelConfig fields that define the model a checkpoint holds: the tensors' shapes (including the
 padded vocabulary, hence ``make_vocab_size_divisible_by``), or the function the weights compute

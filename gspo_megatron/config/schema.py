@@ -15,7 +15,7 @@ sections are :func:`~gspo_megatron.config.validation.validate_config`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 
 from gspo_megatron.algorithms.dapo import DynamicSamplingConfig, OverlongConfig
 from gspo_megatron.algorithms.policy_loss import PolicyLossConfig
@@ -132,8 +132,17 @@ class TokenizerConfig(Section, name="tokenizer"):
     'hf' loads a Hugging Face tokenizer (Qwen3)."""
     path: str | None = None
     """An existing tokenizer (sentencepiece .model / directory, or an HF name or directory)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments to the HF chat template, as verl's ``data.apply_chat_template_kwargs``
+    and vLLM's ``chat_template_kwargs`` (Qwen3: ``{enable_thinking: false}`` drops the
+    ``<think>`` block): the same prompt tokens in rollouts, evaluation, the supervised warm-up
+    and the prompt-length checks; saved with the run's tokenizer. HF tokenizers only."""
 
     def _problems(self) -> Iterator[Problem]:
+        if self.chat_template_kwargs and self.kind != "hf":
+            yield self._problem(("chat_template_kwargs", "kind"), (
+                f"applies to a Hugging Face chat template (tokenizer.kind: hf), got kind "
+                f"{self.kind!r}"))
         if self.kind == "hf" and not self.path:
             yield self._problem(("path", "kind"), (
                 "is required when tokenizer.kind is 'hf' (a Hugging Face name such as "

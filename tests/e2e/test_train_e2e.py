@@ -108,6 +108,20 @@ def test_two_process_expert_parallel_run(tmp_path, layout):
         assert all("perf/dp_token_imbalance" not in m for m in metrics)
 
 
+def test_yarn_rollouts_match_the_trainer(tmp_path):
+    """YaRN (``model.position_embedding_type=yarn``, factor 4 over a 4-token original context,
+    so prompts and responses run to 3x past it): the dynamic engine's log-probs equal the
+    trainer's on every step (3.2e-5 before the engine's rotations got YaRN's cos/sin scale,
+    ``dynamic_rollout._yarn_scaled``)."""
+    run = tmp_path / "yarn"
+    gspo_train(run, "--trainer.steps=2", "--sft.steps=0", "--model.position_embedding_type=yarn",
+               "--model.yarn_rotary_scaling_factor=4",
+               "--model.yarn_original_max_position_embeddings=4")
+    kl = [m["kl/rollout_vs_train"] for m in read_metrics(run / "metrics.jsonl")]
+    print(f"MEASURED YaRN kl/rollout_vs_train per step: {kl}")
+    assert len(kl) == 2 and all(0 <= v < ROLLOUT_KL_TOL for v in kl), kl
+
+
 def test_gspo_raises_reward(tmp_path):
     """The first 150 steps of the demo (same settings and LR schedule, so the same run up to float
     differences): GSPO raises the reward on training prompts. Measured at 3b7e318 (+ this

@@ -66,6 +66,11 @@ CONFIG_CASES = [
     ("", ["--trainer.max_tokens_per_microbatch=10"], 1, r"trainer.max_tokens_per_microbatch=10 cannot hold the longest sequence the recipe allows: data.max_prompt_length \+ rollout.max_new_tokens = \d+ \+ \d+ = \d+$"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--precision.transformer_impl=local", "--precision.local_kernels=false"], 1, r"trainer.max_tokens_per_microbatch=256 needs an attention kernel that packs: precision.local_kernels=false"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--routing.replay=r2", "--parallel.tensor_model_parallel_size=2"], 2, r"trainer.max_tokens_per_microbatch=256 with routing replay/diagnostics needs parallel.tensor_model_parallel_size=1, got 2"),
+    # YaRN: a factor below 1 would shrink the context
+    ("", ["--model.position_embedding_type=yarn", "--model.yarn_rotary_scaling_factor=0.5"], 1, r"model.yarn_rotary_scaling_factor: must be >= 1 \(YaRN extends the context\), got 0.5"),
+    # chat template arguments: a mapping, for an HF tokenizer's template
+    ("", ["--tokenizer.chat_template_kwargs={enable_thinking: false}"], 1, r"tokenizer.chat_template_kwargs: applies to a Hugging Face chat template \(tokenizer.kind: hf\), got kind 'sentencepiece'"),
+    ("", ["--tokenizer.chat_template_kwargs=5"], 1, r"tokenizer.chat_template_kwargs: expected a mapping such as \{key: value\} or null, got 5"),
     ("model: !!python/object/apply:os.system ['echo pwned']\n", [], 1, r"recipe.yaml:1"),
 ]
 

@@ -4,6 +4,7 @@ bitwise round trip, refusals of bad input with nothing left at the destination, 
 Tiny random ``Qwen3MoeForCausalLM`` models are built offline with transformers (float32).
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -49,7 +50,16 @@ HF_CONFIGS = {
                            num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                            moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1,
                            norm_topk_prob=False, tie_word_embeddings=True), "30KB"),
+    # YaRN x4 over a 64-token original context (Qwen3's long-context recipe, scaled down): head_dim
+    # 32 with theta 1e4 puts the ramp over dimensions 0-5, interpolation on the rest.
+    "yarn_x4": (dict(vocab_size=100, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                     norm_topk_prob=True, max_position_embeddings=256,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                      "original_max_position_embeddings": 64}), None),
 }
+YARN_ORIGINAL = 64
 
 
 def make_hf_model(name, seed=0):
@@ -148,11 +158,47 @@ def test_config_maps_every_field_and_round_trips():
     transformers.Qwen3MoeConfig(**{k: v for k, v in fresh.items() if k != "rope_theta"})
 
 
+def test_yarn_config_maps_both_spellings_and_writes_back_what_it_read():
+    hf = json.loads(make_hf_model("yarn_x4").config.to_json_string())
+    cfg = model_config_from_hf(hf)
+    assert (cfg.position_embedding_type, cfg.yarn_rotary_scaling_factor,
+            cfg.yarn_original_max_position_embeddings) == ("yarn", 4.0, YARN_ORIGINAL)
+    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.yarn_mscale, cfg.yarn_mscale_all_dim,
+            cfg.yarn_correction_range_round_to_int) == (32.0, 1.0, 1.0, 0.0, True)
+    back = hf_config_from_model_config(cfg, base=hf)
+    assert back["rope_parameters"] == hf["rope_parameters"] and model_config_from_hf(back) == cfg
+    # transformers 4.x: rope_scaling + a top-level rope_theta; DeepSeek-style mscale pair, beta
+    v4 = dict(hf, rope_theta=1e4, rope_scaling={
+        "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False})
+    v4.pop("rope_parameters")
+    cfg4 = model_config_from_hf(v4)
+    assert (cfg4.yarn_rotary_scaling_factor, cfg4.yarn_original_max_position_embeddings,
+            cfg4.yarn_beta_fast, cfg4.yarn_mscale, cfg4.yarn_mscale_all_dim,
+            cfg4.yarn_correction_range_round_to_int) == (8.0, 32, 16.0, 0.707, 0.707, False)
+    fresh = hf_config_from_model_config(cfg4)
+    assert fresh["rope_parameters"] == {
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0,
+        "original_max_position_embeddings": 32, "beta_fast": 16.0, "truncate": False,
+        "mscale": 0.707, "mscale_all_dim": 0.707} and "rope_scaling" not in fresh
+    assert model_config_from_hf(fresh, seq_length=cfg4.seq_length) == cfg4
+    # and back to plain RoPE: the YaRN keys leave
+    plain = hf_config_from_model_config(dataclasses.replace(cfg, position_embedding_type="rope"),
+                                        base=hf)
+    assert plain["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e4}
+
+
 @pytest.mark.parametrize("change, field", [
     (dict(model_type="llama"), "model_type"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(use_sliding_window=True), "use_sliding_window"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+     "original_max_position_embeddings"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 0.5,
+                           "original_max_position_embeddings": 16}), "factor must be >= 1"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2,
+                           "original_max_position_embeddings": 16}), "attention_factor"),
     (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
@@ -277,6 +323,32 @@ def test_megatron_logits_match_hf_and_round_trip_is_bitwise(converted, name, tmp
     one = str(tmp_path / "hf_one")  # default shard size: a single model.safetensors
     convert_mcore_to_hf(mcore_dir, one, copy_side_files_from=hf_dir)
     assert sorted(os.listdir(one)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_yarn_logits_match_hf_up_to_four_times_the_original_context(converted):
+    """YaRN (rope_type yarn, factor 4): Megatron's logits of the converted model equal
+    transformers' at every position up to 4x the original context (256 tokens), within the
+    same tolerance as plain RoPE; the config maps to Megatron's YaRN knobs."""
+    from gspo_megatron.tools.export_hf import read_mcore_configs
+
+    model, _, mcore_dir = converted["yarn_x4"]
+    cfg, _, _ = read_mcore_configs(mcore_dir)
+    assert cfg.position_embedding_type == "yarn" and cfg.yarn_rotary_scaling_factor == 4.0
+    assert cfg.yarn_original_max_position_embeddings == YARN_ORIGINAL
+    ids = torch.randint(0, 100, (2, 4 * YARN_ORIGINAL), generator=torch.Generator().manual_seed(5))
+    ref = hf_logits(model, ids)
+    out = megatron_logits(mcore_dir, ids)[..., :100]
+    diff = (out - ref).abs().max().item()
+    tail = (out - ref)[:, 3 * YARN_ORIGINAL:].abs().max().item()
+    print(f"yarn_x4: max |logit diff| {diff:.3g} over 256 positions, {tail:.3g} past 3x")
+    assert diff < HF_LOGIT_TOL
+    # Without YaRN the same weights give other logits past the original context (the test
+    # would notice a model that ignored the scaling).
+    plain = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**dict(
+        json.loads(model.config.to_json_string()),
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}))).float().eval()
+    plain.load_state_dict(model.state_dict())
+    assert (hf_logits(plain, ids) - ref)[:, YARN_ORIGINAL:].abs().max() > 100 * HF_LOGIT_TOL
 
 
 def test_fused_expert_safetensors_are_accepted(tmp_path):

@@ -124,16 +124,15 @@ def test_hf_tokenizer_missing_transformers_message(tmp_path: Path) -> None:
         pytest.skip("transformers is installed")
 
 
-def test_hf_tokenizer_with_local_files(tmp_path: Path, sp_tok: SentencePieceTokenizer) -> None:
-    """Builds a tiny local HF tokenizer (no download) and checks the wrapper's behaviour."""
+def _tiny_hf_tokenizer(directory: Path):
+    """A tiny local HF tokenizer (no download) whose chat template reads ``enable_thinking``;
+    returns the transformers tokenizer saved in ``directory``."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers.decoders import Fuse
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Split
-
-    from gspo_megatron.tokenizer import HFTokenizer
 
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", *list("0123456789+-="), "u", "a"])}
     raw = RawTokenizer(WordLevel(vocab, unk_token="<pad>"))
@@ -144,7 +143,15 @@ def test_hf_tokenizer_with_local_files(tmp_path: Path, sp_tok: SentencePieceToke
         "{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}a{% endif %}{% if enable_thinking is defined and not enable_thinking %}={% endif %}"
     )
-    fast.save_pretrained(tmp_path / "hf")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def test_hf_tokenizer_with_local_files(tmp_path: Path, sp_tok: SentencePieceTokenizer) -> None:
+    """Builds a tiny local HF tokenizer (no download) and checks the wrapper's behaviour."""
+    from gspo_megatron.tokenizer import HFTokenizer
+
+    _tiny_hf_tokenizer(tmp_path / "hf")
     tok = build_tokenizer("hf", tmp_path / "hf")
     assert isinstance(tok, HFTokenizer)
     assert tok.eos_id == 1 and tok.pad_id == 0 and tok.bos_id is None
@@ -154,3 +161,41 @@ def test_hf_tokenizer_with_local_files(tmp_path: Path, sp_tok: SentencePieceToke
     assert no_think.apply_chat_template([{"role": "user", "content": "1"}]) == "u1a="
     tok.save(tmp_path / "saved")
     assert load_tokenizer(tmp_path / "saved").apply_chat_template("1+2=") == "u1+2=a"
+
+
+def test_recipe_chat_template_kwargs_shape_the_prompt_tokens(tmp_path: Path) -> None:
+    """``tokenizer.chat_template_kwargs`` in a recipe (and as an override) reaches the chat
+    template: the run's prompt tokens are what transformers' ``apply_chat_template`` gives with
+    the same arguments, in the prompt-length check too, and the saved tokenizer keeps them."""
+    from gspo_megatron.cli import load_data
+    from gspo_megatron.config import load_config
+
+    fast = _tiny_hf_tokenizer(tmp_path / "hf")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"tokenizer:\n  kind: hf\n  path: {tmp_path / 'hf'}\n"
+                      "  chat_template_kwargs: {enable_thinking: false}\n"
+                      f"data:\n  source: file\n  train_path: {tmp_path / 'train.jsonl'}\n"
+                      "  max_prompt_length: 7\n")
+    messages = [{"role": "user", "content": "1+2="}]
+
+    def expected(**kwargs):
+        return list(fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                             return_dict=False, **kwargs))
+
+    cfg = load_config(str(recipe), [])
+    assert cfg.tokenizer.chat_template_kwargs == {"enable_thinking": False}
+    tokenizer, train, _ = load_data(cfg)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(train[0].model_input))
+    assert ids == expected(enable_thinking=False) and ids != expected()  # "u1+2=a=" vs "u1+2=a"
+    tokenizer.save(tmp_path / "saved")
+    again = load_tokenizer(tmp_path / "saved")
+    assert again.encode(again.apply_chat_template("1+2=")) == expected(enable_thinking=False)
+    # an override replaces the recipe's mapping
+    cfg = load_config(str(recipe), ["--tokenizer.chat_template_kwargs={enable_thinking: true}"])
+    tokenizer, train, _ = load_data(cfg)
+    assert tokenizer.encode(tokenizer.apply_chat_template("1+2=")) == expected(enable_thinking=True)
+    # the prompt-length check counts the template's tokens: 7 with the kwarg, over a limit of 6
+    with pytest.raises(ValueError, match="prompt has 7 tokens, more than data.max_prompt_length=6"):
+        load_data(load_config(str(recipe), ["--tokenizer.chat_template_kwargs={enable_thinking: false}",
+                                            "--data.max_prompt_length=6"]))

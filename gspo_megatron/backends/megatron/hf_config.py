@@ -1,9 +1,10 @@
 """Hugging Face Qwen3-MoE ``config.json`` <-> :class:`ModelConfig`, both ways.
 
 Only what the Megatron model built by :func:`gspo_megatron.backends.megatron.model.build_gpt_model` computes
-exactly is accepted. Anything else (another ``model_type``, biased attention, RoPE scaling, sliding
-window attention, shared experts, a non-SiLU activation) is refused with a ``ValueError`` that names
-the offending HF field, before any weight is read.
+exactly is accepted. Anything else (another ``model_type``, biased attention, RoPE scaling other
+than YaRN, sliding window attention, shared experts, a non-SiLU activation) is refused with a
+``ValueError`` that names the offending HF field, before any weight is read. YaRN's keys map as
+:func:`hf_yarn` says.
 
 Field map (HF -> ModelConfig):
 
@@ -20,6 +21,7 @@ Field map (HF -> ModelConfig):
 ``norm_topk_prob`` True / False                ``moe_router_pre_softmax`` False / True
 ``decoder_sparse_step`` + ``mlp_only_layers``  ``moe_layer_freq`` (0/1 list)
 ``rope_theta`` / ``rope_parameters.rope_theta``  ``rotary_base``
+``rope_type: yarn`` and its keys               ``position_embedding_type: yarn``, ``yarn_*``
 ``rms_norm_eps``                               ``norm_epsilon``
 ``vocab_size``                                 ``vocab_size``
 ``tie_word_embeddings``                        ``not untie_embeddings_and_output_weights``
@@ -79,27 +81,100 @@ def hf_num_experts(hf: dict) -> int:
     raise ValueError("HF config: required field 'num_experts' is missing")
 
 
-def hf_rope_theta(hf: dict) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x); refuses scaling."""
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+"""transformers' values for YaRN keys a config leaves out (``_compute_yarn_parameters``)."""
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """The RoPE dict in either spelling: ``rope_parameters`` (transformers 5, theta inside) or
+    ``rope_scaling`` + top-level ``rope_theta`` (4.x). Refuses what Megatron cannot compute."""
     params = hf.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise ValueError(f"HF config: rope_parameters must be a dict, got {params!r}")
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"HF config: rope_parameters.rope_type={rope_type!r} (RoPE scaling) is not supported; "
-                "only 'default'")
-        extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-        if extra:
-            raise ValueError(f"HF config: rope_parameters has unsupported keys {sorted(extra)}")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("HF config: rope_parameters.partial_rotary_factor != 1 is not supported")
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-    if hf.get("rope_scaling") is not None:
-        raise ValueError(f"HF config: rope_scaling={hf['rope_scaling']!r} is not supported")
+    field = "rope_parameters"
+    if params is None and hf.get("rope_scaling") is not None:
+        params, field = dict(hf["rope_scaling"]), "rope_scaling"
+    if params is None:
+        return {"rope_type": "default"}
+    if not isinstance(params, dict):
+        raise ValueError(f"HF config: {field} must be a dict, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"HF config: {field}.rope_type={rope_type!r} (RoPE scaling) is not "
+                         "supported; only 'default' and 'yarn'")
+    allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    if rope_type == "yarn":
+        allowed |= {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                    "mscale", "mscale_all_dim", "truncate"}
+    extra = set(params) - allowed
+    if extra:
+        raise ValueError(f"HF config: {field} has unsupported keys {sorted(extra)} "
+                         f"for rope_type {rope_type!r}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"HF config: {field}.partial_rotary_factor != 1 is not supported")
+    return {**params, "rope_type": rope_type}
+
+
+def hf_rope_theta(hf: dict) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
+    params = _rope_parameters(hf)
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
     return float(_get(hf, "rope_theta", 10000.0))
+
+
+def hf_yarn(hf: dict) -> dict:
+    """The ModelConfig YaRN fields of an HF config (empty for plain RoPE). HF's attention factor
+    is ``0.1 ln(factor) + 1``, or with both ``mscale`` and ``mscale_all_dim`` set (and non-zero)
+    their ratio of those: Megatron's ``yarn_mscale`` / ``yarn_mscale_all_dim`` with the
+    same rule (1 / 0 give the plain one)."""
+    params = _rope_parameters(hf)
+    if params["rope_type"] != "yarn":
+        return {}
+    field = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    for key in ("factor", "original_max_position_embeddings"):
+        if params.get(key) is None:
+            raise ValueError(f"HF config: {field}.{key} is required for rope_type 'yarn'")
+    factor = float(params["factor"])
+    if not factor >= 1.0:
+        raise ValueError(f"HF config: {field}.factor must be >= 1 for YaRN, got {factor}")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    both = bool(mscale) and bool(all_dim)
+    return dict(
+        position_embedding_type="yarn",
+        yarn_rotary_scaling_factor=factor,
+        yarn_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        yarn_beta_fast=float(params.get("beta_fast") or YARN_DEFAULTS["beta_fast"]),
+        yarn_beta_slow=float(params.get("beta_slow") or YARN_DEFAULTS["beta_slow"]),
+        yarn_mscale=float(mscale) if both else 1.0,
+        yarn_mscale_all_dim=float(all_dim) if both else 0.0,
+        yarn_correction_range_round_to_int=bool(params.get("truncate", YARN_DEFAULTS["truncate"])),
+    )
+
+
+def _hf_rope_out(model: ModelConfig, base_rope: dict) -> dict:
+    """``rope_parameters`` for ``model``: the base config's own keys kept where they still say
+    the same (so a round trip writes back what it read), ours for the rest."""
+    rope = {k: v for k, v in base_rope.items() if k != "type"}
+    rope.update(rope_type=model.position_embedding_type.replace("rope", "default"),
+                rope_theta=float(model.rotary_base))
+    yarn_keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "mscale", "mscale_all_dim", "truncate")
+    if model.position_embedding_type != "yarn":
+        for key in yarn_keys:
+            rope.pop(key, None)
+        return rope
+    rope.update(factor=model.yarn_rotary_scaling_factor,
+                original_max_position_embeddings=model.yarn_original_max_position_embeddings)
+    ours = {"beta_fast": model.yarn_beta_fast, "beta_slow": model.yarn_beta_slow,
+            "truncate": model.yarn_correction_range_round_to_int}
+    for key, value in ours.items():
+        if key in rope or value != YARN_DEFAULTS[key]:
+            rope[key] = value
+    if model.yarn_mscale_all_dim:
+        rope.update(mscale=model.yarn_mscale, mscale_all_dim=model.yarn_mscale_all_dim)
+    else:
+        rope.pop("mscale", None)
+        rope.pop("mscale_all_dim", None)
+    return rope
 
 
 def hf_moe_layer_pattern(hf: dict) -> list[int]:
@@ -139,6 +214,7 @@ def validate_hf_config(hf: dict) -> None:
     if hf.get("qk_layernorm") is False or hf.get("use_qk_norm") is False:
         raise ValueError("HF config: Qwen3 QK-norm must be on (use_qk_norm/qk_layernorm)")
     hf_rope_theta(hf)
+    hf_yarn(hf)
     experts = hf_num_experts(hf)
     if experts < 1:
         raise ValueError(f"HF config: num_experts={experts}; a model without experts is not supported")
@@ -191,6 +267,7 @@ def model_config_from_hf(hf: dict | str, **overrides: Any) -> ModelConfig:
         vocab_size=int(hf["vocab_size"]),
         seq_length=int(_get(hf, "max_position_embeddings", 4096)),
         rotary_base=hf_rope_theta(hf),
+        **hf_yarn(hf),
         norm_epsilon=float(_get(hf, "rms_norm_eps", 1e-6)),
         untie_embeddings_and_output_weights=not bool(_get(hf, "tie_word_embeddings", False)),
         init_method_std=float(_get(hf, "initializer_range", 0.02)),
@@ -222,8 +299,7 @@ def hf_config_from_model_config(model: ModelConfig, base: dict | None = None,
     if not (out and hf_moe_layer_pattern(out) == pattern):
         out["decoder_sparse_step"] = 1
         out["mlp_only_layers"] = [i for i, moe in enumerate(pattern) if not moe]
-    rope = dict(out.get("rope_parameters") or {})
-    rope.update(rope_type="default", rope_theta=float(model.rotary_base))
+    rope = _hf_rope_out(model, _rope_parameters(out) if out else {})
     out.pop("rope_scaling", None)
     out.pop("num_local_experts", None)
     out.update(

@@ -151,7 +151,20 @@ def build_transformer_config(
         use_cpu_initialization=not on_gpu,
     )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if model.position_embedding_type == "yarn":
+        # Megatron-Core reads YaRN's knobs off the config by name (GPTModel's
+        # YarnRotaryEmbedding, the attention's cos/sin scale) but declares them only on the MLA
+        # config: set them on ours under the same names.
+        for name in YARN_FIELDS:
+            setattr(config, name, getattr(model, name))
+    return config
+
+
+YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+               "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+               "yarn_correction_range_round_to_int")
+"""The ModelConfig fields of YaRN, Megatron-Core's names for them."""
 
 
 def _swap_modules(spec: Any, old: type, new: type) -> Any:
@@ -239,7 +252,7 @@ def build_gpt_model(
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
+        position_embedding_type=model.position_embedding_type,
         rotary_base=model.rotary_base,
     )
     if local_kernels and impl == "local" and post_process:
