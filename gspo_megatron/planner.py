@@ -298,3 +298,69 @@ def suggest_layouts(model: ModelConfig, num_gpus: int, gpu_memory_gib: float, li
             fits.append(plan)
     fits.sort(key=lambda p: (p.layout.tp * p.layout.pp, p.layout.pp, p.total))
     return fits[:limit]
+
+
+MAX_RESPONSE_SEARCHED = 1 << 20
+"""The longest response :func:`longest_response` tries (1,048,576 tokens)."""
+
+
+@dataclass
+class ResponseLimit:
+    """The longest response a layout holds, per phase (:func:`longest_response`)."""
+
+    training: int
+    """Longest response (tokens) whose training peak fits; 0: not even one token."""
+    rollout: int
+    """Longest response whose rollout peak fits (KV cache of the engine's requests)."""
+    training_plan: MemoryPlan | None
+    """The plan at :attr:`training` (None when 0)."""
+    rollout_plan: MemoryPlan | None
+    """The plan at :attr:`rollout` (None when 0)."""
+
+    @property
+    def both(self) -> int:
+        """Longest response that can be rolled out and trained on."""
+        return min(self.training, self.rollout)
+
+
+def plan_for_response(model: ModelConfig, layout: Layout, num_gpus: int, response: int,
+                      prompt_length: int, **plan_kwargs) -> MemoryPlan:
+    """:func:`plan_memory` with sequences of ``prompt_length + response`` tokens: the padded
+    row (or a packed sequence's bound) and each KV-cache request that long; a packed token
+    budget below one such sequence grows to hold it (the trainer refuses a smaller one)."""
+    s = prompt_length + response
+    kwargs = dict(plan_kwargs, seq_length=s)
+    if kwargs.get("max_tokens_per_microbatch") is not None:
+        kwargs["max_tokens_per_microbatch"] = max(kwargs["max_tokens_per_microbatch"], s)
+    return plan_memory(model, layout, num_gpus, **kwargs)
+
+
+def longest_response(model: ModelConfig, layout: Layout, num_gpus: int, gpu_memory_bytes: float,
+                     prompt_length: int, **plan_kwargs) -> ResponseLimit:
+    """The longest response (up to :data:`MAX_RESPONSE_SEARCHED`) whose training peak, and whose
+    rollout peak, fit ``gpu_memory_bytes`` (:func:`plan_for_response`; both peaks grow with the
+    length, so a binary search each). With a fixed KV budget (``kv_cache_bytes``) the rollout
+    limit is the longest request that budget holds."""
+    def fits(response: int, phase: str) -> bool:
+        plan = plan_for_response(model, layout, num_gpus, response, prompt_length, **plan_kwargs)
+        if phase == "rollout" and plan_kwargs.get("kv_cache_bytes") is not None:
+            per_token = kv_bytes_per_token(model.num_layers, model.num_query_groups,
+                                           model.kv_channels, layout.tp, layout.pp,
+                                           2 if plan_kwargs.get("bf16", True) else 4)
+            one = kv_budget_bytes(1, prompt_length + response, per_token)
+            return one <= plan.kv_cache and plan.rollout_peak <= gpu_memory_bytes
+        peak = plan.training_peak if phase == "training" else plan.rollout_peak
+        return peak <= gpu_memory_bytes
+
+    limits, plans = {}, {}
+    for phase in ("training", "rollout"):
+        lo, hi = 0, MAX_RESPONSE_SEARCHED  # fits(lo) holds (0: vacuously), find the largest
+        if fits(hi, phase):
+            lo = hi
+        while hi - lo > 1 and lo < MAX_RESPONSE_SEARCHED:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid, phase) else (lo, mid)
+        limits[phase] = lo
+        plans[phase] = (plan_for_response(model, layout, num_gpus, lo, prompt_length, **plan_kwargs)
+                        if lo else None)
+    return ResponseLimit(limits["training"], limits["rollout"], plans["training"], plans["rollout"])

@@ -14,6 +14,11 @@ the trainer's own arguments, so the layout checked is the one that runs. ``--pri
 scripts) prints ``TP PP EP ETP CP`` as five integers on stdout before the checks, and the report on
 stderr.
 
+``--max-response`` reports the longest response the layout can roll out (the KV cache of the
+engine's requests, each ``--prompt-length`` + response tokens) and train on (activations and
+logits of a microbatch holding such sequences; a packed budget grows to hold one), each phase's
+peak separately; ``--responses 8192,16384,32768`` the two peaks at those lengths.
+
 ``--max-tokens-per-microbatch N`` (a recipe's ``trainer.max_tokens_per_microbatch``) plans
 padding-free training: packed microbatches of at most N tokens, one row each, instead of
 ``--micro-batch-size`` sequences padded to ``--seq-length``; the report's ``microbatch`` row says
@@ -31,7 +36,8 @@ import sys
 
 from gspo_megatron.config.model import MODEL_PRESETS, model_config_from_preset
 from gspo_megatron.params import count_parameters
-from gspo_megatron.planner import GIB, Layout, plan_memory, suggest_layouts
+from gspo_megatron.planner import (GIB, MAX_RESPONSE_SEARCHED, Layout, longest_response,
+                                   plan_for_response, plan_memory, suggest_layouts)
 
 MIB = 1024 ** 2
 
@@ -154,7 +160,8 @@ def from_recipe(args, overrides: list[str]):
                   # The KV cache exists during rollouts only (released for the training passes).
                   kv_cache_bytes=(None if r.dynamic_buffer_size_gb is None or r.engine == "static"
                                   else int(r.dynamic_buffer_size_gb * GIB)),
-                  rollout_requests=0 if r.engine == "static" else r.max_batch_size)
+                  rollout_requests=0 if r.engine == "static" else r.max_batch_size,
+                  prompt_length=cfg.data.max_prompt_length)
     return cfg.model.preset, cfg.model, layout, kwargs
 
 
@@ -187,6 +194,15 @@ def parser() -> argparse.ArgumentParser:
                     help="packed (padding-free) microbatches of at most N tokens, one row each "
                          "(trainer.max_tokens_per_microbatch); default: --micro-batch-size "
                          "sequences padded to --seq-length")
+    ap.add_argument("--max-response", action="store_true",
+                    help="the longest response this layout can roll out and train on (each "
+                         "phase's limit and peak), sequences of --prompt-length + response")
+    ap.add_argument("--responses", metavar="R1,R2,...",
+                    help="training and rollout peaks at these response lengths, e.g. "
+                         "8192,16384,32768")
+    ap.add_argument("--prompt-length", type=int, metavar="P",
+                    help="prompt tokens for --max-response / --responses (default: the recipe's "
+                         "data.max_prompt_length, else 1024)")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit instead")
     ap.add_argument("--print-layout", action="store_true",
                     help="print 'TP PP EP ETP CP' on stdout before the checks; report on stderr")
@@ -212,6 +228,23 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"plan: {exc}", file=sys.stderr)
             return 2
+    prompt_length = kwargs.pop("prompt_length", None)
+    if args.prompt_length is not None:
+        prompt_length = args.prompt_length
+    prompt_length = 1024 if prompt_length is None else prompt_length
+    responses = []
+    if args.responses:
+        try:
+            responses = [int(x) for x in args.responses.split(",")]
+        except ValueError:
+            responses = [0]
+        if any(r < 1 for r in responses):
+            print(f"plan: --responses must be positive token counts separated by commas, got "
+                  f"{args.responses!r}", file=sys.stderr)
+            return 2
+    if prompt_length < 1:
+        print(f"plan: --prompt-length must be at least 1, got {prompt_length}", file=sys.stderr)
+        return 2
     out = sys.stdout
     if args.print_layout:
         # Printed before the checks, so a caller that overrides the verdict still learns the layout.
@@ -226,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         for plan in plans:
             print(table(plan), file=out)
         return 0
+    if args.max_response or responses:
+        try:
+            return _response_report(model, layout, args, kwargs, prompt_length, responses, out)
+        except ValueError as exc:
+            print(f"plan: invalid layout {layout.describe()}: {exc}", file=sys.stderr)
+            return 2
     try:
         plan = plan_memory(model, layout, args.gpus, **kwargs)
     except ValueError as exc:
@@ -239,6 +278,32 @@ def main(argv: list[str] | None = None) -> int:
         _print_suggestions(model, args, kwargs)
         return 3
     return 0
+
+
+def _response_report(model, layout, args, kwargs, prompt_length: int, responses: list[int],
+                     out) -> int:
+    """``--responses``: each length's training and rollout peaks; ``--max-response``: the longest
+    response each phase holds. Exit 3 when not even a one-token response fits."""
+    memory = args.gpu_memory * GIB
+    print(f"layout {layout.describe()} on {args.gpus} GPUs of {args.gpu_memory:g} GiB, prompts of "
+          f"{prompt_length:,} tokens", file=out)
+    for response in responses:
+        plan = plan_for_response(model, layout, args.gpus, response, prompt_length, **kwargs)
+        verdict = "fits" if plan.total <= memory else "does not fit"
+        print(f"  response {response:>9,}: training peak {plan.training_peak / GIB:7.2f} GiB, "
+              f"rollout peak {plan.rollout_peak / GIB:7.2f} GiB ({plan.describe_microbatch()}): "
+              f"{verdict}", file=out)
+    if not args.max_response:
+        return 0
+    limit = longest_response(model, layout, args.gpus, memory, prompt_length, **kwargs)
+    for phase, tokens, plan in (("training", limit.training, limit.training_plan),
+                                ("rollout", limit.rollout, limit.rollout_plan)):
+        peak = (f"{(plan.training_peak if phase == 'training' else plan.rollout_peak) / GIB:.2f} "
+                f"GiB peak" if plan else "nothing fits")
+        cap = "+" if tokens == MAX_RESPONSE_SEARCHED else ""
+        print(f"  longest response, {phase:8s} {tokens:>9,}{cap} tokens ({peak})", file=out)
+    print(f"  longest response, both     {limit.both:>9,} tokens", file=out)
+    return 0 if limit.both else 3
 
 
 def _print_suggestions(model, args, kwargs) -> None:

@@ -132,6 +132,7 @@ def test_recipe_is_the_layout_source(plan):
 
 
 @pytest.mark.parametrize("recipe,gpus,layout", [("qwen3_30b_a3b_gspo.yaml", 16, "2 1 8 1 1"),
+                                                ("qwen3_30b_a3b_gspo_16k.yaml", 16, "4 1 8 1 1"),
                                                 ("qwen3_235b_a22b_gspo.yaml", 128, "4 1 64 1 1")])
 def test_shipped_recipes_fit_their_launch_size(plan, recipe, gpus, layout):
     """What launch/submit.sh checks for the two real models (launch/models/*.sh GPU counts)."""
@@ -343,3 +344,39 @@ def test_cli_refuses_a_bad_token_budget(plan, value):
     assert "trainer.max_tokens_per_microbatch: must be >= 1" in r.stderr
     with pytest.raises(ValueError, match="max_tokens_per_microbatch must be at least 1"):
         plan_memory(model_config_from_preset("tiny"), Layout(), 1, max_tokens_per_microbatch=int(value))
+
+
+def test_longest_response_is_where_each_peak_meets_the_memory():
+    """--max-response: the training limit is the longest response whose training peak fits (one
+    more token does not), the rollout limit likewise for the KV cache of the engine's requests;
+    a packed budget below one sequence grows to hold it."""
+    from gspo_megatron.planner import longest_response, plan_for_response
+
+    m = model_config_from_preset("qwen3-30b-a3b")
+    layout, memory = Layout(tp=4, ep=8, etp=1), 80 * GIB
+    kw = dict(max_tokens_per_microbatch=17408, rollout_requests=64, recompute="full")
+    limit = longest_response(m, layout, 16, memory, 1024, **kw)
+    assert 1024 < limit.rollout < limit.training < 1 << 20 and limit.both == limit.rollout
+    at = lambda r: plan_for_response(m, layout, 16, r, 1024, **kw)  # noqa: E731
+    assert at(limit.training).training_peak <= memory < at(limit.training + 1).training_peak
+    assert at(limit.rollout).rollout_peak <= memory < at(limit.rollout + 1).rollout_peak
+    assert at(limit.training).max_tokens_per_microbatch == 1024 + limit.training  # grew
+    assert limit.training_plan.training_peak == at(limit.training).training_peak
+    # a layout where nothing fits
+    none = longest_response(m, Layout(), 1, memory, 1024, **kw)
+    assert none.both == 0 and none.training_plan is None
+
+
+def test_cli_max_response_and_response_table(plan):
+    recipe = os.path.join(RECIPES, "qwen3_30b_a3b_gspo_16k.yaml")
+    r = plan("--gpus", "16", "--config", recipe, "--max-response", "--responses", "8192,16384,32768")
+    assert r.returncode == 0, r.stderr
+    assert "prompts of 1,024 tokens" in r.stdout  # the recipe's data.max_prompt_length
+    lines = [x for x in r.stdout.splitlines() if x.strip().startswith("response ")]
+    assert [x.split(":")[-1].strip() for x in lines] == ["fits", "fits", "does not fit"]
+    assert "longest response, both" in r.stdout
+    tight = plan("--gpus", "16", "--config", recipe, "--max-response", "--gpu-memory", "20")
+    assert tight.returncode == 3 and "nothing fits" in tight.stdout
+    for bad in (["--responses", "8k"], ["--responses", "0"], ["--prompt-length", "0"]):
+        p = plan("--gpus", "16", "--config", recipe, "--max-response", *bad)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
