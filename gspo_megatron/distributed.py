@@ -80,6 +80,19 @@ def all_reduce_(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch
     return tensor
 
 
+def all_gather_(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere) over ``group``, in rank order, on the
+    tensor's device (gathered on :func:`compute_device`: NCCL needs device tensors). No
+    gradient. ``[tensor]`` for a single rank."""
+    size = process_group_size(group)
+    if size == 1:
+        return [tensor]
+    buf = tensor.to(compute_device()).contiguous()
+    parts = [torch.empty_like(buf) for _ in range(size)]
+    dist.all_gather(parts, buf, group=group)
+    return [p.to(tensor.device) for p in parts]
+
+
 def any_rank(flag: bool, group=None) -> bool:
     """True if ``flag`` is true on any rank of ``group`` (one MAX all-reduce), so all decide alike."""
     return bool(all_reduce_(torch.tensor([1.0 if flag else 0.0]), group, dist.ReduceOp.MAX).item())

@@ -335,3 +335,39 @@ def balance_across_ranks(lengths: Sequence[Sequence[int]], num_minibatches: int)
                 sources[r][m] = [(r, p) for p in range(m * per, (m + 1) * per)]
                 after[r][m] = before[r][m]
     return RankBalance(sources, before, after)
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """Where a context-parallel rank's tokens sit in a ``[b, T]`` row: Megatron's load-balanced
+    split (``get_batch_on_this_cp_rank``) cuts ``T`` into ``2 x size`` chunks of ``T / (2 size)``
+    and rank ``r`` holds chunks ``r`` and ``2 size - 1 - r``, so under causal attention every rank
+    has about the same work (an early chunk and a late one). ``T`` must be a multiple of ``2 x
+    size`` (the trainer pads rows to it)."""
+
+    rank: int
+    size: int
+
+    def positions(self, seq_length: int) -> torch.Tensor:
+        """``[2 T / (2 size)]`` int64: the global positions this rank holds, in its order."""
+        chunk, rest = divmod(seq_length, 2 * self.size)
+        if rest:
+            raise ValueError(f"a row of {seq_length} tokens does not split into 2 x "
+                             f"context_parallel_size = {2 * self.size} chunks")
+        first, second = self.rank * chunk, (2 * self.size - 1 - self.rank) * chunk
+        return torch.cat([torch.arange(first, first + chunk),
+                          torch.arange(second, second + chunk)])
+
+    def shard(self, x: torch.Tensor, seq_length: int, dim: int = 1) -> torch.Tensor:
+        """This rank's positions of ``x`` along ``dim`` (of size ``seq_length``)."""
+        return x.index_select(dim, self.positions(seq_length).to(x.device))
+
+    def unshard(self, parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """The full rows from every rank's shard (``parts[r]``: rank ``r``'s, as :meth:`shard`
+        gave it), positions back in order."""
+        local = parts[0].shape[dim]
+        seq_length = local * self.size
+        order = torch.cat([ContextShard(r, self.size).positions(seq_length)
+                           for r in range(self.size)])
+        out = torch.cat(list(parts), dim=dim)
+        return torch.empty_like(out).index_copy_(dim, order.to(out.device), out)

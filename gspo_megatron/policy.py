@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from gspo_megatron.layout import PackedRows, TokenLayout
+from gspo_megatron.layout import ContextShard, PackedRows, TokenLayout
 
 
 @dataclass
@@ -56,6 +56,10 @@ class PolicyBatch:
     packing: PackedRows | None = None
     """On a packed microbatch: how its rows are concatenated into the one row the model sees
     (:class:`~gspo_megatron.layout.PackedRows`); None when the model sees the ``[B, T]`` rows."""
+    context: ContextShard | None = None
+    """On a context-parallel microbatch: this rank's share of every row
+    (:class:`~gspo_megatron.layout.ContextShard`); its ``[b, T / cp]`` tensors hold those
+    positions. None: whole rows."""
 
     @property
     def size(self) -> int:
@@ -83,10 +87,24 @@ class PolicyBatch:
         return [self.select(slice(s, s + size)) for s in range(0, self.size, size)]
 
     def position_ids(self) -> torch.Tensor:
-        """[B, T] rotary positions of the tokens (the layout's; 0..T-1 without one)."""
+        """[B, T] rotary positions of the tokens (the layout's; 0..T-1 without one); on a
+        context-parallel shard, those of its positions."""
+        full = self.layout.seq_length if self.layout is not None else self.seq_length
         if self.layout is not None:
-            return self.layout.position_ids(self.tokens.device)
-        return torch.arange(self.seq_length, device=self.tokens.device).expand(self.size, -1)
+            positions = self.layout.position_ids(self.tokens.device)
+        else:
+            positions = torch.arange(full, device=self.tokens.device).expand(self.size, -1)
+        return positions if self.context is None else self.context.shard(positions, full)
+
+    def context_parallel(self, shard: ContextShard) -> "PolicyBatch":
+        """This rank's share of every row (:class:`~gspo_megatron.layout.ContextShard`): each
+        ``[B, T]`` field cut to ``[B, T / cp]``; ``[B]`` fields (advantages) unchanged."""
+        if self.packing is not None or self.context is not None:
+            raise ValueError("a packed or already sharded microbatch cannot be context-sharded")
+        t = self.seq_length
+        return dataclasses.replace(self, context=shard, **{
+            k: shard.shard(v, t) for k, v in self.tensors().items()
+            if v.dim() >= 2 and v.shape[1] == t})
 
 
 def make_policy_batch(

@@ -99,6 +99,16 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
         # Packed training (trainer.max_tokens_per_microbatch): Transformer Engine's thd attention
         # where TE is installed, our packing SDPA kernel on the local spec otherwise.
         ("tiny_packed", [_tiny(w("tiny_packed"), "--trainer.max_tokens_per_microbatch=256")], 300),
+        # Context parallelism (one GPU holds one rank): two gloo CPU ranks, the local kernel's
+        # CP attention; TE's CP attention needs two GPUs. YaRN on the GPU's dynamic engine.
+        ("cp2_cpu", [["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-m",
+                      "torch.distributed.run", "--nproc-per-node", "2", "-m", "gspo_megatron.cli",
+                      "--parallel.context_parallel_size=2", "--precision.bf16=false",
+                      "--sft.steps=20", "--trainer.steps=3", "--trainer.eval_interval=0",
+                      "--logging.progress=false", f"--logging.run_dir={w('cp2_cpu')}"]], 300),
+        ("tiny_yarn", [_tiny(w("tiny_yarn"), "--model.position_embedding_type=yarn",
+                             "--model.yarn_rotary_scaling_factor=4",
+                             "--model.yarn_original_max_position_embeddings=16")], 300),
         ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
         ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
     ]

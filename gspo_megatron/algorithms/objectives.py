@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import torch
 
 from .policy_loss import PolicyLossConfig, clipped_positions, k3, policy_loss
+from .reductions import all_reduce_no_grad
 from .rollout_correction import RolloutCorrectionConfig, correction_weights
 
 Corrupt = Callable[[str, torch.Tensor], torch.Tensor]
@@ -36,9 +37,11 @@ class Objective(Protocol):
     def local_count(self, batch) -> torch.Tensor:
         """This rank's share of the normaliser (float64 scalar), summed over DP by the caller."""
 
-    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None, mb, normalizer: float
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(loss, metrics)`` of one microbatch: ``logprobs`` ``[b, T]`` (grad), metrics 0-dim."""
+    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None, mb, normalizer: float,
+                 cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, metrics)`` of one microbatch: ``logprobs`` ``[b, T]`` (grad), metrics 0-dim.
+        ``cp_group``: under context parallelism each rank holds a share of every row's positions
+        (``mb``'s ``[b, T / cp]`` fields); per-sequence sums reduce over this group."""
 
 
 class PolicyGradientObjective:
@@ -65,7 +68,7 @@ class PolicyGradientObjective:
         self.corrupt = corrupt or (lambda point, t: t)
         self.correction = correction if correction is not None and correction.enabled else None
 
-    def _weights(self, mb) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    def _weights(self, mb, cp_group=None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """``(weights for policy_loss or None, correction/* metrics)`` of one microbatch."""
         if self.correction is None:
             return None, {}
@@ -73,9 +76,10 @@ class PolicyGradientObjective:
             raise ValueError(f"rollout_correction.mode={self.correction.mode!r} needs the rollout "
                              "engine's log-probs (batch.rollout_logprobs), but the batch has none")
         res = correction_weights(mb.old_logprobs, mb.rollout_logprobs, mb.response_mask,
-                                 self.correction)
+                                 self.correction, cp_group=cp_group)
         weights = res.seq_weights if res.seq_weights is not None else res.weights
-        if bool(torch.where(mb.response_mask.bool(), res.weights == 1, True).all()):
+        no_op = torch.where(mb.response_mask.bool(), res.weights == 1, True).all()
+        if not bool(all_reduce_no_grad(no_op.logical_not().float(), cp_group) > 0):
             weights = None  # a no-op correction (old == rollout): keep the loss bitwise
         return weights, res.metrics
 
@@ -91,17 +95,17 @@ class PolicyGradientObjective:
             return batch.response_mask.sum().double()
         return torch.tensor(float(batch.response_mask.shape[0]), dtype=torch.float64)
 
-    def __call__(self, logprobs, entropy, mb, normalizer):
+    def __call__(self, logprobs, entropy, mb, normalizer, cp_group=None):
         lp = self.corrupt("nan_loss", logprobs)
         nonfinite = not bool(torch.isfinite(lp[mb.response_mask]).all())
         if nonfinite:
             lp = torch.where(torch.isfinite(lp), lp, mb.old_logprobs.to(lp.dtype))
-        weights, correction_metrics = self._weights(mb)
+        weights, correction_metrics = self._weights(mb, cp_group)
         loss, metrics = policy_loss(
             lp, mb.old_logprobs, mb.advantages, mb.response_mask, self.loss,
             ref_logprobs=mb.ref_logprobs,
             entropy=entropy.detach() if entropy is not None else None,
-            loss_normalizer=normalizer, correction_weights=weights)
+            loss_normalizer=normalizer, cp_group=cp_group, correction_weights=weights)
         metrics.update(correction_metrics)
         if nonfinite:
             loss = loss * 0.0
@@ -122,8 +126,8 @@ class NLLObjective:
     def local_count(self, batch) -> torch.Tensor:
         return batch.response_mask.sum().double()
 
-    def __call__(self, logprobs, entropy, mb, normalizer):
-        normalizer = max(normalizer, 1.0)
+    def __call__(self, logprobs, entropy, mb, normalizer, cp_group=None):
+        normalizer = max(normalizer, 1.0)  # a token sum: each CP rank adds its own tokens
         loss = -(logprobs * mb.response_mask.to(logprobs.dtype)).sum() / normalizer
         return loss, {"loss/sft_nll": loss.detach()}
 

@@ -287,6 +287,18 @@ _PATCHED_MODULES = {
 }
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` without its pinned host index and ``.cuda()``
+    (failure 15): this context-parallel rank's two chunks of ``2 cp`` along ``seq_dim``."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 def _cpu_rng_get(*args, **kwargs) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -353,6 +365,13 @@ def apply_cpu_compat() -> bool:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+    # Failure 15: context parallelism's rotary-table slicing pins a host index and calls .cuda().
+    from megatron.core.models.common.embeddings import (rope_utils, rotary_pos_embedding,
+                                                         yarn_rotary_pos_embedding)
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
 
     logger.info("megatron-core %s: CUDA absent, CPU compatibility applied", mcore_version)
     return True

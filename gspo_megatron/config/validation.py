@@ -92,13 +92,21 @@ def _layout_errors(cfg: TrainConfig, world_size: int) -> tuple[int, list[str]]:
         dp = par.validate(world_size, cfg.model)
     except ValueError as e:
         errors.append(str(e))
-    # Context parallelism: the losses reduce sequence sums over a CP group (tested in pure torch),
-    # but the trainer does not yet split batches into Megatron's load-balanced CP chunks.
-    if par.context_parallel_size > 1:
-        errors.append(
-            f"parallel.context_parallel_size={par.context_parallel_size}: the trainer does not yet "
-            "shard sequences across context-parallel ranks; use 1 (long sequences: raise "
-            "tensor_model_parallel_size with sequence_parallel, or recompute)")
+    # Context parallelism: every training row is cut into 2 x CP chunks (x TP under sequence
+    # parallel; ParallelConfig checks model.seq_length divides); what does not shard that way
+    # yet is refused by name.
+    cp = par.context_parallel_size
+    if cp > 1:
+        what = f"parallel.context_parallel_size={cp}"
+        if cfg.trainer.max_tokens_per_microbatch is not None:
+            errors.append(f"{what} with trainer.max_tokens_per_microbatch (packed rows): the "
+                          "trainer shards padded rows only; unset the token budget")
+        if par.pipeline_model_parallel_size > 1:
+            errors.append(f"{what} with parallel.pipeline_model_parallel_size="
+                          f"{par.pipeline_model_parallel_size}: not validated; use PP 1")
+        if cfg.rollout.engine == "static":
+            errors.append(f"{what} with rollout.engine='static': rollouts under context "
+                          "parallelism run on the dynamic engine (rollout.engine: auto)")
     return dp, errors
 
 
@@ -196,9 +204,6 @@ def _routing_errors(cfg: TrainConfig) -> list[str]:
         if not any(m.layer_is_moe()):
             errors.append(f"{what} needs an MoE model (model.moe_layer_freq makes every layer "
                           "dense)")
-        if par.context_parallel_size > 1:
-            errors.append(f"{what} is not validated with context parallelism "
-                          f"(parallel.context_parallel_size={par.context_parallel_size}); use 1")
         if rt.replay == "r2" and tr.old_logprobs == "rollout":
             warnings.warn("routing.replay='r2' with trainer.old_logprobs='rollout': the replayed "
                           "routes come from the trainer's recompute pass while pi_old comes from "

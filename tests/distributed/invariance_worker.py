@@ -46,7 +46,20 @@ VARIANTS = {
                                         aggregation="token_mean"),
     "gspo_token": PolicyLossConfig(variant="gspo_token", clip_low=0.03, clip_high=0.06),
 }
-CASES = (*CORRECTIONS, *VARIANTS)
+# R2 (routing replay of the old policy's routes), run last: the old-log-prob pass records the
+# routes under the reference weights; the update then runs on the *moved* weights (reference +
+# 0.5 std noise, saved once by --make-reference) replaying them, so routes differ from what free
+# routing would pick (the "routing/changed_fraction" of the metrics says how many).
+# R3 likewise, with a partial store as the rollout engine's (whose routes cover every token but
+# each sequence's last): here a third of the positions are unknown, (row + position) % 3 == 0, so
+# the free routing there changes the loss (an unknown last token would not: its output is never
+# scored) and the known mask is exercised in every layout's shards.
+R2, R3 = "r2", "r3"
+CASES = (*CORRECTIONS, *VARIANTS, R2, R3)
+
+
+def moved_weights(weights: str) -> str:
+    return weights.rstrip("/") + "_moved"
 
 
 def tiny_model(aux_loss: bool = True):
@@ -80,6 +93,8 @@ def compare_grads(model, reference_out, other_outs):
         load_model_weights(model, os.path.join(reference_out, case, "grads"))
         ref = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         for d in other_outs:
+            if not os.path.isdir(os.path.join(d, case, "grads")):
+                continue  # a case this layout does not run (R2 with packing at TP > 1)
             load_model_weights(model, os.path.join(d, case, "grads"))
             diffs = {k: (v - ref[k]).abs().max().item() for k, v in model.state_dict().items()
                      if torch.is_tensor(v) and k in ref and v.is_floating_point()}
@@ -106,6 +121,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--micro-batch-size", type=int, default=BATCH)
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="pack every pass into microbatches of at most this many tokens")
@@ -124,13 +140,19 @@ def main():
 
     model_cfg = tiny_model(aux_loss=not args.no_aux_loss)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                              expert_model_parallel_size=args.ep, sequence_parallel=args.tp > 1)
+                              expert_model_parallel_size=args.ep, context_parallel_size=args.cp,
+                              sequence_parallel=args.tp > 1)
     groups = initialize_distributed(parallel, model_cfg, seed=1234)
     policy = build_policy(model_cfg, parallel, PrecisionConfig(transformer_impl="local"), OptimConfig(),
                           groups, total_steps=1, with_optimizer=False,
                           max_tokens_per_microbatch=args.max_tokens)
     if args.make_reference:
         save_model_weights(policy.unwrapped(), args.weights)
+        gen = torch.Generator().manual_seed(99)
+        with torch.no_grad():  # the policy after some updates: R2's update weights
+            for p in policy.unwrapped().parameters():
+                p.add_(0.5 * p.std() * torch.randn(p.shape, generator=gen))
+        save_model_weights(policy.unwrapped(), moved_weights(args.weights))
         destroy_distributed()
         return
     if args.compare is not None:
@@ -190,7 +212,39 @@ def main():
             mb.advantages = token_advantages[rows]
         metrics = train_minibatch(policy.model, mb, batching, variant_cfg, scoring, groups)
         save_run(policy, groups, os.path.join(args.out, case), metrics)
+    if not (args.max_tokens and args.tp > 1):  # packed rows' routes at TP > 1: refused
+        for case in (R2, R3):
+            run_replay(case, policy, groups, local, rows, batching, scoring, args)
     destroy_distributed()
+
+
+def run_replay(case, policy, groups, local, batch_rows, batching, scoring, args):
+    """R2 / R3: routes recorded by a log-prob pass under the reference weights (for R3 only
+    those of every token but each sequence's last: a partial store, as the engine's), replayed
+    by the GSPO update on the moved weights."""
+    from gspo_megatron.backends.megatron.routing import ModelRouting
+
+    routing = ModelRouting(policy.model, groups)
+    load_model_weights(policy.unwrapped(), args.weights)
+    recorder = routing.recorder()
+    compute_logprobs(policy.model, local, batching, scoring, groups, routing=recorder)
+    store = recorder.store()
+    if case == R3:  # rows of the whole batch, so every layout marks the same tokens
+        t = local.seq_length
+        rows = torch.arange(BATCH)[batch_rows]
+        known = (rows[:, None] + torch.arange(t)[None, :]) % 3 != 0
+        store.known = known[:, routing.local_positions(t)].contiguous()
+    load_model_weights(policy.unwrapped(), moved_weights(args.weights))
+    policy.zero_grad()
+    hooks = routing.replayer(store, args.micro_batch_size, capture_natural=True)
+    metrics = train_minibatch(policy.model, local, batching, GSPO, scoring, groups, routing=hooks)
+    natural = hooks.natural_store().indices
+    changed = torch.tensor([float((natural != store.indices).any(-1).sum()),
+                            float(natural[..., 0].numel())])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(changed)
+    metrics["routing/changed_fraction"] = float(changed[0] / changed[1])
+    save_run(policy, groups, os.path.join(args.out, case), metrics)
 
 
 if __name__ == "__main__":

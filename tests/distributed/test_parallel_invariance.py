@@ -2,8 +2,8 @@
 parallel layout.
 
 Same weights (one dist checkpoint), same batch of 8 sequences: single process vs TP=2 with sequence
-parallel, EP=2, PP=2 (1F1B) and DP=2, each with two microbatches per rank, and TP=2 x EP=2 on four
-processes. Gradients are compared
+parallel, EP=2, PP=2 (1F1B), DP=2 and CP=2, each with two microbatches per rank, and TP=2 x EP=2 and
+CP=2 x TP=2 on four processes. Gradients are compared
 parameter by parameter after Megatron's ``finalize_model_grads``, by saving them through
 ``dist_checkpointing`` and loading them back unsharded.
 
@@ -48,6 +48,11 @@ LAYOUTS = {
     # microbatch per rank: the 2 x 4 composition) and the dispatcher gathers an uneven number of
     # tokens per TP rank (failure 9 in the CPU notes, padded by compat/cpu.py).
     "tp2_ep2": (4, 4, ["--tp", "2", "--ep", "2"]),
+    # Context parallel: each rank holds 2 of the 4 chunks of every row (Megatron's load-balanced
+    # split), keys and values gathered over the CP group in the local attention kernel; with TP=2
+    # + SP on top on four processes (each TP rank a half of its CP share).
+    "cp2": (2, 4, ["--cp", "2"]),
+    "cp2_tp2": (4, 4, ["--cp", "2", "--tp", "2"]),
 }
 
 
@@ -176,13 +181,33 @@ def packed_report(reference):
     return ref_out, outs, json.loads(stdout.split("COMPARE ", 1)[1].splitlines()[0])
 
 
+@pytest.mark.parametrize("case", ["r2", "r3"])
+def test_routing_replay_loss_and_grads_match_across_layouts(reference, layout_runs, grad_report,
+                                                           case):
+    """R2 / R3: a log-prob pass records routes under the reference weights (R3: a partial store,
+    every token but each sequence's last, as the engine's), the update replays them on moved
+    weights (where free routing would pick other experts for some tokens): the loss and every
+    gradient equal the single-process run's in every layout."""
+    _, _, refs = reference
+    for mbs, ref_out in refs.items():
+        ref = load_metrics(os.path.join(ref_out, case))
+        assert ref["routing/changed_fraction"] > 0.01, ref  # replay is not free routing here
+        assert ref["loss/policy"] != load_metrics(os.path.join(ref_out, "r2" if case == "r3"
+                                                               else "r3"))["loss/policy"]
+        assert_matches(ref_out, layout_runs[mbs], grad_report[mbs], case)
+        print(case, {name: grad_report[mbs][f"{out}:{case}"]["max_abs_diff"]
+                     for name, out in layout_runs[mbs].items()}, ref["routing/changed_fraction"])
+
+
 @pytest.mark.parametrize("case", ["", "mask_token", "truncate_seq", "grpo_seq_mean",
-                                  "grpo_token_mean", "gspo_token"])
+                                  "grpo_token_mean", "gspo_token", "r2", "r3"])
 def test_packed_microbatches_match_padded_across_layouts(packed_report, case):
-    """GSPO, the corrections, GRPO (both aggregations) and GSPO-token: packed in one process and
-    under TP=2+SP, EP=2, PP=2 and DP=2 (rows dealt to the ranks by tokens), the loss and every parameter's gradient equal the padded
+    """GSPO, the corrections, GRPO (both aggregations), GSPO-token, R2 and R3: packed in one
+    process and under TP=2+SP (not R2/R3), EP=2, PP=2 and DP=2 (rows dealt to the ranks by tokens), the loss and every parameter's gradient equal the padded
     single-process run's within fp32 tolerance (1e-5 of the largest gradient entry)."""
     ref_out, outs, report = packed_report
+    if case in ("r2", "r3"):  # packed rows' routes at TP > 1 are refused (config validation)
+        outs = {k: v for k, v in outs.items() if k != "packed_tp2_sp"}
     assert_matches(ref_out, outs, report, case)
     print({name: report[f"{out}:{case}" if case else out]["max_abs_diff"]
            for name, out in outs.items()})

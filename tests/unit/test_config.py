@@ -597,7 +597,8 @@ def test_divisibility_errors_name_fields_and_numbers() -> None:
     ("--parallel.expert_model_parallel_size=3", "parallel.expert_model_parallel_size (3) x "
                                                 "expert_tensor_parallel_size (1) must divide", 1),
     ("--routing.replay=r3", "routing.replay='r3' needs an MoE model", 1),
-    ("--parallel.context_parallel_size=2", "parallel.context_parallel_size=2: the trainer", 2),
+    ("--parallel.context_parallel_size=3", "model.seq_length (64) must be divisible by TP x 2 "
+                                           "x CP so sequence/context sharding is even", 3),
     ("--model.moe_layer_freq=[0,0]", "routing.diagnostics needs an MoE model", 1),
 ])
 def test_validate_names_the_field(override: str, needle: str, world: int) -> None:

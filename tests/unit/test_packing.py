@@ -120,7 +120,7 @@ def test_rank_balance_moves_only_what_it_must():
 
 
 def test_packed_attention_groups_by_length_and_matches_each_sequence_alone():
-    """The CPU kernel for packed rows (``local_kernels._packed_sdpa``) on a long-tailed row
+    """The CPU kernel for packed rows (``row_attention.packed_sdpa``) on a long-tailed row
     (lengths 1..40, GQA): every sequence's output and the gradients of q/k/v equal causal SDPA on
     that sequence alone (float64); the sequences are padded in groups of similar length (each
     within 2x of its group's longest), not all to the longest."""
@@ -128,22 +128,22 @@ def test_packed_attention_groups_by_length_and_matches_each_sequence_alone():
 
     import torch.nn.functional as F
 
-    from gspo_megatron.backends.megatron.local_kernels import _length_groups, _packed_sdpa
+    from gspo_megatron.backends.megatron.row_attention import length_groups, packed_sdpa
 
     gen = torch.Generator().manual_seed(3)
     lens = [3, 40, 5, 17, 1, 9, 33, 2, 11]
-    groups = _length_groups(lens)
+    groups = length_groups(lens)
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))
     assert all(max(lens[i] for i in g) <= 2 * min(lens[i] for i in g) for g in groups)
     assert all(g == sorted(g) for g in groups) and len(groups) == 4  # 40 33 | 17 11 9 | 5 3 | 2 1
-    assert _length_groups([4, 4, 3]) == [[0, 1, 2]]  # one group: the packed order as it is
+    assert length_groups([4, 4, 3]) == [[0, 1, 2]]  # one group: the packed order as it is
     total = sum(lens)
     q = torch.randn(total, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(total, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
             for _ in range(2))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     params = SimpleNamespace(cu_seqlens_q=cu, max_seqlen_q=max(lens))
-    out = _packed_sdpa(q, k, v, params, scale=0.3)
+    out = packed_sdpa(q, k, v, params, scale=0.3)
     ref = torch.cat([F.scaled_dot_product_attention(
         *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=0.3,
         enable_gqa=True)[0].transpose(0, 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
@@ -153,6 +153,26 @@ def test_packed_attention_groups_by_length_and_matches_each_sequence_alone():
     want = torch.autograd.grad(ref, (q, k, v), cotangent)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_context_shards_are_megatrons_load_balanced_chunks(size):
+    """``ContextShard``: rank r holds chunks r and 2 size - 1 - r of 2 size; the ranks' shards
+    cover every position once, put back in order by ``unshard``; a row that does not split is
+    refused."""
+    from gspo_megatron.layout import ContextShard
+
+    t = 4 * size * 3
+    shards = [ContextShard(r, size) for r in range(size)]
+    chunk = t // (2 * size)
+    assert shards[0].positions(t).tolist() == [*range(chunk), *range(t - chunk, t)]
+    assert sorted(torch.cat([s.positions(t) for s in shards]).tolist()) == list(range(t))
+    x = torch.randn(3, t, 5, generator=torch.Generator().manual_seed(size))
+    parts = [s.shard(x, t) for s in shards]
+    assert all(p.shape == (3, t // size, 5) for p in parts)
+    assert torch.equal(shards[0].unshard(parts), x)
+    with pytest.raises(ValueError, match="does not split into 2 x context_parallel_size"):
+        ContextShard(0, 2).positions(6)
 
 
 # ----------------------------------------------------------------------------- on Megatron (slow)

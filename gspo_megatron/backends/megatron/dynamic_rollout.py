@@ -160,8 +160,20 @@ class DynamicRollout:
             self.suspend()
 
 
+class _SingleRank:
+    """What Megatron's rotary functions read of a process group (``size``, ``rank``), for one
+    rank: generation rotates whole sequences, whatever the training's context parallelism."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
 def _yarn_scaled(context_class):
-    """``context_class`` with YaRN's cos/sin scale in its query and key rotations.
+    """``context_class`` with YaRN's cos/sin scale in its query and key rotations, on whole
+    sequences (a single-rank CP group: the rollout has no context parallelism).
     megatron-core 0.16.1's attention calls the dynamic context's ``apply_rotary_emb_query`` /
     ``apply_rotary_emb_key`` without ``mscale`` (its training and static-engine paths pass it), so
     under YaRN the rollout's attention scores lacked the factor ``mscale^2`` the trainer's have
@@ -175,12 +187,12 @@ def _yarn_scaled(context_class):
         def apply_rotary_emb_query(self, query, query_emb, config, cu_seqlens_q, cp_group,
                                    mscale=None):
             return super().apply_rotary_emb_query(
-                query, query_emb, config, cu_seqlens_q, cp_group,
+                query, query_emb, config, cu_seqlens_q, _SingleRank(),
                 mscale=concentration(config) if mscale is None else mscale)
 
         def apply_rotary_emb_key(self, key, key_emb, config, cp_group, mscale=None):
             return super().apply_rotary_emb_key(
-                key, key_emb, config, cp_group,
+                key, key_emb, config, _SingleRank(),
                 mscale=concentration(config) if mscale is None else mscale)
 
     return RolloutContext

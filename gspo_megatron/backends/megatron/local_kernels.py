@@ -36,6 +36,7 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import weakref
 
@@ -53,6 +54,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from gspo_megatron.backends.megatron.row_attention import context_parallel_sdpa, packed_sdpa
 from gspo_megatron.layout import segment_positions
 
 
@@ -132,7 +134,6 @@ class RopeOnceSelfAttention(SelfAttention):
                 and not c.fused_single_qkv_rope and not c.attention_output_gate
                 and not c.apply_rope_fusion and not c.multi_latent_attention
                 and not c.rotary_interleaved and not c.flash_decode
-                and _single_rank(self.pg_collection.cp)
                 and not self.checkpoint_core_attention and not self.offload_qkv_linear
                 and not self.offload_core_attention and not self.offload_attn_proj)
 
@@ -259,48 +260,6 @@ def _packed_positions(params, total: int, device) -> torch.Tensor:
     return cached
 
 
-def _length_groups(lens: list[int]) -> list[list[int]]:
-    """Segments (indices into ``lens``) grouped for padded attention, the group of the longest
-    first, each group's members in order: a group takes segments down to half its longest, so padding each to the group's longest costs at
-    most ``4 len_i^2`` scores per segment, and a long tail (one 4k response among 200-token ones)
-    does not make every short sequence pay ``L_max^2``. At most ``log2(L_max) + 1`` groups."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
-        if groups and 2 * lens[i] >= lens[groups[-1][0]]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return [sorted(g) for g in groups]
-
-
-def _packed_sdpa(query, key, value, params, scale):
-    """Causal attention of a packed row, each sequence attending only to itself: ``query
-    [S, np, hn]``, ``key/value [S, ng, hn]`` -> ``[S, np, hn]``. The sequences, grouped by
-    length (:func:`_length_groups`), are gathered per group into right-padded
-    ``[n_g, heads, L_g, hn]`` (``L_g``: the group's longest), where causal masking alone keeps a
-    real query off the pads behind it; pad queries are dropped. Costs ``sum_g n_g L_g^2 <= 4 sum
-    len_i^2`` scores (flash-attn / TE: ``sum len_i^2``). Differentiable (gathers)."""
-    cu = params.cu_seqlens_q.long().to(query.device)
-    lens = cu[1:] - cu[:-1]
-    host_lens = lens.tolist()
-    outs, where = [], []
-    for members in _length_groups(host_lens):
-        seg = torch.tensor(members, device=query.device)
-        longest = max(host_lens[i] for i in members)
-        t = torch.arange(longest, device=query.device)
-        valid = t[None, :] < lens[seg, None]  # [n_g, L_g]
-        index = cu[seg, None] + t[None, :]
-        index = torch.where(valid, index, cu[seg, None])  # pads read the segment's first token
-        q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [n_g, heads, L_g, hn]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        outs.append(out.transpose(1, 2)[valid])  # [S_g, np, hn]
-        where.append(index[valid])
-    if len(outs) == 1:  # every segment in one group, in order: already the packed order
-        return outs[0]
-    return torch.cat(outs)[torch.argsort(torch.cat(where))]  # [S, np, hn], packed order
-
-
 def _positions(context, table: torch.Tensor, start: int, end: int, b0: int, b: int):
     """Rotary embeddings of the window ``[start, end)`` from ``table [S, 1, 1, rot]``: a slice
     ``[sq, 1, 1, rot]``, or per sequence ``[sq, b, 1, rot]`` at ``j - pads[b]`` for a left-padded
@@ -331,6 +290,17 @@ class SDPADotProductAttention(DotProductAttention):
     prefill); ``sq == 1`` (decoding with a KV cache) attends to every cached key.
     """
 
+    def __init__(self, config, *args, **kwargs):
+        # Megatron's local kernel refuses context parallelism at build time; this one computes it
+        # (:func:`.row_attention.context_parallel_sdpa`), so it is built from a CP = 1 view of the config.
+        if config.context_parallel_size > 1:
+            single = copy.copy(config)
+            single.context_parallel_size = 1
+            super().__init__(single, *args, **kwargs)
+            self.config = config
+        else:
+            super().__init__(config, *args, **kwargs)
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
@@ -342,9 +312,17 @@ class SDPADotProductAttention(DotProductAttention):
             # (Megatron's thd path); the output keeps the matching [S, 1, np * hn] / [S, np * hn].
             squeeze = query.dim() == 4
             q, k, v = ((x.squeeze(1) if squeeze else x) for x in (query, key, value))
-            out = _packed_sdpa(q, k, v, packed_seq_params, self.softmax_scale)
+            out = packed_sdpa(q, k, v, packed_seq_params, self.softmax_scale)
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
+        cp = getattr(self.pg_collection, "cp", None)
+        if (cp is not None and not _single_rank(cp) and packed_seq_params is None
+                and attention_mask is None and attention_bias is None
+                and query.shape[0] == key.shape[0] and self.config.softmax_type == "vanilla"
+                and self.config.window_size is None
+                and not (self.training and self.attention_dropout.p > 0)
+                and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal):
+            return context_parallel_sdpa(query, key, value, cp, self.softmax_scale)
         if (attention_bias is not None or packed_seq_params is not None
                 or self.config.softmax_type != "vanilla" or self.config.window_size is not None
                 or (self.training and self.attention_dropout.p > 0)):

@@ -117,6 +117,37 @@ def _sequence_parallel_off(model):
             setattr(m, a, v)
 
 
+@contextlib.contextmanager
+def _context_parallel_off(model):
+    """Generation runs whole sequences on every context-parallel rank (the ranks of a CP group
+    hold the same prompts; Megatron's inference has no CP): the rotary table is not cut to the
+    rank's CP share while it runs (``RotaryEmbedding.cp_group`` None, its ``lru_cache`` cleared on
+    the way in and out so no table crosses between the two), and the dynamic context's rotations
+    see a single rank (:func:`.dynamic_rollout._yarn_scaled`). Nothing to do at CP = 1."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)
+                and getattr(m, "cp_group", None) is not None and m.cp_group.size() > 1]
+    if not rotaries:
+        yield
+        return
+    saved = [m.cp_group for m in rotaries]
+
+    def clear():
+        for m in rotaries:
+            type(m).forward.cache_clear()
+
+    try:
+        clear()
+        for m in rotaries:
+            m.cp_group = None
+        yield
+    finally:
+        for m, group in zip(rotaries, saved):
+            m.cp_group = group
+        clear()
+
+
 def _shared_objects_memo(model) -> dict[int, Any]:
     """``copy.deepcopy`` memo entries that keep ``model``'s process groups shared: every
     ``ProcessGroup`` (cannot be copied: it is a live communicator) and ``ProcessGroupCollection``
@@ -543,7 +574,7 @@ class RolloutEngine:
         # Sampling draws from controller.sampling_rng (seeded in generate()); the engine's own
         # random_seed is unused in megatron-core 0.16.
         with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
-                contextlib.nullcontext():
+                contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
             records = self.dynamic.generate(prompts, sp)
         recorder = self._route_recorder
         samples = []

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from gspo_megatron.config.model import moe_layer_pattern
-from gspo_megatron.layout import in_batch_order
+from gspo_megatron.layout import ContextShard, in_batch_order
 from gspo_megatron.routing.stats import entropy_from_logits, entropy_from_probs, route_dtype
 
 __all__ = ["ModelRouting", "RouteRecorder", "RouteReplayer", "RouteStore", "ScopedRouterReplay",
@@ -257,13 +257,20 @@ class ModelRouting:
         self.tp_rank = groups.tp_rank if groups is not None else 0
         self.sequence_parallel = bool(config.sequence_parallel)
         self.groups = groups
-        if groups is not None and groups.cp_size > 1:
-            raise ValueError("routing replay/diagnostics are not validated with context "
-                             "parallelism (parallel.context_parallel_size > 1)")
+        self.context = (ContextShard(groups.cp_rank, groups.cp_size)
+                        if groups is not None and groups.cp_size > 1 else None)
 
     # -- layout
-    def local_positions(self, seq_length: int) -> slice:
-        """The sequence positions this rank routes (its sequence-parallel shard)."""
+    def local_positions(self, seq_length: int) -> slice | torch.Tensor:
+        """The positions of a ``seq_length`` row this rank routes, in the order its routers see
+        them: its context-parallel share (:class:`~gspo_megatron.layout.ContextShard`, an index
+        tensor), then its sequence-parallel slice of that."""
+        if self.context is not None:
+            positions = self.context.positions(seq_length)
+            if self.sequence_parallel and self.tp_size > 1:
+                n = positions.numel() // self.tp_size
+                positions = positions[self.tp_rank * n:(self.tp_rank + 1) * n]
+            return positions
         if self.sequence_parallel and self.tp_size > 1:
             n = seq_length // self.tp_size
             return slice(self.tp_rank * n, (self.tp_rank + 1) * n)

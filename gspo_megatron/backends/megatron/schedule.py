@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from gspo_megatron.algorithms import Objective
 from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
-from gspo_megatron.distributed import ParallelGroups, all_reduce_, compute_device
-from gspo_megatron.layout import PackedRows, in_batch_order, pack_into_microbatches
+from gspo_megatron.distributed import ParallelGroups, all_gather_, all_reduce_, compute_device
+from gspo_megatron.layout import ContextShard, PackedRows, in_batch_order, pack_into_microbatches
 from gspo_megatron.policy import PolicyBatch
 
 
@@ -90,6 +90,15 @@ def make_microbatches(batch: PolicyBatch, batching: "Microbatching | int",
     return out
 
 
+def shard_for_context(micro: list[PolicyBatch], groups: ParallelGroups) -> list[PolicyBatch]:
+    """Under context parallelism, each microbatch cut to this rank's share of its rows
+    (:meth:`PolicyBatch.context_parallel`); unchanged at CP = 1."""
+    if groups.cp_size == 1:
+        return micro
+    shard = ContextShard(groups.cp_rank, groups.cp_size)
+    return [mb.context_parallel(shard) for mb in micro]
+
+
 def packed_seq_params(packing: PackedRows, device: torch.device):
     """Megatron's ``PackedSeqParams`` (``thd``) of a packed microbatch."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -154,10 +163,13 @@ def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_o
             routing.after_forward(i, mb)
         return output, partial(loss_fn, mb)
 
-    packed = microbatches[0].packing
+    packed, context = microbatches[0].packing, microbatches[0].context
     # A packed microbatch is one row of its own length (the pipeline's P2P shapes then vary:
-    # ``variable_seq_lengths``, set on the model config when packing under PP).
+    # ``variable_seq_lengths``, set on the model config when packing under PP). Megatron divides
+    # the length by CP itself: the full row's.
     seq_length = microbatches[0].seq_length if packed is None else packed.total
+    if context is not None:
+        seq_length *= context.size
     try:
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -232,7 +244,8 @@ def compute_logprobs(
         return torch.zeros((), device=logits.device), {"logprobs": lp, "entropy": ent}
 
     device = next(policy_model[0].parameters()).device
-    micro = [_to_device(mb, device) for mb in make_microbatches(batch, batching, groups)]
+    micro = shard_for_context(
+        [_to_device(mb, device) for mb in make_microbatches(batch, batching, groups)], groups)
     try:
         outputs = _run_schedule(policy_model, micro, forward_only=True, loss_fn=score,
                                 routing=routing)
@@ -241,10 +254,20 @@ def compute_logprobs(
     if not groups.is_last_stage:
         return None, None
     rows = [mb.rows for mb in micro]  # packed microbatches hold rows out of the batch's order
-    logprobs = in_batch_order([o["logprobs"] for o in outputs], rows).float().cpu()
-    entropy = (in_batch_order([o["entropy"] for o in outputs], rows).float().cpu()
+    logprobs = _whole_rows(in_batch_order([o["logprobs"] for o in outputs], rows), micro, groups)
+    entropy = (_whole_rows(in_batch_order([o["entropy"] for o in outputs], rows), micro, groups)
                if with_entropy else None)
     return logprobs, entropy
+
+
+def _whole_rows(values: torch.Tensor, micro: list[PolicyBatch], groups: ParallelGroups
+                ) -> torch.Tensor:
+    """``[B, T]`` float32 on the CPU: a context-parallel rank's ``[B, T / cp]`` shares gathered
+    from every CP rank and put back in position order (one all-gather); as is at CP = 1."""
+    context = micro[0].context
+    if context is None:
+        return values.float().cpu()
+    return context.unshard(all_gather_(values.float(), groups.cp_group)).cpu()
 
 
 def run_objective(
@@ -277,15 +300,16 @@ def run_objective(
     device = next(policy_model[0].parameters()).device
     if microbatches is None:
         microbatches = make_microbatches(batch, batching, groups)
-    micro = [_to_device(mb, device) for mb in microbatches]
-    scale = len(micro) * groups.dp_size
+    micro = shard_for_context([_to_device(mb, device) for mb in microbatches], groups)
+    scale = len(micro) * groups.dp_size  # (Megatron's schedule multiplies by CP itself)
+    cp_group = groups.cp_group if groups.cp_size > 1 else None
 
     def loss_fn(mb: PolicyBatch, logits: torch.Tensor):
         lp, ent = _labels_logprobs(
             mb, logits, temperature=objective.temperature, tp_group=groups.tp_group,
             vocab_size=scoring.vocab_size, compute_entropy=objective.needs_entropy,
             chunk_size=scoring.logprob_chunk_size)
-        loss, metrics = objective(lp, ent, mb, normalizer)
+        loss, metrics = objective(lp, ent, mb, normalizer, cp_group=cp_group)
         return loss * scale, metrics
 
     outputs = _run_schedule(policy_model, micro, forward_only=False, loss_fn=loss_fn,

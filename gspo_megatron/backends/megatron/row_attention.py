@@ -1,0 +1,103 @@
+"""Attention of rows that are not one plain causal sequence, in PyTorch SDPA: the local spec's
+stand-ins for what Transformer Engine's fused attention does on GPU.
+
+* :func:`packed_sdpa`: a packed (``thd``) row of several sequences, each attending only to itself
+  (padding-free training, ``trainer.max_tokens_per_microbatch``).
+* :func:`context_parallel_sdpa`: this context-parallel rank's share of every row
+  (:class:`~gspo_megatron.layout.ContextShard`), keys and values gathered over the CP group
+  (``parallel.context_parallel_size``; TE's ring attention on GPU).
+
+Both are called by :class:`~gspo_megatron.backends.megatron.local_kernels.SDPADotProductAttention`
+and are differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gspo_megatron.layout import ContextShard
+
+
+def length_groups(lens: list[int]) -> list[list[int]]:
+    """Segments (indices into ``lens``) grouped for padded attention, the group of the longest
+    first, each group's members in order: a group takes segments down to half its longest, so
+    padding each to the group's longest costs at most ``4 len_i^2`` scores per segment, and a long
+    tail (one 4k response among 200-token ones) does not make every short sequence pay
+    ``L_max^2``. At most ``log2(L_max) + 1`` groups."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        if groups and 2 * lens[i] >= lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
+
+
+def packed_sdpa(query, key, value, params, scale):
+    """Causal attention of a packed row, each sequence attending only to itself: ``query
+    [S, np, hn]``, ``key/value [S, ng, hn]`` -> ``[S, np, hn]``. The sequences, grouped by
+    length (:func:`length_groups`), are gathered per group into right-padded
+    ``[n_g, heads, L_g, hn]`` (``L_g``: the group's longest), where causal masking alone keeps a
+    real query off the pads behind it; pad queries are dropped. Costs ``sum_g n_g L_g^2 <= 4 sum
+    len_i^2`` scores (flash-attn / TE: ``sum len_i^2``). Differentiable (gathers)."""
+    cu = params.cu_seqlens_q.long().to(query.device)
+    lens = cu[1:] - cu[:-1]
+    host_lens = lens.tolist()
+    outs, where = [], []
+    for members in length_groups(host_lens):
+        seg = torch.tensor(members, device=query.device)
+        longest = max(host_lens[i] for i in members)
+        t = torch.arange(longest, device=query.device)
+        valid = t[None, :] < lens[seg, None]  # [n_g, L_g]
+        index = cu[seg, None] + t[None, :]
+        index = torch.where(valid, index, cu[seg, None])  # pads read the segment's first token
+        q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [n_g, heads, L_g, hn]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out.transpose(1, 2)[valid])  # [S_g, np, hn]
+        where.append(index[valid])
+    if len(outs) == 1:  # every segment in one group, in order: already the packed order
+        return outs[0]
+    return torch.cat(outs)[torch.argsort(torch.cat(where))]  # [S, np, hn], packed order
+
+
+class _GatherContextShards(torch.autograd.Function):
+    """``[s, ...]`` this context-parallel rank's positions -> ``[cp s, ...]`` the whole rows in
+    position order (:class:`~gspo_megatron.layout.ContextShard`). Backward: every rank's
+    gradient of the whole rows summed (an all-reduce), this rank's positions kept."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        shard = ContextShard(dist.get_rank(group), dist.get_world_size(group))
+        ctx.shard = shard
+        parts = [torch.empty_like(x) for _ in range(shard.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return shard.unshard(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return ctx.shard.shard(grad, grad.shape[0], dim=0), None
+
+
+def context_parallel_sdpa(query, key, value, group, scale):
+    """Causal attention under context parallelism (the local spec's stand-in for TE's ring
+    attention): ``query [s, b, np, hn]`` holds this rank's two chunks of every row
+    (:class:`~gspo_megatron.layout.ContextShard`), ``key/value [s, b, ng, hn]`` likewise; the
+    keys and values of every CP rank are gathered into whole rows (``cp x`` the local KV memory,
+    one all-gather each, an all-reduce of their gradients in the backward) and each query sees
+    the keys at or before its global position. -> ``[s, b, np * hn]``."""
+    s, b, np_, hn = query.shape
+    size = dist.get_world_size(group)
+    positions = ContextShard(dist.get_rank(group), size).positions(s * size).to(query.device)
+    k, v = (_GatherContextShards.apply(x, group) for x in (key, value))  # [T, b, ng, hn]
+    keys = torch.arange(s * size, device=query.device)
+    mask = keys[None, :] <= positions[:, None]  # [s, T]
+    out = F.scaled_dot_product_attention(
+        query.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), attn_mask=mask,
+        scale=scale, enable_gqa=np_ != k.shape[2])  # [b, np, s, hn]
+    return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
