@@ -135,6 +135,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "        _set_rng_state(torch.load(rng_path, weights_only=True))",
            "        torch.load(rng_path, weights_only=True)",
            (T + "test_resume_rng.py",)),
+    Mutant("balanced DP ranks: advantages left in the sampled order", "gspo_megatron/stages.py",
+           "advantages=torch.tensor([a for _, a in mine], dtype=advantages.dtype),",
+           "advantages=advantages,", ("tests/distributed/test_dp_balance.py",)),
+    Mutant("balanced DP ranks: every minibatch dealt minibatch 0's sequences",
+           "gspo_megatron/layout.py",
+           "members = [(int(lengths[r][p]), r, p) for r in range(num_ranks)\n"
+           "                   for p in range(m * per, (m + 1) * per)]",
+           "members = [(int(lengths[r][p]), r, p) for r in range(num_ranks)\n"
+           "                   for p in range(0, per)]",
+           (T + "test_packing.py", "-k", "rank_balance")),
+    Mutant("YaRN: the rollout context rotates queries without the cos/sin scale",
+           "gspo_megatron/backends/megatron/dynamic_rollout.py",
+           "query, query_emb, config, cu_seqlens_q, _SingleRank(),\n"
+           "                mscale=concentration(config) if mscale is None else mscale)",
+           "query, query_emb, config, cu_seqlens_q, _SingleRank(),\n"
+           "                mscale=1.0)",
+           ("-m", "slow", "tests/e2e/test_train_e2e.py", "-k", "yarn")),
 )
 
 

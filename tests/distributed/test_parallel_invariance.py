@@ -156,7 +156,7 @@ def test_other_variants_loss_and_grads_match_across_layouts(reference, layout_ru
 # nothing but the work. The MoE load-balancing loss is off on both sides: it is computed per
 # microbatch (not linear in the batch) and packing changes which sequences share a microbatch.
 PACKED_LAYOUTS = {
-    "packed_single": (1, []),
+    # (one process, packed vs padded: tests/unit/test_packing.py)
     "packed_tp2_sp": (2, ["--tp", "2"]),
     "packed_ep2": (2, ["--ep", "2"]),
     "packed_pp2": (2, ["--pp", "2"]),
