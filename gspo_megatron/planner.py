@@ -357,7 +357,7 @@ def longest_response(model: ModelConfig, layout: Layout, num_gpus: int, gpu_memo
         lo, hi = 0, MAX_RESPONSE_SEARCHED  # fits(lo) holds (0: vacuously), find the largest
         if fits(hi, phase):
             lo = hi
-        while hi - lo > 1 and lo < MAX_RESPONSE_SEARCHED:
+        while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid, phase) else (lo, mid)
         limits[phase] = lo

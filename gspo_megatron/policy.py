@@ -89,10 +89,11 @@ class PolicyBatch:
     def position_ids(self) -> torch.Tensor:
         """[B, T] rotary positions of the tokens (the layout's; 0..T-1 without one); on a
         context-parallel shard, those of its positions."""
-        full = self.layout.seq_length if self.layout is not None else self.seq_length
         if self.layout is not None:
+            full = self.layout.seq_length
             positions = self.layout.position_ids(self.tokens.device)
-        else:
+        else:  # whole rows of a hand-made batch: this shard's share of 0 .. T - 1
+            full = self.seq_length * (self.context.size if self.context is not None else 1)
             positions = torch.arange(full, device=self.tokens.device).expand(self.size, -1)
         return positions if self.context is None else self.context.shard(positions, full)
 
