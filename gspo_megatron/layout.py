@@ -116,32 +116,45 @@ class TokenLayout:
 @dataclass(frozen=True)
 class PackedRows:
     """Sequences of a microbatch concatenated into one row of ``S`` tokens (Megatron's ``thd``
-    format, ``PackedSeqParams``): no padding between sequences, attention and rotary positions
-    restart at each sequence. The microbatch's ``[n, T]`` tensors stay right-padded (sequence
-    ``i`` in row ``i``, positions ``0 .. len_i - 1``); :meth:`pack` / :meth:`unpack` move
-    label-aligned values between that form and the packed row::
+    format, ``PackedSeqParams``): attention and rotary positions restart at each sequence. The
+    microbatch's ``[n, T]`` tensors stay right-padded (sequence ``i`` in row ``i``, positions
+    ``0 .. len_i - 1``); :meth:`pack` / :meth:`unpack` move label-aligned values between that
+    form and the packed row::
 
         [n, T] rows      a0 a1 a2 .  .        packed [1, S]   a0 a1 a2 b0 b1 b2 b3 | pad
                          b0 b1 b2 b3 .        cu_seqlens      [0, 3, 7, 8]
 
     ``S`` is the real tokens rounded up to ``pad_to_multiple_of`` (TP under sequence parallel):
-    the tail pad is one more segment of ``cu_seqlens`` (it attends only to itself) and is marked in
-    :meth:`padding_mask`, so the MoE routers give it no expert and no load-balancing weight. A
-    label sits where its token sits (position ``t`` of a sequence scores token ``t + 1``), so the
-    last token of each sequence scores the pad label, as in the padded layout."""
+    the tail pad is one more segment of ``cu_seqlens`` (it attends only to itself). Under context
+    parallelism each sequence's *segment* is also rounded up to ``segment_multiple`` (2 x CP: every
+    CP rank holds two chunks of every sequence, :meth:`context_index`), so pads sit inside
+    segments too, after their sequence's tokens (causal attention: no real token sees them)::
+
+        segment_multiple 4   a0 a1 a2 .  b0 b1 b2 b3 | pad pad pad pad     cu_seqlens [0, 4, 8, 12]
+
+    Every pad is marked in :meth:`padding_mask`, so the MoE routers give it no expert and no
+    load-balancing weight. A label sits where its token sits (position ``t`` of a sequence scores
+    token ``t + 1``), so the last token of each sequence scores a pad label, as in the padded
+    layout."""
 
     lengths: torch.Tensor
     """[n] int64: tokens of each packed sequence."""
     total: int
-    """S: positions of the packed row (real tokens + the tail pad)."""
-    _flat_index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    """:meth:`flat_index` per ``seq_length`` (tokens, labels, log-probs and routes of one
-    microbatch all move through the same index)."""
+    """S: positions of the packed row (real tokens, in-segment pads, the tail pad)."""
+    segment_multiple: int = 1
+    """Each sequence's segment is rounded up to a multiple of this (2 x CP; 1: no pad between
+    sequences)."""
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Index tensors by key (:meth:`flat_index` per ``seq_length``, :meth:`token_index`,
+    :meth:`context_index` per shard): tokens, labels, log-probs and routes of one microbatch all
+    move through the same ones."""
 
     @classmethod
-    def of(cls, lengths: torch.Tensor, pad_to_multiple_of: int = 1) -> "PackedRows":
-        real = int(lengths.sum())
-        return cls(lengths.long(), -(-max(real, 1) // pad_to_multiple_of) * pad_to_multiple_of)
+    def of(cls, lengths: torch.Tensor, pad_to_multiple_of: int = 1,
+           segment_multiple: int = 1) -> "PackedRows":
+        segments = int(_round_up(lengths.long(), segment_multiple).sum())
+        return cls(lengths.long(), _round_up(max(segments, 1), pad_to_multiple_of),
+                   segment_multiple)
 
     @property
     def real_tokens(self) -> int:
@@ -149,57 +162,157 @@ class PackedRows:
 
     @property
     def pad_tokens(self) -> int:
+        """Positions that hold no token of a sequence (in-segment pads and the tail pad)."""
         return self.total - self.real_tokens
+
+    def segment_lengths(self) -> torch.Tensor:
+        """``[n]`` (``[n + 1]`` with a tail pad) int64: each sequence's segment of the row, the
+        tail pad last."""
+        seg = _round_up(self.lengths, self.segment_multiple)
+        tail = self.total - int(seg.sum())
+        return seg if tail == 0 else torch.cat([seg, torch.tensor([tail])])
 
     def cu_seqlens(self) -> torch.Tensor:
         """``[n + 1]`` (``[n + 2]`` with a tail pad) int32 segment starts, the pad its own
-        segment."""
-        seg = self.lengths if self.pad_tokens == 0 else torch.cat(
-            [self.lengths, torch.tensor([self.pad_tokens])])
-        return torch.cat([torch.zeros(1, dtype=torch.long), seg.cumsum(0)]).to(torch.int32)
+        segment (Megatron's ``cu_seqlens_q_padded``; the same as :meth:`cu_seqlens_real` when
+        ``segment_multiple`` is 1)."""
+        return _starts(self.segment_lengths())
+
+    def cu_seqlens_real(self) -> torch.Tensor:
+        """``[n + 1]`` (``[n + 2]``) int32: the sequences' real lengths accumulated, the tail
+        pad one more (Megatron's ``cu_seqlens_q``: what attention covers in each segment)."""
+        seg = self.segment_lengths()
+        return _starts(torch.cat([self.lengths, seg[self.lengths.shape[0]:]]))
 
     def max_seqlen(self) -> int:
-        return max(int(self.lengths.max()) if self.lengths.numel() else 0, self.pad_tokens)
+        seg = self.segment_lengths()
+        return int(seg.max()) if seg.numel() else 0
 
     def flat_index(self, seq_length: int) -> torch.Tensor:
         """``[S_real]`` int64: for each real token of the packed row, its index in the flattened
         ``[n, seq_length]`` right-padded tensors (row ``i`` position ``t`` -> ``i * T + t``)."""
-        index = self._flat_index.get(seq_length)
+        index = self._index.get(seq_length)
         if index is None:
             n = self.lengths.shape[0]
             positions = torch.arange(seq_length)
             keep = positions[None, :] < self.lengths[:, None]  # [n, T]
             index = (torch.arange(n)[:, None] * seq_length + positions[None, :])[keep]
-            self._flat_index[seq_length] = index
+            self._index[seq_length] = index
         return index
 
+    def token_index(self) -> torch.Tensor | None:
+        """``[S_real]`` int64: the packed-row position of each real token (in the order of
+        :meth:`flat_index`); None when they are the first ``S_real`` positions in order (no pad
+        between sequences)."""
+        if self.segment_multiple == 1:
+            return None
+        index = self._index.get("tokens")
+        if index is None:
+            starts = _starts(self.segment_lengths()).long()[: self.lengths.shape[0]]
+            index = (torch.repeat_interleave(starts, self.lengths, output_size=self.real_tokens)
+                     + segment_positions(_starts(self.lengths), self.real_tokens))
+            self._index["tokens"] = index
+        return index
+
+    def gather_rows(self, x: torch.Tensor, fill=0, shard: "ContextShard | None" = None
+                    ) -> torch.Tensor:
+        """``[n, T, ...] -> [S, ...]``: the real tokens of every row, in order, at their
+        segments, ``fill`` (a scalar, or one ``[...]`` value) at every pad; with ``shard``, this
+        context-parallel rank's ``[S / cp, ...]`` positions of it (:meth:`context_index`)."""
+        rest = x.shape[2:]
+        flat = x.reshape(-1, *rest)[self.flat_index(x.shape[1]).to(x.device)]
+        where = self.token_index()
+        if where is None:
+            if self.pad_tokens:
+                pad = torch.as_tensor(fill, dtype=x.dtype, device=x.device)
+                flat = torch.cat([flat, pad.expand(self.pad_tokens, *rest)])
+        else:
+            pad = torch.as_tensor(fill, dtype=x.dtype, device=x.device)
+            flat = pad.expand(self.total, *rest).clone().index_copy(0, where.to(x.device), flat)
+        return flat if shard is None else flat[self.context_index(shard).to(x.device)]
+
+    def scatter_rows(self, y: torch.Tensor, seq_length: int,
+                     shard: "ContextShard | None" = None) -> torch.Tensor:
+        """``[S, ...]`` (with ``shard``: this CP rank's ``[S / cp, ...]``) -> ``[n, T, ...]``,
+        the inverse of :meth:`gather_rows`: zeros at the padding and at the positions other CP
+        ranks hold (differentiable: the gradient of a padded position is dropped)."""
+        rest = y.shape[1:]
+        if shard is not None:
+            y = y.new_zeros(self.total, *rest).index_copy(
+                0, self.context_index(shard).to(y.device), y)
+        where = self.token_index()
+        flat = y[: self.real_tokens] if where is None else y[where.to(y.device)]
+        n = self.lengths.shape[0]
+        out = flat.new_zeros(n * seq_length, *rest)
+        return out.index_copy(0, self.flat_index(seq_length).to(y.device), flat).view(
+            n, seq_length, *rest)
+
     def pack(self, x: torch.Tensor, pad_value=0) -> torch.Tensor:
-        """``[n, T] -> [1, S]``: the real tokens of every row, in order, then the tail pad."""
-        flat = x.reshape(-1)[self.flat_index(x.shape[1]).to(x.device)]
-        if self.pad_tokens:
-            flat = torch.cat([flat, flat.new_full((self.pad_tokens,), pad_value)])
-        return flat[None]
+        """``[n, T] -> [1, S]`` (:meth:`gather_rows`)."""
+        return self.gather_rows(x, pad_value)[None]
 
     def unpack(self, y: torch.Tensor, seq_length: int) -> torch.Tensor:
-        """``[1, S] (or [S]) -> [n, T]``: the inverse of :meth:`pack`, zeros at the padding
-        (differentiable: the gradient of a padded position is dropped)."""
-        n = self.lengths.shape[0]
-        flat = y.reshape(-1)[: self.real_tokens]
-        out = flat.new_zeros(n * seq_length)
-        return out.index_copy(0, self.flat_index(seq_length).to(y.device), flat).view(n, seq_length)
+        """``[1, S] (or [S]) -> [n, T]`` (:meth:`scatter_rows`), the inverse of :meth:`pack`."""
+        return self.scatter_rows(y.reshape(-1), seq_length)
 
     def position_ids(self, device=None) -> torch.Tensor:
         """``[1, S]`` rotary positions, restarting at 0 in every segment (the pad included)."""
         return segment_positions(self.cu_seqlens(), self.total).to(device)[None]
 
     def padding_mask(self, device=None) -> torch.Tensor | None:
-        """``[1, S]`` bool, True at the tail pad (Megatron's MoE ``padding_mask``); None without
+        """``[1, S]`` bool, True at every pad (Megatron's MoE ``padding_mask``); None without
         one."""
         if self.pad_tokens == 0:
             return None
-        mask = torch.zeros(1, self.total, dtype=torch.bool, device=device)
-        mask[:, self.real_tokens:] = True
-        return mask
+        where = self.token_index()
+        if where is None:
+            mask = torch.zeros(1, self.total, dtype=torch.bool, device=device)
+            mask[:, self.real_tokens:] = True
+            return mask
+        mask = torch.ones(self.total, dtype=torch.bool)
+        mask[where] = False
+        return mask.to(device)[None]
+
+    # -- context parallelism
+    def context_index(self, shard: "ContextShard") -> torch.Tensor:
+        """``[S / cp]`` int64: the packed-row positions context-parallel rank ``shard.rank``
+        holds, ascending: of every segment (length ``L``, a multiple of ``2 cp``) chunks
+        ``rank`` and ``2 cp - 1 - rank`` of ``L / (2 cp)`` tokens, Megatron's / Transformer
+        Engine's ``thd`` split (``thd_get_partitioned_indices``). A sequence's chunks depend only
+        on its own length, so a rank holds the same positions of it in any packing."""
+        key = ("context", shard.rank, shard.size)
+        index = self._index.get(key)
+        if index is None:
+            seg = self.segment_lengths()
+            if bool((seg % (2 * shard.size)).any()):
+                raise ValueError(f"packed segments {seg.tolist()} do not split into 2 x "
+                                 f"context_parallel_size = {2 * shard.size} chunks")
+            chunk = torch.repeat_interleave(seg // (2 * shard.size), seg, output_size=self.total)
+            part = segment_positions(_starts(seg), self.total) // chunk
+            held = (part == shard.rank) | (part == 2 * shard.size - 1 - shard.rank)
+            index = torch.arange(self.total)[held]
+            self._index[key] = index
+        return index
+
+    def unpack_context(self, y: torch.Tensor, shard: "ContextShard", seq_length: int
+                       ) -> torch.Tensor:
+        """``[1, S / cp]`` values at this rank's :meth:`context_index` -> ``[n, T]`` at their
+        sequences' positions, zeros at every position another rank holds (differentiable)."""
+        return self.scatter_rows(y.reshape(-1), seq_length, shard)
+
+    def held(self, shard: "ContextShard", seq_length: int) -> torch.Tensor:
+        """``[n, T]`` bool: the positions of the rows that rank ``shard.rank`` holds."""
+        ones = torch.ones(self.total // shard.size)
+        return self.unpack_context(ones, shard, seq_length) > 0
+
+
+def _round_up(x, multiple: int):
+    return -(-x // multiple) * multiple
+
+
+def _starts(lengths: torch.Tensor) -> torch.Tensor:
+    """``[m + 1]`` int32 exclusive prefix sums of ``[m]`` segment lengths (``cu_seqlens``)."""
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.long().cumsum(0)]).to(torch.int32)
 
 
 def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -225,18 +338,20 @@ def in_batch_order(parts: Sequence[torch.Tensor], rows: Sequence[torch.Tensor | 
 
 
 def pack_into_microbatches(lengths: Sequence[int], max_tokens: int, pad_to_multiple_of: int = 1,
-                           min_microbatches: int = 1) -> list[list[int]]:
+                           min_microbatches: int = 1, segment_multiple: int = 1
+                           ) -> list[list[int]]:
     """Sequences ``0 .. N-1`` of ``lengths`` grouped into microbatches of at most ``max_tokens``
     packed tokens each (tail pad included), no sequence split: first-fit decreasing (longest
     first, each into the first microbatch with room; deterministic, ties by index), the bins
     then taken apart until there are ``min_microbatches`` (every rank of a data-parallel group
     must run as many microbatches as the others: their expert all-to-alls pair up) by halving
     the bin of most tokens that holds two or more sequences. Each microbatch lists its sequences
-    in ascending order.
+    in ascending order. A sequence counts its segment (its length rounded up to
+    ``segment_multiple``, :class:`PackedRows`).
 
     Raises ``ValueError`` for a sequence longer than ``max_tokens`` or more microbatches asked
     than there are sequences."""
-    lengths = [int(x) for x in lengths]
+    lengths = [_round_up(int(x), segment_multiple) for x in lengths]
     fit = lambda tokens: -(-tokens // pad_to_multiple_of) * pad_to_multiple_of  # noqa: E731
     too_long = [i for i, n in enumerate(lengths) if fit(n) > max_tokens]
     if too_long:
@@ -361,6 +476,15 @@ class ContextShard:
     def shard(self, x: torch.Tensor, seq_length: int, dim: int = 1) -> torch.Tensor:
         """This rank's positions of ``x`` along ``dim`` (of size ``seq_length``)."""
         return x.index_select(dim, self.positions(seq_length).to(x.device))
+
+    def segment_held(self, lengths: torch.Tensor, seq_length: int) -> torch.Tensor:
+        """``[B, T]`` bool: the positions of right-padded rows of ``lengths [B]`` this rank holds
+        when each sequence is a segment of a packed row (rounded up to ``2 x size``, chunks
+        ``rank`` and ``2 size - 1 - rank``; :meth:`PackedRows.context_index`)."""
+        chunk = (-(-lengths.long() // (2 * self.size)))[:, None]  # [B, 1] tokens per chunk
+        t = torch.arange(seq_length)[None, :]
+        part = t // chunk
+        return (t < lengths[:, None]) & ((part == self.rank) | (part == 2 * self.size - 1 - self.rank))
 
     def unshard(self, parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
         """The full rows from every rank's shard (``parts[r]``: rank ``r``'s, as :meth:`shard`

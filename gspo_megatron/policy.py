@@ -99,9 +99,17 @@ class PolicyBatch:
 
     def context_parallel(self, shard: ContextShard) -> "PolicyBatch":
         """This rank's share of every row (:class:`~gspo_megatron.layout.ContextShard`): each
-        ``[B, T]`` field cut to ``[B, T / cp]``; ``[B]`` fields (advantages) unchanged."""
-        if self.packing is not None or self.context is not None:
-            raise ValueError("a packed or already sharded microbatch cannot be context-sharded")
+        ``[B, T]`` field cut to ``[B, T / cp]``; ``[B]`` fields (advantages) unchanged. A packed
+        microbatch keeps its ``[n, T]`` rows (its packed row is cut at the model's input,
+        :meth:`PackedRows.context_index`); its ``response_mask`` keeps only the positions this
+        rank holds, so the loss's per-sequence sums add up over the CP group as a padded shard's
+        do."""
+        if self.context is not None:
+            raise ValueError("a microbatch cannot be context-sharded twice")
+        if self.packing is not None:
+            held = self.packing.held(shard, self.seq_length).to(self.response_mask.device)
+            return dataclasses.replace(self, context=shard,
+                                       response_mask=self.response_mask & held)
         t = self.seq_length
         return dataclasses.replace(self, context=shard, **{
             k: shard.shard(v, t) for k, v in self.tensors().items()

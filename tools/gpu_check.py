@@ -26,6 +26,9 @@ by ``--deadline`` still answers most):
 ``ep2_dynamic_r3_cpu`` the dynamic engine under EP=2 with R3 (ranks in lock-step), on two gloo CPU
                    ranks (two ranks cannot share one GPU's NCCL).
 ``tiny_packed``    ``tiny_dynamic`` with packed training microbatches (thd, 256-token budget).
+``cp2_cpu``        context parallelism 2 on two gloo CPU ranks, packed rows and R3 (the local
+                   kernel's CP attention; TE's needs two GPUs).
+``tiny_yarn``      ``tiny_dynamic`` with YaRN rope scaling (factor 4) on the GPU's dynamic engine.
 ``tiny_static``    ``tiny_dynamic`` with the static engine (the A/B reference), and ``tiny_fp32``:
                    ``kl/rollout_vs_train`` and rollout speed per engine and precision.
 """
@@ -100,10 +103,12 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
         # where TE is installed, our packing SDPA kernel on the local spec otherwise.
         ("tiny_packed", [_tiny(w("tiny_packed"), "--trainer.max_tokens_per_microbatch=256")], 300),
         # Context parallelism (one GPU holds one rank): two gloo CPU ranks, the local kernel's
-        # CP attention; TE's CP attention needs two GPUs. YaRN on the GPU's dynamic engine.
+        # CP attention on packed rows with R3; TE's CP attention needs two GPUs. YaRN on the
+        # GPU's dynamic engine.
         ("cp2_cpu", [["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-m",
                       "torch.distributed.run", "--nproc-per-node", "2", "-m", "gspo_megatron.cli",
                       "--parallel.context_parallel_size=2", "--precision.bf16=false",
+                      "--trainer.max_tokens_per_microbatch=256", "--routing.replay=r3",
                       "--sft.steps=20", "--trainer.steps=3", "--trainer.eval_interval=0",
                       "--logging.progress=false", f"--logging.run_dir={w('cp2_cpu')}"]], 300),
         ("tiny_yarn", [_tiny(w("tiny_yarn"), "--model.position_embedding_type=yarn",

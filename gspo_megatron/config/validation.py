@@ -92,15 +92,12 @@ def _layout_errors(cfg: TrainConfig, world_size: int) -> tuple[int, list[str]]:
         dp = par.validate(world_size, cfg.model)
     except ValueError as e:
         errors.append(str(e))
-    # Context parallelism: every training row is cut into 2 x CP chunks (x TP under sequence
-    # parallel; ParallelConfig checks model.seq_length divides); what does not shard that way
-    # yet is refused by name.
+    # Context parallelism: every training row (every sequence of a packed row) is cut into 2 x CP
+    # chunks (x TP under sequence parallel; ParallelConfig checks model.seq_length divides); what
+    # does not shard that way yet is refused by name.
     cp = par.context_parallel_size
     if cp > 1:
         what = f"parallel.context_parallel_size={cp}"
-        if cfg.trainer.max_tokens_per_microbatch is not None:
-            errors.append(f"{what} with trainer.max_tokens_per_microbatch (packed rows): the "
-                          "trainer shards padded rows only; unset the token budget")
         if par.pipeline_model_parallel_size > 1:
             errors.append(f"{what} with parallel.pipeline_model_parallel_size="
                           f"{par.pipeline_model_parallel_size}: not validated; use PP 1")
@@ -178,12 +175,16 @@ def _packing_errors(cfg: TrainConfig) -> list[str]:
         return errors
     name = f"trainer.max_tokens_per_microbatch={budget}"
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    shards = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    # A packed row is rounded up to SP x 2 CP (each sequence to 2 CP under context parallelism).
+    cp = par.context_parallel_size
+    shards = (par.tensor_model_parallel_size if par.sequence_parallel else 1) * (
+        2 * cp if cp > 1 else 1)
     if -(-longest // shards) * shards > budget:
         errors.append(f"{name} cannot hold the longest sequence the recipe allows: "
                       f"data.max_prompt_length + rollout.max_new_tokens = "
                       f"{cfg.data.max_prompt_length} + {cfg.rollout.max_new_tokens} = {longest}"
-                      + (f" (rounded up to a multiple of TP={shards})" if shards > 1 else ""))
+                      + (f" (rounded up to a multiple of {shards}: TP under sequence parallel"
+                         " x 2 CP)" if shards > 1 else ""))
     if pr.local_kernels is False and pr.transformer_impl == "local":
         errors.append(f"{name} needs an attention kernel that packs: precision.local_kernels=false "
                       "keeps Megatron's local DotProductAttention, which refuses packed "

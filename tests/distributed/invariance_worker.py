@@ -1,14 +1,17 @@
 """One layout of the parallel-invariance test (run under torchrun by test_parallel_invariance.py).
 
 Loads the reference weights, computes the GSPO minibatch loss and gradients on a fixed batch with
-this layout, and writes the loss (JSON) and the reduced gradients (dist checkpoint) to --out; then
+this layout, and writes the loss (JSON) and the reduced gradients (gathered whole on rank 0,
+``tests.helpers.megatron.full_state``, one ``grads.pt``) to --out; then
 does the same in the same process for each rollout-correction case of ``CORRECTIONS`` (the same
 batch carrying ``rollout_logprobs``) and each other loss variant of ``VARIANTS`` (GRPO with both
 aggregations, GSPO-token), to --out/<case>.
 ``--make-reference`` instead initialises the weights from the seed and saves them to --weights.
+:func:`compare_grads` (called by the test) compares the layouts' gradients with a reference run's.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -22,8 +25,8 @@ from gspo_megatron.config import OptimConfig
 from gspo_megatron.layout import balance_across_ranks
 from gspo_megatron.backends.megatron.policy import build_policy
 from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
-from gspo_megatron.backends.megatron.schedule import Microbatching, ScoringConfig, compute_logprobs
-from tests.helpers.megatron import grads_to_params, train_minibatch
+from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
+from tests.helpers.megatron import full_state, grads_to_params, train_minibatch
 
 BATCH, VOCAB = 8, 100
 
@@ -85,35 +88,37 @@ def fixed_batch(seed: int):
     return batch, noise, rollout_noise, token_advantages
 
 
-def compare_grads(model, reference_out, other_outs):
-    """Print, as JSON, the largest |grad - grad_ref| and the ref grad scale for each layout (key: its
-    out dir) and each layout's correction case (key: ``<out dir>:<case>``)."""
+def compare_grads(reference_out: str, other_outs) -> dict:
+    """The largest |grad - grad_ref| and the reference's gradient scale for each layout (key: its
+    out dir) and each of its cases (key: ``<out dir>:<case>``), from the runs' ``grads.pt``."""
     report = {}
     for case in ("", *CASES):
-        load_model_weights(model, os.path.join(reference_out, case, "grads"))
-        ref = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        ref = torch.load(os.path.join(reference_out, case, "grads.pt"), weights_only=True)
         for d in other_outs:
-            if not os.path.isdir(os.path.join(d, case, "grads")):
+            path = os.path.join(d, case, "grads.pt")
+            if not os.path.isfile(path):
                 continue  # a case this layout does not run (R2 with packing at TP > 1)
-            load_model_weights(model, os.path.join(d, case, "grads"))
-            diffs = {k: (v - ref[k]).abs().max().item() for k, v in model.state_dict().items()
-                     if torch.is_tensor(v) and k in ref and v.is_floating_point()}
+            got = torch.load(path, weights_only=True)
+            assert got.keys() == ref.keys(), (d, case, sorted(got.keys() ^ ref.keys()))
+            diffs = {k: (v - ref[k]).abs().max().item() for k, v in got.items()}
             worst = max(diffs, key=diffs.get)
             report[f"{d}:{case}" if case else d] = {
                 "max_abs_diff": diffs[worst], "worst_param": worst,
-                "ref_scale": max(v.abs().max().item() for v in ref.values() if v.is_floating_point()),
+                "ref_scale": max(v.abs().max().item() for v in ref.values()),
                 "num_params": len(diffs)}
-    print("COMPARE " + json.dumps(report))
+    return report
 
 
 def save_run(policy, groups, out, metrics):
-    """The minibatch metrics (one rank) and the reduced gradients (dist checkpoint) to ``out``."""
+    """The minibatch metrics (one rank) and the reduced gradients, whole, to ``out``."""
     os.makedirs(out, exist_ok=True)
     if groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0:
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(metrics, f)
-    grads_to_params(policy.unwrapped())  # overwrites the weights: reload them before reusing
-    save_model_weights(policy.unwrapped(), os.path.join(out, "grads"))
+    grads_to_params(policy.unwrapped())  # overwrites the weights: restore them before reusing
+    grads = full_state(policy.unwrapped())
+    if grads is not None:
+        torch.save(grads, os.path.join(out, "grads.pt"))
 
 
 def main():
@@ -134,8 +139,6 @@ def main():
     ap.add_argument("--weights", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--make-reference", action="store_true")
-    ap.add_argument("--compare", nargs="*", default=None,
-                    help="grad checkpoints to compare with --out's (single process)")
     args = ap.parse_args()
 
     model_cfg = tiny_model(aux_loss=not args.no_aux_loss)
@@ -155,11 +158,14 @@ def main():
         save_model_weights(policy.unwrapped(), moved_weights(args.weights))
         destroy_distributed()
         return
-    if args.compare is not None:
-        compare_grads(policy.unwrapped(), args.out, args.compare)
-        destroy_distributed()
-        return
     load_model_weights(policy.unwrapped(), args.weights)
+    reference_params = list(policy.unwrapped().parameters())
+    reference_weights = [p.detach().clone() for p in reference_params]
+
+    def restore_weights():  # the reference weights again (save_run overwrote them)
+        with torch.no_grad():
+            for p, w in zip(reference_params, reference_weights):
+                p.copy_(w)
 
     batch, noise, rollout_noise, token_advantages = fixed_batch(seed=7)
     per_rank = BATCH // groups.dp_size
@@ -173,8 +179,8 @@ def main():
     local = batch.select(rows)
     scoring = ScoringConfig(vocab_size=VOCAB)
     # Padded microbatches of --micro-batch-size rows, or packed ones under --max-tokens.
-    batching = Microbatching(micro_batch_size=args.micro_batch_size, max_tokens=args.max_tokens,
-                             pad_to_multiple_of=args.tp)
+    # (The policy's rule for the packed row's rounding: SP, x 2 CP per sequence under CP.)
+    batching = dataclasses.replace(policy.batching, micro_batch_size=args.micro_batch_size)
     # Old log-probs from the reference weights themselves (same for every layout up to float error).
     logprobs, _ = compute_logprobs(policy.model, local, batching, scoring, groups)
     if logprobs is not None:
@@ -198,13 +204,13 @@ def main():
     save_run(policy, groups, args.out, metrics)
 
     for case, correction in CORRECTIONS.items():
-        load_model_weights(policy.unwrapped(), args.weights)
+        restore_weights()
         policy.zero_grad()
         metrics = train_minibatch(policy.model, local, batching, loss_cfg, scoring,
                                   groups, correction=correction)
         save_run(policy, groups, os.path.join(args.out, case), metrics)
     for case, variant_cfg in VARIANTS.items():
-        load_model_weights(policy.unwrapped(), args.weights)
+        restore_weights()
         policy.zero_grad()
         mb = local
         if variant_cfg.variant == "gspo_token":
@@ -214,6 +220,7 @@ def main():
         save_run(policy, groups, os.path.join(args.out, case), metrics)
     if not (args.max_tokens and args.tp > 1):  # packed rows' routes at TP > 1: refused
         for case in (R2, R3):
+            restore_weights()
             run_replay(case, policy, groups, local, rows, batching, scoring, args)
     destroy_distributed()
 
@@ -222,10 +229,7 @@ def run_replay(case, policy, groups, local, batch_rows, batching, scoring, args)
     """R2 / R3: routes recorded by a log-prob pass under the reference weights (for R3 only
     those of every token but each sequence's last: a partial store, as the engine's), replayed
     by the GSPO update on the moved weights."""
-    from gspo_megatron.backends.megatron.routing import ModelRouting
-
-    routing = ModelRouting(policy.model, groups)
-    load_model_weights(policy.unwrapped(), args.weights)
+    routing = policy.model_routing  # (packed: route stores of whole rows)
     recorder = routing.recorder()
     compute_logprobs(policy.model, local, batching, scoring, groups, routing=recorder)
     store = recorder.store()

@@ -110,12 +110,14 @@ def test_two_process_expert_parallel_run(tmp_path, layout):
 
 @pytest.mark.distributed
 def test_context_parallel_run_kill_and_resume(tmp_path):
-    """CP=2 on two ranks: each training row cut into Megatron's load-balanced chunks (the local
-    attention kernel gathers keys and values over the CP group), rollouts on whole sequences on
-    both ranks; the engine's log-probs equal the sharded trainer's, and a run killed after its
-    step-2 checkpoint resumes to the uninterrupted run's metrics bitwise."""
+    """CP=2 on two ranks with packed microbatches and R3, the long-response recipe's path: every
+    sequence of a packed row cut into Megatron's 2 x CP chunks (the local attention kernel
+    gathers keys and values over the CP group), rollouts on whole sequences on both ranks, their
+    routes replayed on each rank's chunks; the engine's log-probs equal the sharded trainer's,
+    and a run killed after its step-2 checkpoint resumes to the uninterrupted run's metrics
+    bitwise. (Padded rows under CP: tests/distributed/test_parallel_invariance.py.)"""
     steps = ["--trainer.steps=4", "--checkpoint.save_interval=2",
-             "--parallel.context_parallel_size=2"]
+             "--parallel.context_parallel_size=2", *PACKED, "--routing.replay=r3"]
     straight = tmp_path / "straight"
     gspo_train(straight, *steps, nproc=2)
     resumed = tmp_path / "resumed"
@@ -127,10 +129,10 @@ def test_context_parallel_run_kill_and_resume(tmp_path):
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
     assert [m["step"] for m in b] == [0, 1, 2, 3]
     for key in ("reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train",
-                "optim/grad_norm"):
+                "optim/grad_norm", "routing/rollout/change_rate"):
         assert [m[key] for m in a] == [m[key] for m in b], key
     kl = [m["kl/rollout_vs_train"] for m in a]
-    print(f"MEASURED CP=2 kl/rollout_vs_train per step: {kl}")
+    print(f"MEASURED CP=2 packed R3 kl/rollout_vs_train per step: {kl}")
     assert all(0 <= v < ROLLOUT_KL_TOL for v in kl), kl
 
 

@@ -58,9 +58,11 @@ CONFIG_CASES = [
     ("", ["--parallel.tensor_model_parallel_size=2"], 3, r"world size 3 is not divisible"),
     ("", ["--reward.fn=no_such_reward"], 1, r"no_such_reward"),
     ("", ["--checkpoint.keep_last=0"], 1, r"checkpoint.keep_last"),
-    # context parallel: rows that do not cut into 2 x CP chunks, and what does not shard yet
+    # context parallel: rows that do not cut into 2 x CP chunks, a budget below a rounded
+    # sequence, and what does not shard yet
     ("", ["--parallel.context_parallel_size=2", "--model.seq_length=66"], 2, r"model.seq_length \(66\) must be divisible by TP x 2 x CP so sequence/context sharding is even"),
-    ("", ["--parallel.context_parallel_size=2", "--trainer.max_tokens_per_microbatch=256"], 2, r"parallel.context_parallel_size=2 with trainer.max_tokens_per_microbatch \(packed rows\): the trainer shards padded rows only"),
+    # (packed under CP: every sequence rounded up to 2 x CP, so 17 tokens take 20)
+    ("", ["--parallel.context_parallel_size=2", "--data.max_prompt_length=9", "--rollout.max_new_tokens=8", "--trainer.max_tokens_per_microbatch=18"], 2, r"trainer.max_tokens_per_microbatch=18 cannot hold the longest sequence the recipe allows: data.max_prompt_length \+ rollout.max_new_tokens = 9 \+ 8 = 17 \(rounded up to a multiple of 4: TP under sequence parallel x 2 CP\)$"),
     ("", ["--parallel.context_parallel_size=2", "--rollout.engine=static"], 2, r"parallel.context_parallel_size=2 with rollout.engine='static'"),
     ("", ["--trainer.max_consecutive_faults=0"], 1, r"trainer.max_consecutive_faults"),
     # packing: a budget below the longest sequence the recipe allows, or none at all; an attention

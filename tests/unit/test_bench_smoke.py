@@ -16,7 +16,29 @@ from tools.bench.common import validate_result  # noqa: E402
 pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 
 
-def test_every_benchmark_runs_at_toy_size(tmp_path):
+def _warm_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> dict:
+    """``common.run_layout`` forked from the suite's warm interpreter (tests/helpers/warm.py):
+    the same ``--child`` on the same ranks, without ~10 s of imports per launch (the cold
+    ``torch.distributed.run`` launch is what ``make bench`` runs)."""
+    import os
+
+    from tests.helpers import warm
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=root, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    proc = warm.run(["-m", module, "--child", json.dumps(spec)], env=env, cwd=root, nproc=nproc,
+                    timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1])
+
+
+def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
+    from tools.bench import common
+
+    monkeypatch.setattr(common, "run_layout", _warm_layout)
     out = tmp_path / "bench.json"
     rc = main(["--smoke", "--in-process", "--out", str(out)])
     report = json.loads(out.read_text())

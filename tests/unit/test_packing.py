@@ -175,6 +175,57 @@ def test_context_shards_are_megatrons_load_balanced_chunks(size):
         ContextShard(0, 2).positions(6)
 
 
+@pytest.mark.parametrize("size, sp", [(2, 1), (3, 1), (2, 2)])
+def test_packed_context_shards_split_every_sequence(size, sp):
+    """A packed row under context parallelism (``segment_multiple`` 2 x CP): each sequence's
+    segment is rounded up to 2 CP (its pads after its tokens), the row to 2 CP x SP; rank r holds
+    chunks r and 2 CP - 1 - r of every segment (Megatron / TE's thd split), the ranks' shares
+    cover the row once; values go to a share and back (``gather_rows`` / ``scatter_rows``) and
+    the positions a rank holds of each sequence are ``ContextShard.segment_held``'s, whatever the
+    packing."""
+    from gspo_megatron.layout import ContextShard
+
+    gen = torch.Generator().manual_seed(size * 10 + sp)
+    for _ in range(10):
+        n, t = int(torch.randint(1, 6, (1,), generator=gen)), 23
+        lengths = torch.randint(1, t + 1, (n,), generator=gen)
+        p = PackedRows.of(lengths, 2 * size * sp, 2 * size)
+        seg = p.segment_lengths()
+        assert (seg % (2 * size) == 0).all() and p.total % (2 * size * sp) == 0
+        assert (seg[:n] - lengths).lt(2 * size).all() and (seg[:n] >= lengths).all()
+        cu = p.cu_seqlens().long()
+        assert torch.equal(cu[1:] - cu[:-1], seg)
+        real_cu = p.cu_seqlens_real().long()
+        assert torch.equal((real_cu[1:] - real_cu[:-1])[:n], lengths)
+        x = torch.randn(n, t, generator=gen)
+        real = torch.arange(t)[None, :] < lengths[:, None]
+        packed = p.pack(x, pad_value=7.0)[0]
+        for i in range(n):  # sequence i at the start of its segment, its pads after it
+            a, length = int(cu[i]), int(lengths[i])
+            assert torch.equal(packed[a:a + length], x[i, :length])
+            assert (packed[a + length:int(cu[i + 1])] == 7.0).all()
+        assert torch.equal(p.padding_mask()[0], packed == 7.0)
+        assert torch.equal(p.unpack(packed[None], t), torch.where(real, x, 0.0))
+        shards = [ContextShard(r, size) for r in range(size)]
+        index = [p.context_index(s) for s in shards]
+        assert sorted(torch.cat(index).tolist()) == list(range(p.total))
+        within = p.position_ids()[0]
+        chunk = torch.repeat_interleave(seg // (2 * size), seg)
+        total_held = torch.zeros(n, t)
+        for s, idx in zip(shards, index):
+            assert idx.numel() == p.total // size and torch.equal(idx, idx.sort().values)
+            part = within[idx] // chunk[idx]
+            assert ((part == s.rank) | (part == 2 * size - 1 - s.rank)).all()
+            held = p.held(s, t)
+            assert torch.equal(held, s.segment_held(lengths, t))
+            total_held += held
+            share = p.gather_rows(x, 7.0, s)
+            assert torch.equal(share, packed[idx])
+            back = p.scatter_rows(share, t, s)
+            assert torch.equal(back, torch.where(held, x, 0.0))
+        assert torch.equal(total_held, real.float())  # every real position on exactly one rank
+
+
 # ----------------------------------------------------------------------------- on Megatron (slow)
 
 VARIANTS = {

@@ -217,8 +217,6 @@ def test_diagnostics_zero_when_nothing_changed(setup):
     ("--routing.replay=r3 --parallel.pipeline_model_parallel_size=2 "
      "--parallel.expert_model_parallel_size=2 --model.num_layers=2",
      "pipeline_model_parallel_size=2 with parallel.expert_model_parallel_size=2"),
-    ("--parallel.context_parallel_size=2 --trainer.max_tokens_per_microbatch=4096",
-     "context_parallel_size=2 with trainer.max_tokens_per_microbatch"),
     ("--routing.diagnostics_interval=0", "routing.diagnostics_interval: must be >= 1"),
 ])
 def test_config_validation(override, message):

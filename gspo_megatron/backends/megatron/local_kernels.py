@@ -54,7 +54,9 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from gspo_megatron.backends.megatron.row_attention import context_parallel_sdpa, packed_sdpa
+from gspo_megatron.backends.megatron.row_attention import (context_parallel_sdpa,
+                                                           packed_context_parallel_sdpa,
+                                                           packed_sdpa)
 from gspo_megatron.layout import segment_positions
 
 
@@ -250,14 +252,18 @@ def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
 
 
 def _packed_positions(params, total: int, device) -> torch.Tensor:
-    """``[S]`` int64 position of each token of a packed row within its sequence, from the
-    ``PackedSeqParams``' ``cu_seqlens_q`` (kept on the params object: one per microbatch, shared
-    by every layer)."""
-    cached = getattr(params, "_gspo_positions", None)
+    """``[S]`` int64 position of each token of a packed row (this context-parallel rank's
+    ``S`` tokens of it) within its sequence: the ``rope_positions`` the trainer put on the
+    ``PackedSeqParams`` (:func:`.schedule.packed_seq_params`), else from its
+    ``cu_seqlens_q_padded`` (kept on the params object: one per microbatch, shared by every
+    layer)."""
+    cached = getattr(params, "rope_positions", None)
     if cached is None or cached.shape[0] != total:
-        cached = segment_positions(params.cu_seqlens_q.to(device), total)
-        params._gspo_positions = cached
-    return cached
+        cu = getattr(params, "cu_seqlens_q_padded", None)
+        cu = params.cu_seqlens_q if cu is None else cu
+        cached = segment_positions(cu.to(device), total)
+        params.rope_positions = cached
+    return cached.to(device)
 
 
 def _positions(context, table: torch.Tensor, start: int, end: int, b0: int, b: int):
@@ -312,7 +318,12 @@ class SDPADotProductAttention(DotProductAttention):
             # (Megatron's thd path); the output keeps the matching [S, 1, np * hn] / [S, np * hn].
             squeeze = query.dim() == 4
             q, k, v = ((x.squeeze(1) if squeeze else x) for x in (query, key, value))
-            out = packed_sdpa(q, k, v, packed_seq_params, self.softmax_scale)
+            cp = getattr(self.pg_collection, "cp", None)
+            if cp is not None and not _single_rank(cp):  # this CP rank's share of the row
+                out = packed_context_parallel_sdpa(q, k, v, packed_seq_params, cp,
+                                                   self.softmax_scale)
+            else:
+                out = packed_sdpa(q, k, v, packed_seq_params, self.softmax_scale)
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
         cp = getattr(self.pg_collection, "cp", None)

@@ -43,9 +43,13 @@ class MegatronPolicy:
         self.transformer_config = transformer_config
         self.groups = groups
         self.micro_batch_size = micro_batch_size
+        sp = groups.tp_size if transformer_config.sequence_parallel else 1
+        cp = groups.cp_size
         self.batching = Microbatching(
             micro_batch_size=micro_batch_size, max_tokens=max_tokens_per_microbatch,
-            pad_to_multiple_of=groups.tp_size if transformer_config.sequence_parallel else 1)
+            # A packed row splits into CP shares of 2 chunks per sequence, each a multiple of SP.
+            pad_to_multiple_of=sp if cp == 1 else 2 * cp * sp,
+            segment_multiple=1 if cp == 1 else 2 * cp)
         """How every pass cuts a batch into microbatches (padded rows, or packed under a token
         budget: ``trainer.max_tokens_per_microbatch``)."""
         self.scoring = ScoringConfig(vocab_size=vocab_size)
@@ -185,7 +189,8 @@ class MegatronPolicy:
         if self._model_routing is None:
             from gspo_megatron.backends.megatron.routing import ModelRouting
 
-            self._model_routing = ModelRouting(self.model, self.groups)
+            self._model_routing = ModelRouting(self.model, self.groups,
+                                               packed=self.batching.max_tokens is not None)
         return self._model_routing
 
     # -- state

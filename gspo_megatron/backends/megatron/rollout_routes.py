@@ -176,8 +176,8 @@ def rollout_route_store(samples, layout: TokenLayout, routing: ModelRouting) -> 
 
 def rollout_disagreement(routing: ModelRouting, rollout: RouteStore, trainer: RouteStore,
                          response_mask: torch.Tensor, train_lp: torch.Tensor | None,
-                         rollout_lp: torch.Tensor, groups, prefix: str = "routing/rollout"
-                         ) -> dict[str, float]:
+                         rollout_lp: torch.Tensor, groups, prefix: str = "routing/rollout",
+                         lengths: torch.Tensor | None = None) -> dict[str, float]:
     """Where the rollout engine and the trainer's old-policy forward route differently (the
     numbers of the R3 paper, per MoE layer, every step, no extra forward).
 
@@ -188,15 +188,13 @@ def rollout_disagreement(routing: ModelRouting, rollout: RouteStore, trainer: Ro
     of positions differing in at least one layer) and, on the last pipeline stage,
     ``/abs_log_ratio_changed`` / ``_unchanged``: mean ``|log p_train - log p_rollout|`` of
     positions with / without a differing route. Collective over the world."""
-    from gspo_megatron.backends.megatron.routing_diagnostics import layer_statistics
+    from gspo_megatron.backends.megatron.routing_diagnostics import (layer_statistics,
+                                                                      sum_over_shards)
 
-    sums, changed_count = layer_statistics(routing, rollout, trainer, response_mask)
+    sums, changed_count = layer_statistics(routing, rollout, trainer, response_mask, lengths)
     metrics = {k: v for k, v in sums.metrics(prefix, with_entropy=False).items()
                if "/load" not in k}
-    if groups.tp_size > 1 and routing.sequence_parallel:
-        all_reduce_(changed_count, groups.tp_group)
-    if groups.pp_size > 1:
-        all_reduce_(changed_count, groups.pp_group)
+    sum_over_shards(changed_count, routing, groups)
     if train_lp is None:  # not the last pipeline stage
         return metrics
     mask = response_mask.bool()

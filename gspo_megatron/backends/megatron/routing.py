@@ -182,20 +182,19 @@ class RouteStore:
             return None
         return ~self.known[rows].transpose(0, 1).reshape(-1)
 
-    def packed(self, rows: torch.Tensor, packing) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def packed(self, rows: torch.Tensor, packing, context=None
+               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Per local layer, the routes of rows ``rows`` in the order of their packed row
-        (:class:`~gspo_megatron.layout.PackedRows`): int64 ``[S, k]``, the tail pad given experts
-        ``0 .. k-1`` (its routing is masked out); and ``[S]`` bool, True where no route was
-        recorded (the pad included), or None when every position is known."""
+        (:class:`~gspo_megatron.layout.PackedRows`; with ``context``, this context-parallel
+        rank's positions of it): int64 ``[S, k]``, every pad given experts ``0 .. k-1`` (its
+        routing is masked out); and ``[S]`` bool, True where no route was recorded (the pads
+        included), or None when every position is known."""
         x = self.indices[:, rows].long()  # [L, n, T, k]
-        t, k = x.shape[2], x.shape[-1]
-        index = packing.flat_index(t)
-        pad = torch.arange(k).expand(packing.pad_tokens, k)
-        routes = [torch.cat([x[i].reshape(-1, k)[index], pad]) for i in range(x.shape[0])]
+        pad = torch.arange(x.shape[-1])
+        routes = [packing.gather_rows(x[i], pad, context) for i in range(x.shape[0])]
         if self.known is None:
             return routes, None
-        free = ~self.known[rows].reshape(-1)[index]
-        return routes, torch.cat([free, torch.ones(packing.pad_tokens, dtype=torch.bool)])
+        return routes, ~packing.gather_rows(self.known[rows], False, context)
 
     @property
     def nbytes(self) -> int:
@@ -215,7 +214,7 @@ class ModelRouting:
     With no action set the replay object defers to Megatron's normal top-k, so attaching changes
     nothing until a recorder or replayer runs."""
 
-    def __init__(self, model_chunks: list, groups=None):
+    def __init__(self, model_chunks: list, groups=None, packed: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
 
         chunks = [getattr(c, "module", c) for c in model_chunks]
@@ -259,12 +258,19 @@ class ModelRouting:
         self.groups = groups
         self.context = (ContextShard(groups.cp_rank, groups.cp_size)
                         if groups is not None and groups.cp_size > 1 else None)
+        self.packed = packed
+        """The passes pack their microbatches (``trainer.max_tokens_per_microbatch``): route
+        stores then hold whole rows, a context-parallel rank's routes at the positions it holds
+        of each sequence (:meth:`local_mask`), zeros elsewhere."""
 
     # -- layout
     def local_positions(self, seq_length: int) -> slice | torch.Tensor:
         """The positions of a ``seq_length`` row this rank routes, in the order its routers see
         them: its context-parallel share (:class:`~gspo_megatron.layout.ContextShard`, an index
-        tensor), then its sequence-parallel slice of that."""
+        tensor), then its sequence-parallel slice of that. Packed passes: the whole row (see
+        :attr:`packed`)."""
+        if self.packed:
+            return slice(0, seq_length)
         if self.context is not None:
             positions = self.context.positions(seq_length)
             if self.sequence_parallel and self.tp_size > 1:
@@ -275,6 +281,17 @@ class ModelRouting:
             n = seq_length // self.tp_size
             return slice(self.tp_rank * n, (self.tp_rank + 1) * n)
         return slice(0, seq_length)
+
+    def local_mask(self, mask: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        """``mask [B, T]`` at :meth:`local_positions`, kept only where this rank routes: under
+        context parallelism with packing, the chunks of each sequence (``lengths [B]``) this rank
+        holds (:meth:`~gspo_megatron.layout.ContextShard.segment_held`)."""
+        local = mask[:, self.local_positions(mask.shape[1])]
+        if self.packed and self.context is not None:
+            if lengths is None:
+                raise ValueError("packed context-parallel routes need the batch's lengths")
+            local = local & self.context.segment_held(lengths, mask.shape[1]).to(local.device)
+        return local
 
     @property
     def route_replicas(self) -> int:
@@ -325,10 +342,7 @@ class ModelRouting:
         packing = getattr(microbatch, "packing", None)
         if packing is None:
             return x.reshape(-1, b, *x.shape[1:]).transpose(0, 1)
-        n, t = microbatch.size, microbatch.seq_length
-        out = x.new_zeros(n * t, *x.shape[1:])
-        out[packing.flat_index(t).to(x.device)] = x[: packing.real_tokens]
-        return out.view(n, t, *x.shape[1:])
+        return packing.scatter_rows(x, microbatch.seq_length, microbatch.context)
 
     def collect(self, mb_index: int, microbatch, capture_entropy: bool = False,
                 attr: str = "recorded_topk_idx"):
@@ -420,7 +434,7 @@ class RouteReplayer:
                                f" but the route store has {self.store.batch_size}")
         self.routing.check_packed(microbatch)
         if getattr(microbatch, "packing", None) is not None:
-            routes, free = self.store.packed(rows.cpu(), microbatch.packing)
+            routes, free = self.store.packed(rows.cpu(), microbatch.packing, microbatch.context)
         else:
             rows = slice(int(rows[0]), int(rows[0]) + b)
             routes = self.store.sequence_major(rows)

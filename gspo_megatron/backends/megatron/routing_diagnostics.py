@@ -28,14 +28,16 @@ MoE layers x experts is at most this; the per-layer imbalance is always logged."
 
 
 def layer_statistics(routing: ModelRouting, old: RouteStore, new: RouteStore,
-                     response_mask: torch.Tensor,
+                     response_mask: torch.Tensor, lengths: torch.Tensor | None = None,
                      count_positions: bool = True) -> tuple[LayerSums, torch.Tensor | None]:
     """Per-MoE-layer sums over the world (one all-reduce) and, with ``count_positions``, this
     rank's per-position count of layers whose route changed ``[B, T]`` (full sequence, zeros
-    outside this rank's shard; the caller sums it over TP and PP)."""
+    outside this rank's shard; the caller sums it with :func:`sum_over_shards`). ``lengths``:
+    the rows' sequence lengths (packed passes under context parallelism:
+    :meth:`ModelRouting.local_mask`)."""
     B, T = response_mask.shape
     pos = routing.local_positions(T)
-    mask = response_mask[:, pos].reshape(-1)
+    mask = routing.local_mask(response_mask, lengths).reshape(-1)
     total = LayerSums.zeros(routing.num_moe_layers, routing.num_experts)
     changed_count = torch.zeros(B, T, dtype=torch.float64) if count_positions else None
     if routing.moe_layers:
@@ -49,18 +51,34 @@ def layer_statistics(routing: ModelRouting, old: RouteStore, new: RouteStore,
             getattr(total, name)[idx] = getattr(local, name)
         if count_positions:
             changed, _ = route_change(old.indices, new.indices, routing.num_experts)  # [L, B, T_loc]
-            changed_count[:, pos] = changed.double().sum(0)
+            # only the positions this rank routes (a packed CP store is zero at the others')
+            mine = routing.local_mask(torch.ones(B, T, dtype=torch.bool), lengths)
+            changed_count[:, pos] = changed.double().sum(0) * mine
     flat = all_reduce_(total.flat())
     return total.with_flat(flat / routing.route_replicas), changed_count
 
 
+def sum_over_shards(changed_count: torch.Tensor, routing: ModelRouting, groups) -> torch.Tensor:
+    """:func:`layer_statistics`' per-position counts summed over the ranks that hold other
+    positions of the same rows (sequence-parallel TP shards, context-parallel shards) or other
+    layers (pipeline stages), in place."""
+    if groups.tp_size > 1 and routing.sequence_parallel:
+        all_reduce_(changed_count, groups.tp_group)
+    if groups.cp_size > 1:
+        all_reduce_(changed_count, groups.cp_group)
+    if groups.pp_size > 1:
+        all_reduce_(changed_count, groups.pp_group)
+    return changed_count
+
+
 def route_drift(routing: ModelRouting, old: RouteStore, new: RouteStore,
-                response_mask: torch.Tensor) -> tuple[float, list[float]]:
+                response_mask: torch.Tensor, lengths: torch.Tensor | None = None
+                ) -> tuple[float, list[float]]:
     """Share of (position, MoE layer) routes whose top-k set differs between ``old`` (the
     old-policy pass) and ``new`` (the routes free routing takes now), over the world, and the same
     per MoE layer. One all-reduce; costs no forward pass (``new`` comes from a training forward).
     NaN when no position is counted."""
-    sums, _ = layer_statistics(routing, old, new, response_mask, count_positions=False)
+    sums, _ = layer_statistics(routing, old, new, response_mask, lengths, count_positions=False)
     total = float(sums.tokens.sum())
     per_layer = (sums.changed / sums.tokens.clamp(min=1)).tolist()
     return (float(sums.changed.sum()) / total if total > 0 else float("nan")), per_layer
@@ -90,16 +108,14 @@ def routing_diagnostics(policy_model: list, routing: ModelRouting, batch, old_ro
         rep_lp, _ = compute_logprobs(policy_model, batch, batching, scoring, groups,
                                      routing=routing.replayer(old_routes, mbs))
 
-    sums, changed_count = layer_statistics(routing, old_routes, new_routes, batch.response_mask)
+    lengths = batch.layout.lengths if batch.layout is not None else None
+    sums, changed_count = layer_statistics(routing, old_routes, new_routes, batch.response_mask,
+                                           lengths)
     metrics = sums.metrics(prefix)
     if routing.num_moe_layers * routing.num_experts > MAX_LOAD_KEYS:
         metrics = {k: v for k, v in metrics.items() if not k.startswith(f"{prefix}/load/")}
 
-    # Which positions changed in any layer: sum the counts over TP shards and pipeline stages.
-    if groups.tp_size > 1 and routing.sequence_parallel:
-        all_reduce_(changed_count, groups.tp_group)
-    if groups.pp_size > 1:
-        all_reduce_(changed_count, groups.pp_group)
+    sum_over_shards(changed_count, routing, groups)  # which positions changed in any layer
     if new_lp is None:  # not the last pipeline stage: no log-probs here
         return metrics
 

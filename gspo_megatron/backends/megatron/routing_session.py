@@ -90,7 +90,8 @@ class StepRouting:
         if self.rollout is None:
             return {}
         return rollout_disagreement(self.routing, self.rollout, chosen, self.batch.response_mask,
-                                    train_lp, self.batch.rollout_logprobs, self.policy.groups)
+                                    train_lp, self.batch.rollout_logprobs, self.policy.groups,
+                                    lengths=_lengths(self.batch))
 
     # -- the minibatch updates
     def update(self, rows: torch.Tensor | slice):
@@ -110,7 +111,8 @@ class StepRouting:
         on the same minibatch (``objective``: its clip rule and temperature)."""
         old = self.old.select(self._rows)
         taken = self._hooks.natural_store() if self.replays else self._hooks.store()
-        rate, per_layer = route_drift(self.routing, old, taken, minibatch.response_mask)
+        rate, per_layer = route_drift(self.routing, old, taken, minibatch.response_mask,
+                                      _lengths(minibatch))
         out = {f"routing/drift/after_{i}_updates": rate}
         if i >= 1:
             out["routing/drift/change_rate"] = rate
@@ -133,3 +135,8 @@ class StepRouting:
     def timings(self) -> dict[str, float]:
         """``perf/routing_diagnostics_s``: the step's diagnostics time (diagnosed steps only)."""
         return {"perf/routing_diagnostics_s": self._diagnostics_s} if self.diagnose else {}
+
+
+def _lengths(batch: PolicyBatch) -> torch.Tensor | None:
+    """``[B]`` the batch's sequence lengths (None for a batch without a layout)."""
+    return batch.layout.lengths if batch.layout is not None else None

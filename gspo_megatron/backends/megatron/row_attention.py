@@ -6,6 +6,8 @@ stand-ins for what Transformer Engine's fused attention does on GPU.
 * :func:`context_parallel_sdpa`: this context-parallel rank's share of every row
   (:class:`~gspo_megatron.layout.ContextShard`), keys and values gathered over the CP group
   (``parallel.context_parallel_size``; TE's ring attention on GPU).
+* :func:`packed_context_parallel_sdpa`: both, this CP rank's two chunks of every sequence of a
+  packed row (:meth:`~gspo_megatron.layout.PackedRows.context_index`).
 
 Both are called by :class:`~gspo_megatron.backends.megatron.local_kernels.SDPADotProductAttention`
 and are differentiable.
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gspo_megatron.layout import ContextShard
+from gspo_megatron.layout import ContextShard, PackedRows
 
 
 def length_groups(lens: list[int]) -> list[list[int]]:
@@ -42,7 +44,7 @@ def packed_sdpa(query, key, value, params, scale):
     ``[n_g, heads, L_g, hn]`` (``L_g``: the group's longest), where causal masking alone keeps a
     real query off the pads behind it; pad queries are dropped. Costs ``sum_g n_g L_g^2 <= 4 sum
     len_i^2`` scores (flash-attn / TE: ``sum len_i^2``). Differentiable (gathers)."""
-    cu = params.cu_seqlens_q.long().to(query.device)
+    cu = _segment_starts(params).to(query.device)
     lens = cu[1:] - cu[:-1]
     host_lens = lens.tolist()
     outs, where = [], []
@@ -63,25 +65,32 @@ def packed_sdpa(query, key, value, params, scale):
     return torch.cat(outs)[torch.argsort(torch.cat(where))]  # [S, np, hn], packed order
 
 
+def _segment_starts(params) -> torch.Tensor:
+    """``[m + 1]`` int64 segment starts of a packed row (its pads included)."""
+    cu = getattr(params, "cu_seqlens_q_padded", None)
+    return (params.cu_seqlens_q if cu is None else cu).long()
+
+
 class _GatherContextShards(torch.autograd.Function):
     """``[s, ...]`` this context-parallel rank's positions -> ``[cp s, ...]`` the whole rows in
-    position order (:class:`~gspo_megatron.layout.ContextShard`). Backward: every rank's
-    gradient of the whole rows summed (an all-reduce), this rank's positions kept."""
+    position order, ``index[r]`` being the positions rank ``r`` holds
+    (:class:`~gspo_megatron.layout.ContextShard`, or a packed row's
+    :meth:`~gspo_megatron.layout.PackedRows.context_index`). Backward: every rank's gradient of
+    the whole rows summed (an all-reduce), this rank's positions kept."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        shard = ContextShard(dist.get_rank(group), dist.get_world_size(group))
-        ctx.shard = shard
-        parts = [torch.empty_like(x) for _ in range(shard.size)]
+    def forward(ctx, x, group, index):
+        ctx.group, ctx.own = group, index[dist.get_rank(group)]
+        parts = [torch.empty_like(x) for _ in index]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return shard.unshard(parts, dim=0)
+        out = torch.cat(parts)
+        return torch.empty_like(out).index_copy_(0, torch.cat(index).to(x.device), out)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
-        return ctx.shard.shard(grad, grad.shape[0], dim=0), None
+        return grad[ctx.own.to(grad.device)], None, None
 
 
 def context_parallel_sdpa(query, key, value, group, scale):
@@ -93,11 +102,62 @@ def context_parallel_sdpa(query, key, value, group, scale):
     the keys at or before its global position. -> ``[s, b, np * hn]``."""
     s, b, np_, hn = query.shape
     size = dist.get_world_size(group)
-    positions = ContextShard(dist.get_rank(group), size).positions(s * size).to(query.device)
-    k, v = (_GatherContextShards.apply(x, group) for x in (key, value))  # [T, b, ng, hn]
+    index = [ContextShard(r, size).positions(s * size) for r in range(size)]
+    positions = index[dist.get_rank(group)].to(query.device)
+    k, v = (_GatherContextShards.apply(x, group, index) for x in (key, value))  # [T, b, ng, hn]
     keys = torch.arange(s * size, device=query.device)
     mask = keys[None, :] <= positions[:, None]  # [s, T]
     out = F.scaled_dot_product_attention(
         query.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), attn_mask=mask,
         scale=scale, enable_gqa=np_ != k.shape[2])  # [b, np, s, hn]
     return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+
+
+def packed_context_parallel_sdpa(query, key, value, params, group, scale):
+    """Causal attention of this context-parallel rank's share of a packed row: ``query
+    [s, np, hn]`` and ``key/value [s, ng, hn]`` hold, of every segment of ``params``'
+    ``cu_seqlens_q_padded`` (lengths multiples of ``2 cp``), chunks ``rank`` and
+    ``2 cp - 1 - rank`` (:meth:`~gspo_megatron.layout.PackedRows.context_index`). The keys and
+    values of every rank are gathered into the whole packed row (one all-gather each, an
+    all-reduce of their gradients); then, per group of segments of similar length
+    (:func:`length_groups`), each query attends to the keys of its own segment at or before its
+    position. -> ``[s, np, hn]``, this rank's order. Costs ``cp x`` the local KV memory and
+    ``sum_g n_g (L_g / cp) L_g`` scores (TE's ring attention: ``sum len_i^2 / cp``, no
+    gather)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = query.device
+    cu = _segment_starts(params).cpu()
+    lens = cu[1:] - cu[:-1]
+    if bool((lens % (2 * size)).any()):
+        raise ValueError(f"packed segments {lens.tolist()} do not split into 2 x "
+                         f"context_parallel_size = {2 * size} chunks")
+    packing = PackedRows(lens, int(cu[-1]))  # one segment per entry: the row's own split
+    index = [packing.context_index(ContextShard(r, size)) for r in range(size)]
+    k_all, v_all = (_GatherContextShards.apply(x, group, index) for x in (key, value))
+    local_cu = (cu // size).to(device)  # each segment's share starts here in this rank's row
+    cu, lens = cu.to(device), lens.to(device)
+    host_lens = lens.tolist()
+    outs, where = [], []
+    for members in length_groups(host_lens):
+        seg = torch.tensor(members, device=device)
+        longest = max(host_lens[i] for i in members)
+        t = torch.arange(longest, device=device)
+        k_index = cu[seg, None] + torch.where(t[None, :] < lens[seg, None], t[None, :], 0)
+        u = torch.arange(longest // size, device=device)
+        share = lens[seg, None] // size  # [n_g, 1] this rank's queries of each segment
+        chunk = share // 2
+        q_valid = u[None, :] < share
+        q_index = local_cu[seg, None] + torch.where(q_valid, u[None, :], 0)
+        # Position within its segment of this rank's u-th query: chunk `rank`, then 2 cp - 1 - rank.
+        q_pos = torch.where(u[None, :] < chunk, rank * chunk + u[None, :],
+                            (2 * size - 2 - rank) * chunk + u[None, :])
+        mask = t[None, None, :] <= q_pos[:, :, None]  # [n_g, L_g / cp, L_g]
+        q = query[q_index].transpose(1, 2)  # [n_g, np, L_g / cp, hn]
+        k, v = (x[k_index].transpose(1, 2) for x in (k_all, v_all))  # [n_g, ng, L_g, hn]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out.transpose(1, 2)[q_valid])
+        where.append(q_index[q_valid])
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs)[torch.argsort(torch.cat(where))]

@@ -46,7 +46,11 @@ class Microbatching:
     most this many tokens (``trainer.max_tokens_per_microbatch``); None: padded microbatches of
     ``micro_batch_size`` sequences."""
     pad_to_multiple_of: int = 1
-    """A packed row's length is rounded up to this (TP under sequence parallelism)."""
+    """A packed row's length is rounded up to this (TP under sequence parallelism, x 2 CP under
+    context parallelism)."""
+    segment_multiple: int = 1
+    """Each packed sequence's segment is rounded up to this (2 x CP: every context-parallel rank
+    holds two chunks of every sequence)."""
 
 
 def make_microbatches(batch: PolicyBatch, batching: "Microbatching | int",
@@ -71,7 +75,8 @@ def make_microbatches(batch: PolicyBatch, batching: "Microbatching | int",
 
     def bins(minimum: int) -> list[list[int]]:
         return pack_into_microbatches(lengths, batching.max_tokens, batching.pad_to_multiple_of,
-                                      min_microbatches=minimum)
+                                      min_microbatches=minimum,
+                                      segment_multiple=batching.segment_multiple)
 
     plan = bins(1)
     if groups.dp_size > 1:
@@ -85,56 +90,74 @@ def make_microbatches(batch: PolicyBatch, batching: "Microbatching | int",
         rows = torch.tensor(seqs, dtype=torch.long)
         mb = batch.select(rows)
         mb.rows = rows
-        mb.packing = PackedRows.of(batch.layout.lengths[rows], batching.pad_to_multiple_of)
+        mb.packing = PackedRows.of(batch.layout.lengths[rows], batching.pad_to_multiple_of,
+                                   batching.segment_multiple)
         out.append(mb)
     return out
 
 
 def shard_for_context(micro: list[PolicyBatch], groups: ParallelGroups) -> list[PolicyBatch]:
-    """Under context parallelism, each microbatch cut to this rank's share of its rows
-    (:meth:`PolicyBatch.context_parallel`); unchanged at CP = 1."""
+    """Under context parallelism, each microbatch cut to this rank's share of its rows, or of its
+    packed row (:meth:`PolicyBatch.context_parallel`); unchanged at CP = 1."""
     if groups.cp_size == 1:
         return micro
     shard = ContextShard(groups.cp_rank, groups.cp_size)
     return [mb.context_parallel(shard) for mb in micro]
 
 
-def packed_seq_params(packing: PackedRows, device: torch.device):
-    """Megatron's ``PackedSeqParams`` (``thd``) of a packed microbatch."""
+def packed_seq_params(packing: PackedRows, device: torch.device,
+                      context: ContextShard | None = None):
+    """Megatron's ``PackedSeqParams`` (``thd``) of a packed microbatch: ``cu_seqlens_*`` the
+    whole row's (Megatron and TE cut them per CP rank themselves), ``*_padded`` with the
+    segments' pads. Carries ``rope_positions``, ``[S_local]`` each token's position within its
+    sequence for this rank's tokens (the local kernel's rotary lookup)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = packing.cu_seqlens().to(device)
+    real = cu if packing.segment_multiple == 1 else packing.cu_seqlens_real().to(device)
     longest = packing.max_seqlen()
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    positions = packing.position_ids(device)[0]
+    params.rope_positions = (positions if context is None
+                             else positions[packing.context_index(context).to(device)])
+    return params
 
 
 def _model_inputs(mb: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(tokens, position_ids, extra kwargs)`` of a microbatch for ``GPTModel.forward``:
-    ``[b, T]`` rows, or for a packed microbatch the ``[1, S]`` row with its ``PackedSeqParams``
-    and the tail pad's MoE ``padding_mask``."""
+    ``[b, T]`` rows, or for a packed microbatch the ``[1, S]`` row (``[1, S / cp]``: this
+    context-parallel rank's positions of it) with its ``PackedSeqParams`` and the pads' MoE
+    ``padding_mask``."""
     p = mb.packing
     if p is None:
         return mb.tokens, mb.position_ids(), {}
     device = mb.tokens.device
-    tokens = p.pack(mb.tokens)
-    return tokens, p.position_ids(device), {
-        "packed_seq_params": packed_seq_params(p, device),
-        "padding_mask": p.padding_mask(device)}
+    tokens, positions, pads = p.pack(mb.tokens), p.position_ids(device), p.padding_mask(device)
+    if mb.context is not None:
+        index = p.context_index(mb.context).to(device)
+        tokens, positions = tokens[:, index], positions[:, index]
+        pads = pads[:, index] if pads is not None else None
+    return tokens, positions, {"packed_seq_params": packed_seq_params(p, device, mb.context),
+                               "padding_mask": pads}
 
 
 def _labels_logprobs(mb: PolicyBatch, logits: torch.Tensor, **kwargs):
     """``vocab_parallel_logprobs`` of the microbatch's labels, as ``[b, T]`` (a packed
-    microbatch's ``[1, S]`` values unpacked into its rows)."""
+    microbatch's ``[1, S]`` values unpacked into its rows; under context parallelism this rank's
+    positions, zeros at the others')."""
     p = mb.packing
-    labels = mb.labels if p is None else p.pack(mb.labels)
+    if p is None:
+        return vocab_parallel_logprobs(logits, mb.labels, **kwargs)
+    labels = p.pack(mb.labels)
+    if mb.context is not None:
+        labels = labels[:, p.context_index(mb.context).to(labels.device)]
     lp, ent = vocab_parallel_logprobs(logits, labels, **kwargs)
-    if p is not None:
-        t = mb.seq_length
-        lp = p.unpack(lp, t)
-        ent = p.unpack(ent, t) if ent is not None else None
-    return lp, ent
+    t = mb.seq_length
+    unpack = (partial(p.unpack, seq_length=t) if mb.context is None
+              else partial(p.unpack_context, shard=mb.context, seq_length=t))
+    return unpack(lp), (unpack(ent) if ent is not None else None)
 
 
 def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_only: bool,
@@ -166,9 +189,9 @@ def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_o
     packed, context = microbatches[0].packing, microbatches[0].context
     # A packed microbatch is one row of its own length (the pipeline's P2P shapes then vary:
     # ``variable_seq_lengths``, set on the model config when packing under PP). Megatron divides
-    # the length by CP itself: the full row's.
+    # the length by CP itself: the full row's (a padded shard holds T / cp of it).
     seq_length = microbatches[0].seq_length if packed is None else packed.total
-    if context is not None:
+    if context is not None and packed is None:
         seq_length *= context.size
     try:
         return get_forward_backward_func()(
@@ -263,10 +286,14 @@ def compute_logprobs(
 def _whole_rows(values: torch.Tensor, micro: list[PolicyBatch], groups: ParallelGroups
                 ) -> torch.Tensor:
     """``[B, T]`` float32 on the CPU: a context-parallel rank's ``[B, T / cp]`` shares gathered
-    from every CP rank and put back in position order (one all-gather); as is at CP = 1."""
+    from every CP rank and put back in position order (one all-gather); packed microbatches'
+    ``[B, T]`` rows, zeros where another CP rank holds the position, summed over the CP group
+    (exact: one rank holds each); as is at CP = 1."""
     context = micro[0].context
     if context is None:
         return values.float().cpu()
+    if micro[0].packing is not None:
+        return all_reduce_(values.float(), groups.cp_group).cpu()
     return context.unshard(all_gather_(values.float(), groups.cp_group)).cpu()
 
 
