@@ -170,9 +170,13 @@ def prepare(cfg: TrainConfig, recipe_dir: str | None = None) -> Prepared:
     return Prepared(reward_fn, tokenizer, train, heldout, search)
 
 
-def build(cfg: TrainConfig, prepared: Prepared, faults=None):
+def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bridge=None):
     """Process groups, the run directory (config and tokenizer), the policy (and the frozen
-    reference), the rollout engines and the :class:`~gspo_megatron.trainer.Trainer`."""
+    reference), the rollout engines and the :class:`~gspo_megatron.trainer.Trainer`. Under
+    ``rollout.placement: separate`` (``placement``, ``bridge``: :mod:`gspo_megatron.overlap`) a
+    rollout rank builds a full replica of the policy without optimizer (its weights come from the
+    trainer ranks) and a trainer whose :meth:`~gspo_megatron.trainer.Trainer.serve` runs it; a
+    trainer rank gets its :class:`~gspo_megatron.overlap.RemoteRollouts`."""
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
     from gspo_megatron.backends.megatron.rollout import RolloutEngine
@@ -181,22 +185,31 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     from gspo_megatron.rewards.workers import start_reward_workers
     from gspo_megatron.trainer import Task, Trainer
 
+    from gspo_megatron.config.model import ParallelConfig
+    from gspo_megatron.overlap import RemoteRollouts
+
     tokenizer = prepared.tokenizer
-    groups = initialize_distributed(cfg.parallel, cfg.model, seed=cfg.trainer.seed)
-    if groups.is_logging_rank:
+    rollout_rank = placement is not None and placement.is_rollout
+    parallel = ParallelConfig() if rollout_rank else cfg.parallel
+    groups = initialize_distributed(parallel, cfg.model, seed=cfg.trainer.seed)
+    if groups.is_logging_rank and not rollout_rank:
         os.makedirs(cfg.logging.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
         tokenizer.save(os.path.join(cfg.logging.run_dir, "tokenizer"))
 
     def policy(**kwargs):
-        return build_policy(cfg.model, cfg.parallel, cfg.precision, cfg.optim, groups,
+        return build_policy(cfg.model, parallel, cfg.precision, cfg.optim, groups,
                             micro_batch_size=cfg.trainer.micro_batch_size,
                             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                             vocab_size=tokenizer.vocab_size, **kwargs)
 
-    actor = policy(total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches,
-                   routing_cfg=cfg.routing)
-    reference = policy(total_steps=1, with_optimizer=False) if cfg.trainer.reference_model else None
+    if rollout_rank:
+        actor = policy(total_steps=1, with_optimizer=False)
+    else:
+        actor = policy(total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches,
+                       routing_cfg=cfg.routing)
+    reference = (policy(total_steps=1, with_optimizer=False)
+                 if cfg.trainer.reference_model and not rollout_rank else None)
     sampler = PromptSampler(prepared.train, cfg.rollout.prompts_per_step * groups.dp_size,
                             seed=cfg.trainer.seed)
     engine = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
@@ -205,7 +218,11 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None):
     workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
                                    cfg.reward.timeout_s, prepared.reward_search_dirs)
     task = Task(tokenizer, sampler, prepared.train, prepared.eval, prepared.reward_fn, workers)
-    return Trainer(cfg, groups, actor, engine, task, reference=reference, faults=faults)
+    trainer = Trainer(cfg, groups, actor, engine, task, reference=reference, faults=faults)
+    if placement is not None and not rollout_rank:
+        trainer.rollouts = RemoteRollouts(bridge, placement, groups.dp_rank,
+                                          cfg.rollout.max_staleness, cfg.trainer.steps)
+    return trainer
 
 
 @contextlib.contextmanager
@@ -273,9 +290,18 @@ def _run(args) -> int:
     except (ValueError, FileNotFoundError, ImportError, UnsupportedMegatronError,
             CheckpointError) as exc:
         return _user_error(exc)
-    trainer = None
+    trainer = placement = bridge = None
     try:
-        trainer = build(cfg, prepared, faults)
+        if cfg.rollout.placement == "separate":  # the rollout ranks and the trainer ranks
+            from gspo_megatron.overlap import Placement, start_sides
+
+            placement = Placement(int(os.environ.get("RANK", "0")),
+                                  int(os.environ.get("WORLD_SIZE", "1")), cfg.rollout.ranks)
+            bridge = start_sides(placement)
+        trainer = build(cfg, prepared, faults, placement, bridge)
+        if placement is not None and placement.is_rollout:
+            trainer.serve(bridge, placement)
+            return 0
         summary = trainer.fit()
     except (CheckpointError, NonFiniteError) as exc:
         return _user_error(exc)

@@ -28,6 +28,7 @@ from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
+from gspo_megatron.overlap import RemoteRollouts
 from gspo_megatron.policy import Generator, Policy, PolicyBatch, make_policy_batch
 from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, balance_stage,
                                   batch_stage, overlong_stage, response_metrics, reward_stage,
@@ -99,12 +100,19 @@ class Trainer:
         self.balances_ranks = (cfg.trainer.balance_data_parallel and groups.dp_size > 1
                                and cfg.trainer.max_tokens_per_microbatch is not None)
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
+        self.rollouts: RemoteRollouts | None = None
+        """``rollout.placement: separate``: the rollout ranks' end (:mod:`gspo_megatron.overlap`);
+        None: this rank rolls out itself."""
+        self._rank_state: dict | None = None
+        """This rank's part of the checkpoint resumed from (in-flight rollouts)."""
 
     def close(self) -> None:
         """Stop what the run started outside this process: the reward workers, and the writer of
         a background checkpoint that was not committed (only after an error: :meth:`fit` commits
         every checkpoint it starts)."""
         self.policy.abort_checkpoint()
+        if self.rollouts is not None:  # after an error: the rollout ranks must not wait on
+            self.rollouts.close()
         if self.task.reward_workers is not None:
             self.task.reward_workers.close()
 
@@ -157,6 +165,7 @@ class Trainer:
         """The RL loop with its checkpoints, then the final save and evaluation; returns the exit
         code. Every checkpoint it starts is committed before it returns."""
         cfg = self.cfg
+        self.start_rollouts()
         while self.step < cfg.trainer.steps:
             metrics = self.rl_step()
             if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 \
@@ -166,6 +175,10 @@ class Trainer:
             stop = self.stop_requested()
             if stop or (cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0):
                 metrics["perf/checkpoint_s"] = self.save()
+            if self.rollouts is not None:
+                watch = Stopwatch()
+                self.publish_weights(stop=stop)
+                metrics["perf/publish_weights_s"] = watch.elapsed()
             metrics_log.log(self.step - 1, metrics)
             if stop:
                 self.commit_checkpoint()
@@ -186,6 +199,7 @@ class Trainer:
         if self.policy.has_checkpoint(self.load_dir):
             self.step, extra = self.policy.load_checkpoint(self.load_dir)
             self.task.sampler.load_state_dict(extra["sampler"])
+            self._rank_state = extra.get("rank")
             self.log(f"resumed from {self.load_dir} at step {self.step}")
         elif self.cfg.checkpoint.init_weights:
             self.policy.load_weights(self.cfg.checkpoint.init_weights)
@@ -198,7 +212,10 @@ class Trainer:
         if self.saved_step == self.step:
             return 0.0
         watch = Stopwatch()
-        self.policy.save_checkpoint(self.save_dir, self.step, {"sampler": self.task.sampler.state_dict()},
+        extra = {"sampler": self.task.sampler.state_dict()}
+        if self.rollouts is not None:  # the rollouts in flight (received now), per rank
+            extra["rank"] = self.rollouts.state(self.step)
+        self.policy.save_checkpoint(self.save_dir, self.step, extra,
                                     keep_last=self.cfg.checkpoint.keep_last,
                                     before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s),
                                     background=self.cfg.checkpoint.async_save)
@@ -224,8 +241,12 @@ class Trainer:
         faults.maybe_fail("step_start")
         watch = Stopwatch()
 
+        rollout_perf: dict[str, float] = {}
         try:
-            sampled = self.sample(seed, watch)
+            if self.rollouts is None:
+                sampled = self.sample(seed, watch)
+            else:
+                sampled, rollout_perf = self._take_rollouts(watch)
         except SkipStep as skip:
             return self._skip_step(skip.fault, skip.metrics, watch)
         samples, advantages, minibatch_sizes, extra = sampled.samples, sampled.advantages, None, {}
@@ -267,12 +288,76 @@ class Trainer:
         self._count_faults(update_metrics.get("faults/skipped_updates", 0.0) > 0)
         self.step += 1
 
-        timings = watch.total("perf/step_s")
+        timings = {**watch.total("perf/step_s"), **rollout_perf}
         timings["perf/rollout_tokens_per_s"] = (sampled.generated_tokens
                                                 / max(timings["perf/rollout_s"], 1e-9))
         metrics = {**sampled.metrics, **extra, **update_metrics, **timings,
                    **device_memory_metrics(), **response_metrics(samples, g)}
         return gather_on_logging_rank(metrics, g)
+
+    # -- rollouts on their own ranks (rollout.placement: separate)
+    def start_rollouts(self) -> None:
+        """Tell the rollout ranks where training starts (with what was in flight at the
+        checkpoint resumed from) and send them the weights of this step."""
+        if self.rollouts is None:
+            return
+        dp_ranks = [None] * self.groups.world_size
+        torch.distributed.all_gather_object(dp_ranks, self.groups.dp_rank)
+        # Nothing in flight (a fresh run, or a colocated checkpoint): the rollouts go on from
+        # this step with the sampler where this rank's is.
+        state = self._rank_state or {"received": {}, "sampler": self.task.sampler.state_dict()}
+        self.rollouts.start(self.step, state, dp_ranks)
+        self.publish_weights(stop=False)
+
+    def publish_weights(self, stop: bool) -> None:
+        """The weights after this step's optimizer step (version ``self.step``) to the rollout
+        ranks, or a stop once training ends (collective over the trainer ranks)."""
+        if self.rollouts is None:
+            return
+        stop = stop or self.step >= self.cfg.trainer.steps
+        self.rollouts.publish(None if stop else self.policy.export_weights(), self.step, stop)
+        if stop:
+            self.rollouts.bridge.flush()
+
+    def _take_rollouts(self, watch: Stopwatch) -> tuple[StepSamples, dict[str, float]]:
+        """This step's samples from the rollout ranks (raises their :class:`SkipStep`) and their
+        ``perf/*`` (the rollout ranks' seconds), plus ``sampling/staleness`` (optimizer steps
+        between the sampling weights and these) and ``perf/rollout_wait_s`` (this rank idle)."""
+        msg = self.rollouts.take(self.step)
+        watch.lap("perf/rollout_wait_s")
+        if "skip" in msg:
+            raise SkipStep(*msg["skip"])
+        sampled: StepSamples = msg["samples"]
+        perf = dict(msg["perf"])
+        self.task.sampler.load_state_dict(msg["sampler"])  # where the colocated loop's would be
+        sampled.metrics["sampling/staleness"] = float(self.step - msg["version"])
+        return sampled, perf
+
+    def serve(self, bridge, placement) -> dict:
+        """A rollout rank's whole run (:func:`~gspo_megatron.overlap.serve_rollouts`): stop
+        signals are the trainer ranks' to act on (they checkpoint, then send the stop)."""
+        from gspo_megatron.overlap import serve_rollouts
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda signum, frame: logger.info(
+                "rollout rank: signal %d, the trainer ranks will stop the run", signum))
+        steps = serve_rollouts(bridge, placement, self.remote_sample, self.policy.import_weights,
+                               self.task.sampler, self.cfg.rollout.max_staleness,
+                               self.cfg.trainer.steps)
+        return {"rollout_steps": steps, "exit_code": 0}
+
+    def remote_sample(self, step: int) -> dict:
+        """A rollout rank's body of step ``step``'s message (:func:`~gspo_megatron.overlap.
+        serve_rollouts`): this data-parallel rank's samples, or the skip, and ``perf/*``."""
+        seed = self.cfg.trainer.seed + 1000 * step + self.groups.dp_rank
+        self.faults.step = step
+        watch = Stopwatch()
+        try:
+            body: dict = {"samples": self.sample(seed, watch)}
+        except SkipStep as skip:
+            body = {"skip": (skip.fault, skip.metrics)}
+        body["perf"] = {k: v for k, v in watch.laps.items() if k.startswith("perf/")}
+        return body
 
     def sample(self, seed: int, watch: Stopwatch) -> StepSamples:
         """prompts -> rollout -> reward (+ overlong penalty) -> advantages for one step. With

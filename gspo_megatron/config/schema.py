@@ -198,7 +198,29 @@ class RolloutConfig(Section, name="rollout"):
     the copy's memory (bf16: half the fp32 parameters) and one cast-copy of every parameter per
     generate (small next to decoding; the run logs it in ``perf/rollout_s``)."""
 
+    placement: Literal["colocated", "separate"] = "colocated"
+    """Where rollouts run. ``colocated`` (default): every rank samples with the live policy, then
+    trains (rollout and training alternate). ``separate``: the last ``rollout.ranks`` ranks of the
+    job only roll out (a sampling copy of the policy, full on each rollout rank, refreshed with the
+    trainer's weights after every optimizer step) and the others only train, the rollout of step
+    ``t + max_staleness`` overlapping the training of step ``t`` (NeMo-RL's one-step off-policy,
+    verl's async mode)."""
+    ranks: int = 0
+    """``placement: separate``: how many ranks roll out; one per data-parallel rank of the trainer
+    (rollout rank ``j`` samples trainer DP rank ``j``'s prompts)."""
+    max_staleness: int = 1
+    """``placement: separate``: the rollout of step ``t`` samples with the weights of step
+    ``t - max_staleness`` (after that many fewer optimizer steps; ``max(0, .)``), a fixed lag, so a
+    run is deterministic whatever the timing. 0: rollout and training alternate as when colocated
+    (the same samples, bitwise). The trainer recomputes the old log-probs at the step (the clip is
+    relative to the policy being updated); the stale rollout's own log-probs reach the loss only
+    through ``rollout_correction``. Ignored when colocated."""
+
     def _problems(self) -> Iterator[Problem]:
+        if self.placement == "separate" and self.ranks < 1:
+            yield self._problem("ranks", f"must be >= 1 with rollout.placement='separate', got "
+                                         f"{self.ranks}")
+        yield from self._at_least(0, "ranks", "max_staleness")
         if self.dynamic_buffer_size_gb is not None and not self.dynamic_buffer_size_gb > 0:
             yield self._problem("dynamic_buffer_size_gb",
                                 f"must be > 0 (or null: sized from max_batch_size), got "

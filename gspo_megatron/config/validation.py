@@ -69,7 +69,10 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
     errors = _section_errors(cfg)
     if errors:
         raise ConfigError(errors)
-    dp, layout_errors = _layout_errors(cfg, world_size)
+    if trainer_world_size(cfg, world_size) < 1:
+        raise ConfigError(_placement_errors(cfg, world_size, 0))
+    dp, layout_errors = _layout_errors(cfg, trainer_world_size(cfg, world_size))
+    layout_errors += _placement_errors(cfg, world_size, dp)
     errors = (layout_errors + _batch_errors(cfg, dp, world_size) + _length_errors(cfg)
               + _engine_errors(cfg) + _packing_errors(cfg) + _routing_errors(cfg)
               + _loss_errors(cfg)
@@ -78,6 +81,26 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
     if errors:
         raise ConfigError(errors)
     return dp
+
+
+def trainer_world_size(cfg: TrainConfig, world_size: int) -> int:
+    """The ranks that train: the job's, less ``rollout.ranks`` under ``placement: separate``."""
+    return world_size - cfg.rollout.ranks if cfg.rollout.placement == "separate" else world_size
+
+
+def _placement_errors(cfg: TrainConfig, world_size: int, dp: int) -> list[str]:
+    """Rollout ranks of ``placement: separate`` against the job and the trainer's layout."""
+    ro = cfg.rollout
+    if ro.placement != "separate":
+        return []
+    if ro.ranks >= world_size:
+        return [f"rollout.ranks={ro.ranks} with rollout.placement='separate' leaves no rank to "
+                f"train in a job of {world_size} ranks"]
+    if dp and ro.ranks != dp:
+        return [f"rollout.ranks={ro.ranks} must equal the trainer's data-parallel size ({dp}: "
+                f"{world_size - ro.ranks} training ranks / TP x PP x CP): rollout rank j samples "
+                f"data-parallel rank j's prompts"]
+    return []
 
 
 # Warnings are raised from the helpers below, two frames under validate_config's caller.

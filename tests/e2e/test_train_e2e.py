@@ -60,23 +60,29 @@ def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout
 PACKED = ["--trainer.max_tokens_per_microbatch=24"]
 
 
-@pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
-def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path, layout):
-    steps = ["--trainer.steps=4", "--checkpoint.save_interval=2", *layout]
+def kill_and_resume(tmp_path, *overrides, nproc=1) -> tuple[list[dict], list[dict]]:
+    """4 steps with checkpoints every 2: straight, and killed at the start of step 3 (after the
+    step-2 checkpoint) then resumed; returns both runs' metrics (the resumed one's steps checked)."""
+    steps = ["--trainer.steps=4", "--checkpoint.save_interval=2", *overrides]
     straight = tmp_path / "straight"
-    gspo_train(straight, *steps)
-
+    gspo_train(straight, *steps, nproc=nproc)
     resumed = tmp_path / "resumed"
-    killed = gspo_train(resumed, *steps, env_extra={"GSPO_FAULT": "step_start:3"}, check=False)
+    killed = gspo_train(resumed, *steps, nproc=nproc, env_extra={"GSPO_FAULT": "step_start:3"},
+                        check=False)
     assert killed.returncode != 0  # SIGKILLed at the start of step 3, after the step-2 checkpoint
     assert (resumed / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    proc = gspo_train(resumed, *steps)
-    assert "resumed from" in proc.stdout
-
+    assert "resumed from" in gspo_train(resumed, *steps, nproc=nproc).stdout
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
     assert [m["step"] for m in b] == [0, 1, 2, 3]
+    return a, b
+
+
+@pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
+def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path, layout):
+    a, b = kill_and_resume(tmp_path, *layout)
     for key in ("reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train", "optim/grad_norm"):
         assert [m[key] for m in a] == [m[key] for m in b], key
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     sa = json.loads((straight / "summary.json").read_text())
     sb = json.loads((resumed / "summary.json").read_text())
     assert sa["accuracy_after"] == sb["accuracy_after"]
@@ -116,18 +122,8 @@ def test_context_parallel_run_kill_and_resume(tmp_path):
     routes replayed on each rank's chunks; the engine's log-probs equal the sharded trainer's,
     and a run killed after its step-2 checkpoint resumes to the uninterrupted run's metrics
     bitwise. (Padded rows under CP: tests/distributed/test_parallel_invariance.py.)"""
-    steps = ["--trainer.steps=4", "--checkpoint.save_interval=2",
-             "--parallel.context_parallel_size=2", *PACKED, "--routing.replay=r3"]
-    straight = tmp_path / "straight"
-    gspo_train(straight, *steps, nproc=2)
-    resumed = tmp_path / "resumed"
-    killed = gspo_train(resumed, *steps, nproc=2, env_extra={"GSPO_FAULT": "step_start:3"},
-                        check=False)
-    assert killed.returncode != 0
-    assert (resumed / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert "resumed from" in gspo_train(resumed, *steps, nproc=2).stdout
-    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
-    assert [m["step"] for m in b] == [0, 1, 2, 3]
+    a, b = kill_and_resume(tmp_path, "--parallel.context_parallel_size=2", *PACKED,
+                           "--routing.replay=r3", nproc=2)
     for key in ("reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train",
                 "optim/grad_norm", "routing/rollout/change_rate"):
         assert [m[key] for m in a] == [m[key] for m in b], key

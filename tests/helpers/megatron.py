@@ -43,33 +43,12 @@ def grads_to_params(gpt_model) -> None:
 
 def full_state(gpt_model) -> dict[str, torch.Tensor] | None:
     """Every tensor of ``gpt_model``'s sharded state dict assembled whole on rank 0 (None on the
-    other ranks): what ``dist_checkpointing`` saves, unsharded over TP/EP/PP/DP/CP, in memory
-    (one ``all_gather_object``; no files, no writer processes). Keys are the layout-independent
-    sharded keys; after :func:`grads_to_params`, the gradients."""
-    import torch.distributed as dist
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import (ShardedTensor, apply_factories,
-                                                          is_main_replica)
+    other ranks; :func:`~gspo_megatron.backends.megatron.weight_sync.gather_full_state`): what
+    ``dist_checkpointing`` saves, unsharded over TP/EP/PP/DP/CP, in memory. After
+    :func:`grads_to_params`, the gradients."""
+    from gspo_megatron.backends.megatron.weight_sync import gather_full_state
 
-    state = gpt_model.sharded_state_dict()
-    apply_factories(state)
-    pieces = [(t.key, t.global_shape, t.global_offset, t.prepend_axis_num,
-               t.data.detach().float().clone())
-              for t in nested_values(state)
-              if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)
-              and t.flattened_range is None]
-    gathered = [pieces]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, pieces)
-        if dist.get_rank() != 0:
-            return None
-    full: dict[str, torch.Tensor] = {}
-    for key, shape, offset, prepend, data in (p for rank in gathered for p in rank):
-        out = full.setdefault(key, torch.zeros(shape))
-        local = (1,) * prepend + tuple(data.shape)
-        out[tuple(slice(o, o + n) for o, n in zip(offset, local))] = data.reshape(local)
-    return full
+    return gather_full_state(gpt_model)
 
 
 def generate_groups(engine, prompts: list[list[int]], seed: int,

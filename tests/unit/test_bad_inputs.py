@@ -65,6 +65,12 @@ CONFIG_CASES = [
     ("", ["--parallel.context_parallel_size=2", "--data.max_prompt_length=9", "--rollout.max_new_tokens=8", "--trainer.max_tokens_per_microbatch=18"], 2, r"trainer.max_tokens_per_microbatch=18 cannot hold the longest sequence the recipe allows: data.max_prompt_length \+ rollout.max_new_tokens = 9 \+ 8 = 17 \(rounded up to a multiple of 4: TP under sequence parallel x 2 CP\)$"),
     ("", ["--parallel.context_parallel_size=2", "--rollout.engine=static"], 2, r"parallel.context_parallel_size=2 with rollout.engine='static'"),
     ("", ["--trainer.max_consecutive_faults=0"], 1, r"trainer.max_consecutive_faults"),
+    # rollouts on their own ranks: a negative lag, no rollout rank, no trainer rank, rollout
+    # ranks that do not match the trainer's data-parallel ranks
+    ("", ["--rollout.max_staleness=-1"], 1, r"rollout.max_staleness: must be >= 0, got -1$"),
+    ("", ["--rollout.placement=separate"], 2, r"rollout.ranks: must be >= 1 with rollout.placement='separate', got 0$"),
+    ("", ["--rollout.placement=separate", "--rollout.ranks=2"], 2, r"rollout.ranks=2 with rollout.placement='separate' leaves no rank to train in a job of 2 ranks$"),
+    ("", ["--rollout.placement=separate", "--rollout.ranks=1"], 3, r"rollout.ranks=1 must equal the trainer's data-parallel size \(2: 2 training ranks / TP x PP x CP\)"),
     # packing: a budget below the longest sequence the recipe allows, or none at all; an attention
     # kernel that cannot pack; routes of sequence-parallel shards of a packed row
     ("", ["--trainer.max_tokens_per_microbatch=0"], 1, r"trainer.max_tokens_per_microbatch: must be >= 1, got 0"),

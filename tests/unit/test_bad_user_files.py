@@ -20,13 +20,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHEAP = ["--data.num_train_examples=50", "--data.num_eval_examples=10"]
 
 
-def run_cli(cwd, *args, **env_extra):
+def run_cli(cwd, *args, cold=False, **env_extra):
+    """``python -m gspo_megatron.cli`` in ``cwd``: forked from the suite's warm interpreter
+    (tests/helpers/warm.py: the same exit code, output and files, without ~3 s of imports per
+    case), or with ``cold`` a fresh interpreter (its start-up warnings included; the one-line
+    refusals of a fresh start are tests/unit/test_bad_inputs.py's)."""
+    from tests.helpers import warm
+
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **env_extra)
     run_dir = cwd / "run"
-    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", f"--logging.run_dir={run_dir}",
-                           *CHEAP, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    argv = ["-m", "gspo_megatron.cli", f"--logging.run_dir={run_dir}", *CHEAP, *args]
+    if cold:
+        proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=120)
+    else:
+        proc = warm.run(argv, env=env, cwd=str(cwd), timeout=120)
     return proc, run_dir
 
 
@@ -283,9 +292,9 @@ def test_megatron_warnings_only_with_verbose(trained, tmp_path):
     """A refusal found after Megatron is imported (tensor metadata) is still one line; --verbose
     shows the start-up warnings it hides."""
     args = [f"--checkpoint.init_weights={trained / 'sft_weights'}", "--model.hidden_size=32"]
-    quiet, run_dir = run_cli(tmp_path, *args)
+    quiet, run_dir = run_cli(tmp_path, *args, cold=True)
     assert_refused(quiet, run_dir, "model tensor embedding.word_embeddings.weight")
-    loud, run_dir = run_cli(tmp_path, "--verbose", *args)
+    loud, run_dir = run_cli(tmp_path, "--verbose", *args, cold=True)
     assert loud.returncode == 2 and not run_dir.exists()
     assert "Warning" in loud.stderr and "Traceback" not in loud.stderr
     assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip()

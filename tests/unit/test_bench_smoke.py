@@ -35,10 +35,21 @@ def _warm_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> 
     return json.loads(lines[-1])
 
 
+def _warm_cli(args: list[str], nproc: int, timeout: float = 1800) -> None:
+    """``common.run_cli`` forked from the warm interpreter (as :func:`_warm_layout`)."""
+    from tests.e2e.test_train_e2e import ROOT, clean_env
+    from tests.helpers import warm
+
+    proc = warm.run(["-m", "gspo_megatron.cli", *args], env=clean_env(None), cwd=ROOT,
+                    nproc=nproc, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
 def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
     from tools.bench import common
 
     monkeypatch.setattr(common, "run_layout", _warm_layout)
+    monkeypatch.setattr(common, "run_cli", _warm_cli)
     out = tmp_path / "bench.json"
     rc = main(["--smoke", "--in-process", "--out", str(out)])
     report = json.loads(out.read_text())
@@ -69,6 +80,7 @@ def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
     assert by_name["rollout"]["rows"][-1]["value"] == 1.0  # greedy tokens identical to HF's
     assert by_name["rl_step"]["met"] is None and by_name["rl_step"]["rows"]
     assert {"critical_path_async_over_sync", "step_async_over_sync"} <= set(by_name["checkpoint"]["ratios"])
+    assert {"demo", "demo_bound"} <= set(by_name["overlap"]["ratios"]) and by_name["overlap"]["met"] is None
     assert any(r["metric"].startswith("ours n=2 G=2") for r in by_name["scaling"]["rows"])
     gpu = by_name["gpu_qwen3_slice"]
     assert gpu["met"] is None

@@ -147,6 +147,26 @@ def run_child(module: str, args: list[str], timeout: float = 900) -> dict:
     return json.loads(lines[-1])
 
 
+def run_cli(args: list[str], nproc: int, timeout: float = 1800) -> None:
+    """``gspo-train args`` on ``nproc`` gloo ranks under ``torch.distributed.run`` (a free local
+    port), one thread each; raises with the tail of its stderr when it fails."""
+    import socket
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           "-m", "gspo_megatron.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=root)
+    if proc.returncode != 0:
+        raise RuntimeError(f"gspo-train {' '.join(args)} failed (rc {proc.returncode}):\n"
+                           f"{proc.stderr[-4000:]}")
+
+
 def run_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> dict:
     """Benchmark ``module``'s ``--child`` with ``spec`` (JSON) in a fresh process, or on ``nproc``
     gloo ranks under ``torch.distributed.run`` (a free local port for the rendezvous); the JSON

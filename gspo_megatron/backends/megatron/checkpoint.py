@@ -209,6 +209,11 @@ class AsyncCheckpointWriter:
             self._queue.async_calls.popleft().async_caller.close(abort=True)
 
 
+RANK_STATE_KEY = "rank"
+"""``TrainingState.extra[RANK_STATE_KEY]``: state that differs per rank (under
+``rollout.placement: separate``, the rollouts in flight), saved as ``rank/rank_XXXXX.pt``."""
+
+
 def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int = 2,
                     before_commit=None, writer: AsyncCheckpointWriter | None = None) -> str:
     """Write model, optimizer, scheduler, RNG and ``state`` for ``state.step`` (collective).
@@ -230,13 +235,15 @@ def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int 
     _barrier()
     gpt = policy.unwrapped()
     model_sd = gpt.sharded_state_dict()
+    extra = dict(state.extra)
+    rank_state = extra.pop(RANK_STATE_KEY, None)  # this rank's own: beside its RNG state
     # A fresh optimizer (no step taken yet) has no Adam state to save; loading then skips it.
     with_optimizer = _optimizer_has_state(policy.optimizer)
     sharded = {
         TRAINING_MODEL_KEY: model_sd,
         "scheduler": policy.scheduler.state_dict(),
         "step": state.step,
-        "extra": state.extra,
+        "extra": extra,
         "has_optimizer_state": with_optimizer,
     }
     if with_optimizer:
@@ -245,6 +252,9 @@ def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int 
     def save_rng() -> None:  # after dist_checkpointing.save: it warns about a non-empty directory
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+        if rank_state is not None:
+            os.makedirs(os.path.join(tmp, RANK_STATE_KEY), exist_ok=True)
+            torch.save(rank_state, os.path.join(tmp, RANK_STATE_KEY, f"rank_{_rank():05d}.pt"))
 
     def commit() -> None:
         if before_commit is not None:
@@ -324,7 +334,11 @@ def _load_one(policy, directory: str) -> TrainingState:
         _set_rng_state(torch.load(rng_path, weights_only=True))
     else:
         logger.warning("%s: no RNG state for rank %d (different world size?)", directory, _rank())
-    return TrainingState(step=int(loaded["step"]), extra=dict(loaded["extra"] or {}))
+    extra = dict(loaded["extra"] or {})
+    rank_path = os.path.join(directory, RANK_STATE_KEY, f"rank_{_rank():05d}.pt")
+    if os.path.isfile(rank_path):  # our own pickle (the rollouts in flight), written by save
+        extra[RANK_STATE_KEY] = torch.load(rank_path, weights_only=False)
+    return TrainingState(step=int(loaded["step"]), extra=extra)
 
 
 # ------------------------------------------------------------------ model weights only

@@ -233,6 +233,18 @@ class MegatronPolicy:
     def load_weights(self, directory: str) -> None:
         ckpt.load_model_weights(self.unwrapped(), directory)
 
+    def export_weights(self):
+        """Every parameter whole, in its dtype, on rank 0 (None elsewhere; collective)."""
+        from gspo_megatron.backends.megatron.weight_sync import gather_full_state
+
+        return gather_full_state(self.unwrapped(), dtype=None)
+
+    def import_weights(self, weights) -> None:
+        """Load :meth:`export_weights`' result (of any layout) into this rank's shards."""
+        from gspo_megatron.backends.megatron.weight_sync import load_full_state
+
+        load_full_state(self.unwrapped(), weights)
+
 
 def build_policy(
     model_cfg: ModelConfig,

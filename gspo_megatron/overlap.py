@@ -1,0 +1,249 @@
+"""Rollouts on their own ranks, ``rollout.max_staleness`` steps ahead of training
+(``rollout.placement: separate``).
+
+One job of ``W`` ranks: the first ``W - R`` train, the last ``R = rollout.ranks`` only roll out.
+Each side has its own ``torch.distributed`` world (Megatron's parallel state sees only its side:
+the trainer's TP/EP/PP/CP/DP layout, the rollout ranks' full replicas), and a gloo *bridge* over
+all ``W`` ranks carries what crosses (:class:`Bridge`)::
+
+    trainer ranks (W - R)                          rollout ranks (R, one per trainer DP rank)
+    ---------------------                          ------------------------------------------
+    start(step, in-flight)  --- start message -->  sampler state, first step
+    publish(version 0)      --- weights v0 ----->  rollout(t) with weights v = max(0, t - k)
+    take(t) <------------- samples of step t ----  (prompts, rollout, reward, advantages)
+    old log-probs, updates of step t
+    publish(version t + 1)  --- weights ------->   ... rollout(t + k + 1)
+    ...                     --- stop ---------->   exits
+
+The lag is fixed, so a run does not depend on timing: rollout ``t`` waits for exactly version
+``t - k`` (it receives no newer one before it samples). ``k = 0`` alternates as the colocated loop
+does and samples the same tokens. The trainer recomputes the old log-probs at its step (decoupled
+PPO: the clip is relative to the policy being updated); ``kl/rollout_vs_train`` then measures the
+staleness and ``rollout_correction`` corrects for it.
+
+Resume is exact: a checkpoint at step ``S`` holds, per trainer rank, the samples already rolled
+out for steps ``S .. S + k - 1`` (received before the save) and the prompt sampler's state after
+them; the resumed trainer hands that state to the rollout ranks, which go on at step ``S + k`` with
+version ``S``.
+
+Nothing here imports Megatron: the trainer's :class:`~gspo_megatron.policy.Policy` exports and
+imports the weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which side this rank is on (``rollout.placement: separate``)."""
+
+    rank: int
+    """This rank in the job (``RANK``)."""
+    world_size: int
+    """Ranks in the job (``WORLD_SIZE``)."""
+    rollout_ranks: int
+    """The last ``rollout_ranks`` ranks roll out."""
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.world_size - self.rollout_ranks
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank >= self.trainer_ranks
+
+    @property
+    def side_rank(self) -> int:
+        """This rank within its side's world."""
+        return self.rank - self.trainer_ranks if self.is_rollout else self.rank
+
+    @property
+    def side_size(self) -> int:
+        return self.rollout_ranks if self.is_rollout else self.trainer_ranks
+
+    def rollout_rank(self, j: int) -> int:
+        """The job rank of rollout rank ``j``."""
+        return self.trainer_ranks + j
+
+
+def start_sides(placement: Placement, timeout_minutes: int = 30) -> "Bridge":
+    """Rendezvous through the launcher's store (``env://``), start this side's own default
+    process group (gloo on CPU, NCCL on CUDA) and the gloo bridge over the job; afterwards
+    ``RANK`` / ``WORLD_SIZE`` name this rank within its side, so everything built next (Megatron's
+    parallel state, the logging rank) sees only its side."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    side = "rollout" if placement.is_rollout else "trainer"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{side}/", store),
+                            rank=placement.side_rank, world_size=placement.side_size,
+                            timeout=timeout)
+    # The rollout ranks wait on the bridge through the trainer's warm-up and checkpoints: a long
+    # timeout (a rank that dies is stopped by the launcher, which kills every worker).
+    bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge/", store), placement.rank,
+                                   placement.world_size, datetime.timedelta(hours=12))
+    os.environ.update(RANK=str(placement.side_rank), WORLD_SIZE=str(placement.side_size))
+    return Bridge(bridge)
+
+
+class Bridge:
+    """Python objects between two ranks of the job over a gloo process group: a pickled message
+    is its length (int64) then its bytes. Sends do not wait for the receiver (each side may send
+    while the other does: the rollout ranks' samples and the trainer's weights cross); their
+    buffers are kept until done."""
+
+    def __init__(self, group):
+        self.group = group
+        self._sends: list = []
+
+    def send(self, obj: Any, dst: int) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                                   dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._sends = [(w, bufs) for w, bufs in self._sends if not w.is_completed()]
+        for buf in (size, payload):
+            self._sends.append((self.group.send([buf], dst, 0), buf))
+
+    def recv(self, src: int) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self.group.recv([size], src, 0).wait()
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self.group.recv([payload], src, 0).wait()
+        return pickle.loads(payload.numpy().tobytes())
+
+    def flush(self) -> None:
+        """Wait until every send is done."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+
+# ----------------------------------------------------------------------------- trainer's end
+
+class RemoteRollouts:
+    """The trainer ranks' end: each step's samples from the rollout rank of this rank's
+    data-parallel rank, the weights out after every optimizer step (from trainer rank 0)."""
+
+    def __init__(self, bridge: Bridge, placement: Placement, dp_rank: int, max_staleness: int,
+                 steps: int):
+        self.bridge, self.placement = bridge, placement
+        self.source = placement.rollout_rank(dp_rank)
+        self.k, self.steps = max_staleness, steps
+        self.received: dict[int, dict] = {}
+        """Messages of the steps received and not yet trained on, by step."""
+        self.sampler_state: Any = None
+        """The prompt sampler's state after the last step received (for a checkpoint)."""
+        self.next_step = 0
+        """The next step the rollout ranks will send."""
+        self.stopped = False
+
+    def start(self, step: int, state: dict | None, dp_ranks: list[int]) -> None:
+        """Tell the rollout ranks where the run is (collective over the trainer ranks, sent by
+        rank 0): training resumes at ``step`` with ``state`` (a checkpoint's :meth:`state`, None
+        for a fresh run); ``dp_ranks``: every trainer rank's data-parallel rank, in rank order
+        (each rollout rank sends to the trainer ranks of its own)."""
+        if state:
+            self.received = dict(state["received"])
+            self.sampler_state = state["sampler"]
+        self.next_step = step + len(self.received)
+        if self.placement.rank == 0:
+            for j in range(self.placement.rollout_ranks):
+                self.bridge.send({"start": self.next_step, "sampler": self.sampler_state,
+                                  "targets": [r for r, d in enumerate(dp_ranks) if d == j]},
+                                 self.placement.rollout_rank(j))
+
+    def publish(self, weights: Any, version: int, stop: bool) -> None:
+        """After the optimizer step that made ``version`` (trainer rank 0 sends; ``weights`` are
+        the policy's export there): the weights, or a stop."""
+        self.stopped = self.stopped or stop
+        if self.placement.rank != 0:
+            return
+        msg = {"version": version, "stop": True} if stop else {"version": version, "stop": False,
+                                                                "weights": weights}
+        for j in range(self.placement.rollout_ranks):
+            self.bridge.send(msg, self.placement.rollout_rank(j))
+
+    def close(self) -> None:
+        """Send the stop if it was not sent (a trainer that fails stops the rollout ranks)."""
+        if not self.stopped:
+            self.publish(None, -1, stop=True)
+        self.bridge.flush()
+
+    def _receive(self, step: int) -> None:
+        while self.next_step <= step:
+            msg = self.bridge.recv(self.source)
+            if msg.get("error"):
+                raise RuntimeError(f"rollout rank {self.source}: {msg['error']}")
+            if msg["step"] != self.next_step:
+                raise RuntimeError(f"rollout rank {self.source} sent step {msg['step']}, expected "
+                                   f"{self.next_step}")
+            self.received[msg["step"]] = msg
+            self.sampler_state = msg["sampler"]
+            self.next_step += 1
+
+    def take(self, step: int) -> dict:
+        """Step ``step``'s message: ``samples`` (a :class:`~gspo_megatron.stages.StepSamples`,
+        or ``skip``: ``(fault, metrics)``), ``version``, ``perf``."""
+        self._receive(step)
+        return self.received.pop(step)
+
+    def state(self, step: int) -> dict:
+        """What a checkpoint at ``step`` keeps of this end: the samples of the steps already
+        being rolled out (``step .. step + k - 1``, received now) and the sampler state after
+        them."""
+        last = min(step + self.k, self.steps) - 1
+        if last >= step:
+            self._receive(last)
+        return {"received": {s: m for s, m in self.received.items() if s >= step},
+                "sampler": self.sampler_state}
+
+
+# ----------------------------------------------------------------------------- rollout's end
+
+def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int], dict],
+                   load_weights: Callable[[Any], None], sampler, max_staleness: int,
+                   steps: int) -> int:
+    """A rollout rank's loop: wait for the start, then for every step ``t`` receive weights up to
+    version ``max(0, t - k)``, ``sample(t)`` (the step's message body) and send it to the trainer
+    ranks of this rollout rank's data-parallel rank; after the last step, drain until the stop.
+    Returns the number of steps rolled out. An error is sent to the trainer ranks (which raise
+    it) before it propagates."""
+    trainer0 = 0
+    start = bridge.recv(trainer0)
+    targets = start["targets"]
+    if start["sampler"] is not None:
+        sampler.load_state_dict(start["sampler"])
+    version, done = -1, 0
+    try:
+        for step in range(start["start"], steps):
+            while version < max(0, step - max_staleness):
+                msg = bridge.recv(trainer0)
+                if msg["stop"]:
+                    return done
+                load_weights(msg["weights"])
+                version = msg["version"]
+            body = sample(step)
+            body.update(step=step, version=version, sampler=sampler.state_dict())
+            for r in targets:
+                bridge.send(body, r)
+            done += 1
+        while not bridge.recv(trainer0)["stop"]:
+            pass
+        return done
+    except Exception as exc:
+        for r in targets:
+            bridge.send({"error": f"{type(exc).__name__}: {exc}"}, r)
+        raise
+    finally:
+        bridge.flush()
