@@ -204,11 +204,11 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
                             vocab_size=tokenizer.vocab_size, **kwargs)
 
     if rollout_rank:
-        actor = policy(total_steps=1, with_optimizer=False)
+        actor = policy(total_steps=1, with_optimizer=False, frozen=True)
     else:
         actor = policy(total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches,
                        routing_cfg=cfg.routing)
-    reference = (policy(total_steps=1, with_optimizer=False)
+    reference = (policy(total_steps=1, with_optimizer=False, frozen=True)
                  if cfg.trainer.reference_model and not rollout_rank else None)
     sampler = PromptSampler(prepared.train, cfg.rollout.prompts_per_step * groups.dp_size,
                             seed=cfg.trainer.seed)

@@ -167,3 +167,29 @@ def test_reduce_metrics_of_one_microbatch_is_the_general_reduction():
                else vals.max() if key.endswith("max") else vals.mean())
         assert repr(fast[key]) == repr(float(ref)), key
     assert list(fast) == sorted(out)
+
+
+def test_a_frozen_policy_keeps_no_gradient_buffer_and_scores_as_the_policy(groups):
+    """``build_policy(frozen=True)`` (the KL reference, a rollout rank's replica) builds Megatron
+    DDP with no fp32 gradient buffer (4 bytes a parameter saved) and, its parameters trainable
+    again afterwards, gives the trained policy's log-probs bitwise on the same weights."""
+    model = model_config_from_preset("tiny")
+    policy = _policy(groups)
+    frozen = build_policy(model, ParallelConfig(), PrecisionConfig(), OptimConfig(), groups,
+                          total_steps=1, with_optimizer=False, frozen=True)
+    ddp, ddp_frozen = policy.model[0], frozen.model[0]
+    n = sum(p.numel() for p in policy.unwrapped().parameters())
+    grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers)
+    assert grad_bytes >= 4 * n and not ddp_frozen.buffers and not ddp_frozen.expert_parallel_buffers
+    assert all(p.requires_grad for p in frozen.unwrapped().parameters())
+    _steps(policy, groups, n=2)  # weights the fresh model does not have
+    frozen.import_weights(policy.export_weights())
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
+            for k in torch.randint(6, 14, (6,), generator=gen)]
+    batch = make_policy_batch(seqs, [3] * 6, pad_id=0)
+    scoring = ScoringConfig(vocab_size=100)
+    with torch.no_grad():
+        a, _ = compute_logprobs(policy.model, batch, 4, scoring, groups)
+        b, _ = compute_logprobs(frozen.model, batch, 4, scoring, groups)
+    assert torch.equal(a, b)

@@ -258,9 +258,13 @@ def build_policy(
     vocab_size: int | None = None,
     routing_cfg: RoutingConfig | None = None,
     max_tokens_per_microbatch: int | None = None,
+    frozen: bool = False,
 ) -> MegatronPolicy:
     """Build this rank's pipeline stage, wrap it in Megatron DDP and attach the optimizer
-    (``routing_cfg``: the RL loop's MoE routing, :attr:`MegatronPolicy.routing`)."""
+    (``routing_cfg``: the RL loop's MoE routing, :attr:`MegatronPolicy.routing`). ``frozen``: a
+    model that is never trained (the KL reference, a rollout rank's replica): DDP is built while
+    its parameters need no gradient, so it keeps no fp32 gradient buffer (4 bytes per parameter);
+    no backward may run through it."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -272,12 +276,18 @@ def build_policy(
         pp_rank=groups.pp_rank, packed=max_tokens_per_microbatch is not None,
     )
     tf_config = gpt.config
+    if frozen:  # no gradient: Megatron DDP then allocates no fp32 gradient buffer for it
+        for p in gpt.parameters():
+            p.requires_grad_(False)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
     )
     ddp = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=gpt)
+    if frozen:  # back on: Megatron's linear layers take another matmul for frozen weights
+        for p in gpt.parameters():  # (ULPs apart), and the replica must score as the policy does
+            p.requires_grad_(True)
     model = [ddp]
     # What Megatron-LM's training loop sets so the schedule can sync and finalise grads.
     tf_config.no_sync_func = ddp.no_sync
