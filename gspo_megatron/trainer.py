@@ -128,8 +128,6 @@ class Trainer:
         stop signal."""
         cfg = self.cfg
         start_step = self._resume_or_init()
-        if self.reference is not None:
-            self.policy.copy_weights_to(self.reference)
         n = cfg.evaluation.num_samples
         shown = ((f"eval/mean@{n}", f"mean@{n}"), (f"eval/pass@{n}", f"pass@{n}")) if n else ()
         metrics_log = MetricsLogger(cfg.logging.run_dir, enabled=self.groups.is_logging_rank,
@@ -145,6 +143,8 @@ class Trainer:
             summary["sft_s"] = watch.elapsed()
             # Reusable as checkpoint.init_weights: RL experiments from the same warm start.
             self.policy.save_weights(os.path.join(cfg.logging.run_dir, "sft_weights"))
+        if self.reference is not None:
+            self._init_reference(start_step)
         if self.task.eval and start_step == 0:
             summary["accuracy_before"] = self.evaluate()
             self.log(f"held-out accuracy before RL: {summary['accuracy_before']:.3f}")
@@ -204,6 +204,19 @@ class Trainer:
         elif self.cfg.checkpoint.init_weights:
             self.policy.load_weights(self.cfg.checkpoint.init_weights)
         return self.step
+
+    def _init_reference(self, start_step: int) -> None:
+        """The KL reference is the policy RL starts from: the weights after the warm-up (or
+        ``init_weights``), saved once as ``<save_dir>/reference_weights`` so that a resumed run
+        loads them instead of copying the policy it resumes."""
+        path = os.path.join(self.save_dir, "reference_weights")
+        if start_step == 0:
+            self.policy.copy_weights_to(self.reference)
+            self.reference.save_weights(path)
+            return
+        resumed = os.path.join(self.load_dir, "reference_weights")
+        # (a checkpoint without them: the backend's CheckpointError names the directory)
+        self.reference.load_weights(resumed if os.path.isdir(resumed) else path)
 
     def save(self) -> float:
         """Checkpoint the current step (once: a second call for the same step does nothing);

@@ -88,6 +88,20 @@ def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path, layou
     assert sa["accuracy_after"] == sb["accuracy_after"]
 
 
+def test_kl_reference_is_the_policy_rl_starts_from_and_resumes(tmp_path):
+    """``trainer.reference_model``: the reference is the policy after the SFT warm-up (one
+    minibatch per step, so step 0 is on-policy and its KL to the reference exactly 0), and a run
+    resumed after its step-2 checkpoint loads that reference (``reference_weights``), not the
+    policy it resumes: every step's KL equals the uninterrupted run's bitwise."""
+    a, b = kill_and_resume(tmp_path, "--trainer.reference_model=true", "--loss.kl_coef=0.05",
+                           "--trainer.num_minibatches=1")
+    kl = [m["kl/ref_k3"] for m in a]
+    assert kl[0] == 0.0 and max(kl) > 0, kl  # (a step whose advantages are all 0 moves nothing)
+    for key in ("kl/ref_k3", "loss/total", "reward/mean", "optim/grad_norm"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    assert (tmp_path / "resumed" / "checkpoints" / "reference_weights").is_dir()
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
 def test_two_process_expert_parallel_run(tmp_path, layout):
