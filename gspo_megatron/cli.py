@@ -280,6 +280,7 @@ def _run(args) -> int:
     from gspo_megatron.config import DEMO_RECIPE
     from gspo_megatron.config.loader import load_config
     from gspo_megatron.faults import FaultInjector
+    from gspo_megatron.overlap import PeerLost
     from gspo_megatron.trainer import NonFiniteError
 
     try:
@@ -305,6 +306,9 @@ def _run(args) -> int:
         summary = trainer.fit()
     except (CheckpointError, NonFiniteError) as exc:
         return _user_error(exc)
+    except PeerLost as exc:  # the other side of rollout.placement: separate died: one line
+        print(f"gspo-train: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()

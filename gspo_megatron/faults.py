@@ -5,7 +5,8 @@
 
 * kill points, the process SIGKILLs itself: ``step_start`` (before the rollout), ``mid_update``
   (after the first optimiser step of the update), ``checkpoint_write`` (checkpoint shards written,
-  not yet renamed into place);
+  not yet renamed into place), ``rollout_sample`` (a rollout rank of ``rollout.placement:
+  separate``, before it samples the step);
 * NaN points, a tensor is replaced by NaNs: ``nan_rewards``, ``nan_advantages``, ``nan_logprobs``
   (old-policy log-probs), ``nan_loss`` (the update's log-probs, so the loss), ``nan_grads`` (one
   reduced gradient, before the optimiser step).
@@ -20,7 +21,7 @@ import signal
 
 import torch
 
-KILL_POINTS = ("step_start", "mid_update", "checkpoint_write")
+KILL_POINTS = ("step_start", "mid_update", "checkpoint_write", "rollout_sample")
 NAN_POINTS = ("nan_rewards", "nan_advantages", "nan_logprobs", "nan_loss", "nan_grads")
 
 

@@ -97,6 +97,20 @@ def start_sides(placement: Placement, timeout_minutes: int = 30) -> "Bridge":
     return Bridge(bridge)
 
 
+class PeerLost(RuntimeError):
+    """The other side of the bridge is gone (its process died, or its node did): raised, with
+    which rank and what this rank was waiting for, instead of gloo's connection error."""
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """gloo's ``[.../pair.cc:537] Read error [127.0.0.1]:1931: Connection reset by peer. This is
+    typically ...`` -> ``Read error [127.0.0.1]:1931: Connection reset by peer``."""
+    text = (str(exc).splitlines() or [type(exc).__name__])[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0].rstrip(".")
+
+
 class Bridge:
     """Python objects between two ranks of the job over a gloo process group: a pickled message
     is its length (int64) then its bytes. Sends do not wait for the receiver (each side may send
@@ -115,18 +129,29 @@ class Bridge:
         for buf in (size, payload):
             self._sends.append((self.group.send([buf], dst, 0), buf))
 
-    def recv(self, src: int) -> Any:
-        size = torch.zeros(1, dtype=torch.int64)
-        self.group.recv([size], src, 0).wait()
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        self.group.recv([payload], src, 0).wait()
+    def recv(self, src: int, waiting_for: str = "a message") -> Any:
+        """The next object from job rank ``src``; :class:`PeerLost` if ``src`` is gone (gloo sees
+        the closed connection at once: a dead peer never leaves this rank waiting)."""
+        try:
+            size = torch.zeros(1, dtype=torch.int64)
+            self.group.recv([size], src, 0).wait()
+            payload = torch.empty(int(size), dtype=torch.uint8)
+            self.group.recv([payload], src, 0).wait()
+        except RuntimeError as exc:
+            raise PeerLost(f"job rank {src} is gone (waiting for {waiting_for}): "
+                           f"{_first_sentence(exc)}") from None
         return pickle.loads(payload.numpy().tobytes())
 
-    def flush(self) -> None:
-        """Wait until every send is done."""
-        for work, _ in self._sends:
-            work.wait()
-        self._sends = []
+    def flush(self, quiet: bool = False) -> None:
+        """Wait until every send is done (``quiet``: a send to a rank that is gone is dropped:
+        the stop sent while failing must not raise over the error being reported)."""
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            try:
+                work.wait()
+            except RuntimeError:
+                if not quiet:
+                    raise
 
 
 # ----------------------------------------------------------------------------- trainer's end
@@ -175,14 +200,19 @@ class RemoteRollouts:
             self.bridge.send(msg, self.placement.rollout_rank(j))
 
     def close(self) -> None:
-        """Send the stop if it was not sent (a trainer that fails stops the rollout ranks)."""
+        """Send the stop if it was not sent (a trainer that fails stops the rollout ranks; those
+        already gone are skipped)."""
         if not self.stopped:
-            self.publish(None, -1, stop=True)
-        self.bridge.flush()
+            try:
+                self.publish(None, -1, stop=True)
+            except RuntimeError:
+                pass
+        self.bridge.flush(quiet=True)
 
     def _receive(self, step: int) -> None:
         while self.next_step <= step:
-            msg = self.bridge.recv(self.source)
+            msg = self.bridge.recv(self.source, f"the samples of step {self.next_step} from "
+                                                f"rollout rank {self.source - self.placement.trainer_ranks}")
             if msg.get("error"):
                 raise RuntimeError(f"rollout rank {self.source}: {msg['error']}")
             if msg["step"] != self.next_step:
@@ -220,7 +250,7 @@ def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int],
     Returns the number of steps rolled out. An error is sent to the trainer ranks (which raise
     it) before it propagates."""
     trainer0 = 0
-    start = bridge.recv(trainer0)
+    start = bridge.recv(trainer0, "the start from trainer rank 0")
     targets = start["targets"]
     if start["sampler"] is not None:
         sampler.load_state_dict(start["sampler"])
@@ -228,7 +258,8 @@ def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int],
     try:
         for step in range(start["start"], steps):
             while version < max(0, step - max_staleness):
-                msg = bridge.recv(trainer0)
+                msg = bridge.recv(trainer0, f"weights version {max(0, step - max_staleness)} "
+                                            f"from trainer rank 0")
                 if msg["stop"]:
                     return done
                 load_weights(msg["weights"])
@@ -238,12 +269,14 @@ def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int],
             for r in targets:
                 bridge.send(body, r)
             done += 1
-        while not bridge.recv(trainer0)["stop"]:
+        while not bridge.recv(trainer0, "the stop from trainer rank 0")["stop"]:
             pass
         return done
+    except PeerLost:  # the trainer is gone: nobody to tell
+        raise
     except Exception as exc:
         for r in targets:
             bridge.send({"error": f"{type(exc).__name__}: {exc}"}, r)
         raise
-    finally:
-        bridge.flush()
+    finally:  # sends to a trainer rank that is gone are dropped: the error above is the news
+        bridge.flush(quiet=True)

@@ -269,6 +269,29 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
     )
 
 
+@dataclass
+class ReplicaPlan:
+    """A rollout rank of ``rollout.placement: separate``: the whole model on one GPU, built frozen
+    (no gradient buffer, no optimizer), and the rollout engine's KV cache."""
+
+    weights: int
+    kv_cache: int
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.kv_cache
+
+
+def plan_rollout_replica(model: ModelConfig, *, bf16: bool = True, seq_length: int | None = None,
+                         kv_cache_bytes: int | None = None,
+                         rollout_requests: int = 0) -> ReplicaPlan:
+    """Memory of a rollout rank (``rollout.placement: separate``): one full replica per rank
+    (Qwen3-30B-A3B in bf16: 57 GiB of weights), its KV cache as :func:`plan_memory` sizes it."""
+    plan = plan_memory(model, Layout(), 1, bf16=bf16, seq_length=seq_length,
+                       kv_cache_bytes=kv_cache_bytes, rollout_requests=rollout_requests)
+    return ReplicaPlan(weights=plan.weights, kv_cache=plan.kv_cache)
+
+
 def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int = 8) -> list[Layout]:
     """Every layout whose sizes divide the model and the GPUs (TP within a node)."""
     powers = [1, 2, 4, 8, 16, 32, 64, 128]

@@ -364,6 +364,7 @@ class Trainer:
         serve_rollouts`): this data-parallel rank's samples, or the skip, and ``perf/*``."""
         seed = self.cfg.trainer.seed + 1000 * step + self.groups.dp_rank
         self.faults.step = step
+        self.faults.maybe_fail("rollout_sample")
         watch = Stopwatch()
         try:
             body: dict = {"samples": self.sample(seed, watch)}

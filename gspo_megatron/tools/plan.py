@@ -37,7 +37,8 @@ import sys
 from gspo_megatron.config.model import MODEL_PRESETS, model_config_from_preset
 from gspo_megatron.params import count_parameters
 from gspo_megatron.planner import (GIB, MAX_RESPONSE_SEARCHED, Layout, longest_response,
-                                   plan_for_response, plan_memory, suggest_layouts)
+                                   plan_for_response, plan_memory, plan_rollout_replica,
+                                   suggest_layouts)
 
 MIB = 1024 ** 2
 
@@ -161,7 +162,8 @@ def from_recipe(args, overrides: list[str]):
                   kv_cache_bytes=(None if r.dynamic_buffer_size_gb is None or r.engine == "static"
                                   else int(r.dynamic_buffer_size_gb * GIB)),
                   rollout_requests=0 if r.engine == "static" else r.max_batch_size,
-                  prompt_length=cfg.data.max_prompt_length)
+                  prompt_length=cfg.data.max_prompt_length,
+                  rollout_ranks=r.ranks if r.placement == "separate" else 0)
     return cfg.model.preset, cfg.model, layout, kwargs
 
 
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plan: {exc}", file=sys.stderr)
             return 2
     prompt_length = kwargs.pop("prompt_length", None)
+    rollout_ranks = kwargs.pop("rollout_ranks", 0)
     if args.prompt_length is not None:
         prompt_length = args.prompt_length
     prompt_length = 1024 if prompt_length is None else prompt_length
@@ -251,6 +254,15 @@ def main(argv: list[str] | None = None) -> int:
         print(layout.tp, layout.pp, layout.ep, layout.etp, layout.cp, flush=True)
         out = sys.stderr
     print(parameter_line(name, model), file=out)
+    gpus = args.gpus - rollout_ranks  # rollout.placement: separate: the trainer's GPUs
+    if rollout_ranks:
+        if gpus < 1:
+            print(f"plan: rollout.ranks={rollout_ranks} with rollout.placement='separate' leaves "
+                  f"no GPU to train on (--gpus {args.gpus})", file=sys.stderr)
+            return 2
+        print(f"rollout.placement separate: {gpus} trainer GPUs (below) + {rollout_ranks} rollout "
+              f"GPUs", file=out)
+        args.gpus = gpus
     if args.suggest:
         plans = suggest_layouts(model, args.gpus, args.gpu_memory, **kwargs)
         if not plans:
@@ -276,6 +288,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory} GiB per GPU",
               file=sys.stderr)
         _print_suggestions(model, args, kwargs)
+        return 3
+    return _rollout_ranks_report(model, plan, rollout_ranks, args, kwargs, out) if rollout_ranks else 0
+
+
+def _rollout_ranks_report(model, plan, rollout_ranks: int, args, kwargs, out) -> int:
+    """``rollout.placement: separate``: one rollout rank per trainer data-parallel rank (2 when
+    not), each a full replica on one GPU that must fit with its KV cache (3 when not)."""
+    if plan.dp != rollout_ranks:
+        print(f"plan: rollout.ranks={rollout_ranks} must equal the trainer's data-parallel size "
+              f"(DP{plan.dp} on {args.gpus} trainer GPUs): rollout rank j samples for trainer "
+              f"DP rank j", file=sys.stderr)
+        return 2
+    replica = plan_rollout_replica(model, bf16=kwargs["bf16"], seq_length=kwargs["seq_length"],
+                                   kv_cache_bytes=kwargs.get("kv_cache_bytes"),
+                                   rollout_requests=kwargs["rollout_requests"])
+    print(f"rollout rank (x{rollout_ranks}, one full replica on 1 GPU, frozen: no gradients, no "
+          f"optimizer)", file=out)
+    for label, value in (("weights", replica.weights), ("rollout KV cache (paged)", replica.kv_cache),
+                         ("rollout peak", replica.peak)):
+        print(f"  {label:32s} {value / GIB:8.2f} GiB", file=out)
+    if replica.peak > args.gpu_memory * GIB:
+        print(f"plan: a rollout rank does not fit: {replica.peak / GIB:.1f} GiB > "
+              f"{args.gpu_memory} GiB per GPU (rollout.placement: separate holds the whole model "
+              f"on each rollout GPU; lower rollout.max_batch_size / dynamic_buffer_size_gb, or "
+              f"use rollout.placement: colocated)", file=sys.stderr)
         return 3
     return 0
 

@@ -173,7 +173,7 @@ echo "rc=$rc"
 # --------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("case", ["unknown_model", "missing_image", "layout_experts", "layout_gpus",
-                                  "layout_in_env", "bad_override"])
+                                  "layout_in_env", "bad_override", "rollout_ranks"])
 def test_bad_input_stops_before_sbatch(fake_slurm, case):
     env, state, _ = fake_slurm
     args = [EP2]
@@ -188,6 +188,9 @@ def test_bad_input_stops_before_sbatch(fake_slurm, case):
         # The old layout variables would be ignored now: refused, with the override to use.
         "layout_in_env": ("TP=4 is not used", "--parallel.tensor_model_parallel_size=4"),
         "bad_override": ("could not read the layout", "parallel.tensor_size: unknown field"),
+        # rollout.placement: separate takes its rollout ranks from the job's GPUs: 2 leave none.
+        "rollout_ranks": ("rollout.ranks=2 with rollout.placement='separate' leaves no GPU to "
+                          "train on (--gpus 2)", "does not work on 2 node(s) x 1 GPUs"),
     }[case]
     if case == "unknown_model":
         env["MODEL"] = "qwen3-999b"
@@ -199,6 +202,8 @@ def test_bad_input_stops_before_sbatch(fake_slurm, case):
         args.append("--parallel.tensor_model_parallel_size=4")
     elif case == "layout_in_env":
         env["TP"] = "4"
+    elif case == "rollout_ranks":
+        args = ["--rollout.placement=separate", "--rollout.ranks=2"]
     else:
         args.append("--parallel.tensor_size=2")
     proc = submit(env, *args, timeout=60)
@@ -225,6 +230,21 @@ def test_dry_run_with_container(fake_slurm, tmp_path):
     assert f"--container-workdir={ROOT}" in proc.stdout
     assert "launch/torchrun_node.sh" in proc.stdout and "--trainer.steps=3" in proc.stdout
     assert "--parallel.expert_model_parallel_size=2" in proc.stdout
+    assert not (state / "sbatch_calls").exists()
+
+
+def test_dry_run_with_rollout_ranks(fake_slurm):
+    """``rollout.placement: separate`` on the 2-node allocation: gspo-plan plans the trainer on
+    the first GPU and a full replica on the last (the job's last ``rollout.ranks`` ranks)."""
+    env, state, _ = fake_slurm
+    proc = submit(env, "--dry-run", "--rollout.placement=separate", "--rollout.ranks=1",
+                  timeout=60)
+    assert proc.returncode == 0, output(proc)
+    assert proc.stderr.count("rollout.placement separate: 1 trainer GPUs (below) + 1 rollout "
+                             "GPUs") == 2, output(proc)
+    assert "layout TP1 PP1 EP1 ETP1 CP1 DP1 on 1 GPUs" in proc.stderr
+    assert "rollout rank (x1, one full replica on 1 GPU" in proc.stderr
+    assert "--rollout.placement=separate" in proc.stdout
     assert not (state / "sbatch_calls").exists()
 
 

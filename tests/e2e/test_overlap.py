@@ -10,6 +10,8 @@ weights of step t - k.
   in flight, is in it) resumes to the uninterrupted run's metrics bitwise.
 """
 
+import time
+
 import pytest
 
 from tests.e2e.test_train_e2e import gspo_train, kill_and_resume, read_metrics
@@ -42,3 +44,19 @@ def test_staleness_1_overlaps_and_resumes_bitwise(tmp_path):
         assert [m[key] for m in a] == [m[key] for m in b], key
     # stale samples, trainer-recomputed old log-probs: the rollout's log-probs differ from them
     assert all(m["kl/rollout_vs_train"] > 1e-9 for m in a[1:])
+
+
+def test_a_rollout_rank_that_dies_stops_the_job(tmp_path):
+    """The rollout rank SIGKILLs itself before sampling step 2: the job ends (the launcher
+    stops the trainer, or the trainer's ``PeerLost`` does: whichever comes first), never hangs,
+    and the steps trained before are logged. (Which side says what: the bridge test.)"""
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = gspo_train(run, "--trainer.steps=4", *SEPARATE, "--rollout.max_staleness=1", nproc=2,
+                      env_extra={"GSPO_FAULT": "rollout_sample:2"}, check=False, timeout=180)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 180
+    if "job rank 1 is gone" in proc.stderr:  # the trainer saw it before the launcher stopped it
+        assert "gspo-train: error: job rank 1 is gone (waiting for the samples of step" \
+            in proc.stderr
+    steps = [m["step"] for m in read_metrics(run / "metrics.jsonl")]
+    assert steps == [0, 1][:len(steps)]  # steps 0 and 1 were sampled before the kill

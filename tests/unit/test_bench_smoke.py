@@ -35,8 +35,9 @@ def _warm_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> 
     return json.loads(lines[-1])
 
 
-def _warm_cli(args: list[str], nproc: int, timeout: float = 1800) -> None:
-    """``common.run_cli`` forked from the warm interpreter (as :func:`_warm_layout`)."""
+def _warm_cli(args: list[str], nproc: int, timeout: float = 1800, bind_cores: bool = False) -> None:
+    """``common.run_cli`` forked from the warm interpreter (as :func:`_warm_layout`; cores not
+    bound: a smoke run checks the code, not timings)."""
     from tests.e2e.test_train_e2e import ROOT, clean_env
     from tests.helpers import warm
 

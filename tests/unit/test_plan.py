@@ -380,3 +380,33 @@ def test_cli_max_response_and_response_table(plan):
     for bad in (["--responses", "8k"], ["--responses", "0"], ["--prompt-length", "0"]):
         p = plan("--gpus", "16", "--config", recipe, "--max-response", *bad)
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_rollout_ranks_of_a_separate_placement(plan):
+    """``rollout.placement: separate``: the trainer is planned on the GPUs left after the rollout
+    ranks, one rollout rank per trainer DP rank, each a frozen full replica (bf16 weights, no
+    gradient or optimizer state) plus its KV cache on one GPU."""
+    recipe = os.path.join(RECIPES, "qwen3_30b_a3b_gspo.yaml")
+    model = model_config_from_preset("qwen3-30b-a3b")
+    separate = ["--rollout.placement=separate", "--rollout.ranks=8"]
+    r = plan("--config", recipe, "--gpus", "24", *separate, "--rollout.max_batch_size=32")
+    assert r.returncode == 0, r.stderr
+    assert "16 trainer GPUs (below) + 8 rollout GPUs" in r.stdout
+    assert "TP2 PP1 EP8 ETP1 CP1 DP8 on 16 GPUs" in r.stdout
+    weights = count_parameters(model).total * 2
+    replica = r.stdout.split("rollout rank (x8")[1]
+    assert f"{'weights':32s} {weights / GIB:8.2f} GiB" in replica  # 56.87
+    kv = float(replica.split("rollout KV cache (paged)")[1].split()[0]) * GIB
+    # 32 requests x 5,120 tokens x 48 layers x K and V of 4 groups x 128 in bf16, in paged blocks
+    assert 1 <= kv / (32 * 5120 * 48 * 4 * 128 * 2 * 2) < 1.01
+    assert f"{'rollout peak':32s} {(weights + kv) / GIB:8.2f} GiB" in replica
+    # the recipe's 64 requests of 5,120 tokens do not fit beside 57 GiB of weights on 80 GiB
+    r = plan("--config", recipe, "--gpus", "24", *separate)
+    assert r.returncode == 3 and "a rollout rank does not fit: 86.9 GiB > 80.0 GiB" in r.stderr
+    # rollout ranks != the trainer's DP, and no GPU left to train
+    r = plan("--config", recipe, "--gpus", "20", "--rollout.placement=separate",
+             "--rollout.ranks=4")
+    assert r.returncode == 2
+    assert "rollout.ranks=4 must equal the trainer's data-parallel size (DP8 on 16" in r.stderr
+    r = plan("--config", recipe, "--gpus", "8", *separate)
+    assert r.returncode == 2 and "leaves no GPU to train on (--gpus 8)" in r.stderr

@@ -147,9 +147,12 @@ def run_child(module: str, args: list[str], timeout: float = 900) -> dict:
     return json.loads(lines[-1])
 
 
-def run_cli(args: list[str], nproc: int, timeout: float = 1800) -> None:
+def run_cli(args: list[str], nproc: int, timeout: float = 1800, bind_cores: bool = False) -> None:
     """``gspo-train args`` on ``nproc`` gloo ranks under ``torch.distributed.run`` (a free local
-    port), one thread each; raises with the tail of its stderr when it fails."""
+    port), one thread each; raises with the tail of its stderr when it fails. ``bind_cores``:
+    local rank r runs on core r only (``taskset``, as a CPU launcher binds ranks; where the
+    machine has the cores and taskset), so two busy ranks never share a core or migrate."""
+    import shutil
     import socket
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
@@ -158,10 +161,15 @@ def run_cli(args: list[str], nproc: int, timeout: float = 1800) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    entry = ["-m", "gspo_megatron.cli", *args]
+    if bind_cores and shutil.which("taskset") and nproc <= (os.cpu_count() or 1):
+        # torchrun --no-python runs the program as given, with LOCAL_RANK in its environment
+        entry = ["--no-python", "bash", "-c", 'exec taskset -c "$LOCAL_RANK" "$0" "$@"',
+                 sys.executable, *entry]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                           "-m", "gspo_megatron.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=root)
+                           *entry], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"gspo-train {' '.join(args)} failed (rc {proc.returncode}):\n"
                            f"{proc.stderr[-4000:]}")
