@@ -84,8 +84,9 @@ def start_sides(placement: Placement, timeout_minutes: int = 30) -> "Bridge":
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     side = "rollout" if placement.is_rollout else "trainer"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if torch.cuda.is_available():  # a node with fewer GPUs than ranks shares them (a trainer
+        # and a rollout rank on one GPU: a small model on a workstation, tools/gpu_check)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, store=dist.PrefixStore(f"{side}/", store),
                             rank=placement.side_rank, world_size=placement.side_size,
                             timeout=timeout)

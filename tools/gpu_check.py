@@ -114,6 +114,13 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
         ("tiny_yarn", [_tiny(w("tiny_yarn"), "--model.position_embedding_type=yarn",
                              "--model.yarn_rotary_scaling_factor=4",
                              "--model.yarn_original_max_position_embeddings=16")], 300),
+        # Rollouts on their own rank (rollout.placement: separate, staleness 1) with R3: the
+        # trainer and the rollout rank share the one GPU (each side a 1-rank NCCL world, the
+        # gloo bridge between them carrying samples and CUDA weights).
+        ("tiny_separate_r3", [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                               "2", *TRAIN[1:], *_tiny(w("tiny_separate_r3"))[len(TRAIN):],
+                               "--routing.replay=r3", "--rollout.placement=separate",
+                               "--rollout.ranks=1", "--rollout.max_staleness=1"]], 300),
         ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
         ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
     ]

@@ -103,7 +103,8 @@ def test_gpu_check_reward_and_comparison(tmp_path):
     assert cmp["differ"] == 1 and cmp["max_abs_diff"] == pytest.approx(0.5)
     names = [n for n, _, _ in stages(str(tmp_path), quick=True)]
     assert names[:2] == ["env", "tiny_dynamic"] and "slice_mfu" in names
-    assert {"tiny_r3", "tiny_r3_bf16_rollout", "tiny_packed", "cp2_cpu", "tiny_yarn"} <= set(names)
+    assert {"tiny_r3", "tiny_r3_bf16_rollout", "tiny_packed", "cp2_cpu", "tiny_yarn",
+            "tiny_separate_r3"} <= set(names)
 
 
 def test_engine_choice():
