@@ -193,8 +193,17 @@ def _plot_band(ax, xs, mean, low, high, label, style):
 
 
 def _styles(arms: list[str]) -> dict[str, dict]:
-    return {arm: {"linestyle": "--" if "stress" in arm else "-", "color": f"C{i}"}
-            for i, arm in enumerate(arms)}
+    """A colour per arm, the staleness arms (``grpo_s1``) in their arm's colour: dashed at
+    staleness 1, dotted beyond; the stress arms dashed."""
+    bases = list(dict.fromkeys(re.sub(r"_s\d+$", "", a) for a in arms))
+
+    def style(arm: str) -> dict:
+        m = re.match(r"^(.+?)_s(\d+)$", arm)
+        base, k = (m[1], int(m[2])) if m else (arm, 0)
+        line = "--" if "stress" in arm or k == 1 else ":" if k > 1 else "-"
+        return {"linestyle": line, "color": f"C{bases.index(base) % 10}"}
+
+    return {arm: style(arm) for arm in arms}
 
 
 def plot_curves(study, arms: list[str], out: str, name: str, title: str, plt) -> str:

@@ -13,6 +13,13 @@ R3), several seeds each, plus a stress setting, on an 8-layer, 32-expert top-4 M
    changes between seeds: the prompt order and the sampled responses;
 3. ``report.py`` -> ``--report`` (Markdown + PNGs with min..max bands over seeds).
 
+Staleness arms: an arm name ending in ``_s<k>`` (``grpo_r3_s4``) runs the arm with rollouts on
+their own rank ``k`` optimizer steps behind (``rollout.placement: separate``, ``rollout.ranks: 1``,
+``rollout.max_staleness: k``: two processes under ``torch.distributed.run --standalone``, the
+trainer recomputing the old log-probs); ``--staleness-study`` runs GSPO / GRPO / GRPO+R2 /
+GRPO+R3 at staleness 0, 1 and 4 into ``runs/routing_study_staleness`` and reports to
+``examples/routing_study/results_staleness``.
+
 ``--setting gpu`` is the larger setting for a lent GPU (16 layers, 64 experts top-8, bf16
 trainer, more steps); it has not run yet (no GPU lent to the session that wrote it).
 """
@@ -24,6 +31,7 @@ import concurrent.futures
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +49,9 @@ ARMS: dict[str, list[str]] = {  # arm: overrides on the recipe (GSPO, eps 3e-4 /
     "grpo_r3": [*GRPO, "--routing.replay=r3"],
     "gspo_r3": ["--routing.replay=r3"],
 }
+STALENESS_ARMS = ["gspo", "grpo", "grpo_r2", "grpo_r3"]
+"""``--staleness-study``: these arms at staleness 0 (colocated), 1 and 4."""
+STALENESS_RE = re.compile(r"^(?P<arm>.+?)_s(?P<k>\d+)$")
 STRESS_LR_FACTOR = 6.0
 """The stress setting: GSPO and GRPO (no replay) at this multiple of the learning rate."""
 
@@ -56,10 +67,13 @@ SETTINGS: dict[str, dict] = {
 }
 
 
-def gspo_train(run_dir: str, overrides: list[str], log) -> float:
-    """One ``gspo-train`` run in a child process (one thread); its wall time in seconds."""
+def gspo_train(run_dir: str, overrides: list[str], log, nproc: int = 1) -> float:
+    """One ``gspo-train`` run in a child process (one thread; ``nproc`` ranks under
+    ``torch.distributed.run --standalone``, a free port each); its wall time in seconds."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "--config", RECIPE,
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                 str(nproc)] if nproc > 1 else [sys.executable])
+    cmd = [*launcher, "-m", "gspo_megatron.cli", "--config", RECIPE,
            f"--logging.run_dir={run_dir}", "--logging.progress=false", *overrides]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -70,6 +84,12 @@ def gspo_train(run_dir: str, overrides: list[str], log) -> float:
         raise RuntimeError(f"{run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     log(f"done {os.path.relpath(run_dir, ROOT)} in {wall:.0f} s")
     return wall
+
+
+def split_arm(name: str) -> tuple[str, int]:
+    """``grpo_r3_s4`` -> ``("grpo_r3", 4)``; an arm without the suffix runs colocated (0)."""
+    m = STALENESS_RE.match(name)
+    return (m["arm"], int(m["k"])) if m else (name, 0)
 
 
 def main(argv=None) -> int:
@@ -83,21 +103,34 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the setting's)")
     ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--jobs", type=int, default=None, help="runs at a time (one thread each)")
+    ap.add_argument("--staleness-study", action="store_true",
+                    help=f"the arms {STALENESS_ARMS} at staleness 0, 1 and 4 (separate output "
+                         f"and report directories unless given)")
     args = ap.parse_args(argv)
+    if args.staleness_study:
+        args.arms = ",".join(f"{a}{sfx}" for sfx in ("", "_s1", "_s4") for a in STALENESS_ARMS)
+        if args.out == ap.get_default("out"):
+            args.out += "_staleness"
+        if args.report == ap.get_default("report"):
+            args.report += "_staleness"
     setting = dict(SETTINGS[args.setting])
     for key in ("steps", "sft_steps", "jobs"):
         if getattr(args, key) is not None:
             setting[key] = getattr(args, key)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else setting["seeds"]
     arms = args.arms.split(",")
-    unknown = [a for a in arms if a.removesuffix("_stress") not in ARMS]
+    unknown = [a for a in arms if split_arm(a)[0].removesuffix("_stress") not in ARMS]
     if unknown:
-        ap.error(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)} (or X_stress)")
+        ap.error(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)} (or X_stress, "
+                 f"X_s<staleness>)")
 
     def arm_overrides(arm: str) -> list[str]:
+        arm, staleness = split_arm(arm)
         base = ARMS[arm.removesuffix("_stress")]
         lr = setting["lr"] * (STRESS_LR_FACTOR if arm.endswith("_stress") else 1.0)
-        return [*base, f"--optim.lr={lr:g}"]
+        placement = (["--rollout.placement=separate", "--rollout.ranks=1",
+                      f"--rollout.max_staleness={staleness}"] if staleness else [])
+        return [*base, f"--optim.lr={lr:g}", *placement]
 
     started = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)  # noqa: E731
@@ -121,7 +154,8 @@ def main(argv=None) -> int:
             run_dir = os.path.join(args.out, arm, f"seed_{seed}")
             os.makedirs(run_dir, exist_ok=True)
             futures[pool.submit(gspo_train, run_dir, [*rl, *arm_overrides(arm),
-                                                      f"--trainer.seed={seed}"], log)] = (arm, seed)
+                                                      f"--trainer.seed={seed}"], log,
+                                2 if split_arm(arm)[1] else 1)] = (arm, seed)
         for future in concurrent.futures.as_completed(futures):
             wall[f"{futures[future][0]}/seed_{futures[future][1]}"] = future.result()
     wall["total"] = time.perf_counter() - started

@@ -95,3 +95,17 @@ def test_report_writes_every_plot(tmp_path):
     assert "| seeds collapsed | 0 | 1 |" in text
     record = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert record["table"]["seeds"] == {"gspo": "3", "grpo": "3"} and record["settings"]["commit"] == "c"
+
+
+def test_staleness_arms_name_their_placement_and_share_their_arm_colour():
+    spec = importlib.util.spec_from_file_location("routing_study_run",
+                                                  ROOT / "examples" / "routing_study" / "run_study.py")
+    run_study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_study)
+    assert run_study.split_arm("grpo_r3_s4") == ("grpo_r3", 4)
+    assert run_study.split_arm("gspo_stress") == ("gspo_stress", 0)
+    assert run_study.split_arm("gspo_s10") == ("gspo", 10)
+    styles = _report_module()._styles(["gspo", "grpo", "gspo_s1", "grpo_s4", "gspo_stress"])
+    assert styles["gspo_s1"]["color"] == styles["gspo"]["color"] != styles["grpo"]["color"]
+    assert [styles[a]["linestyle"] for a in ("gspo", "gspo_s1", "grpo_s4", "gspo_stress")] == \
+        ["-", "--", ":", "--"]
