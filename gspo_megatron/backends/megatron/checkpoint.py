@@ -4,6 +4,8 @@
         iter_0000010/                      one checkpoint: model + optimizer shards, common state
             rng/rank_00000.pt              per-rank RNG states (tensors and ints only)
         latest_checkpointed_iteration.txt  "10", written last
+        reference_weights/                 trainer.reference_model: the policy RL started from
+                                           (model weights only, written at step 0)
 
 Crash safety: a checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed into place only when every
 rank has finished, and the pointer file is replaced atomically after that; a run killed mid-write
