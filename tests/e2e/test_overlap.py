@@ -10,11 +10,12 @@ weights of step t - k.
   in flight, is in it) resumes to the uninterrupted run's metrics bitwise.
 """
 
+import os
 import time
 
 import pytest
 
-from tests.e2e.test_train_e2e import gspo_train, kill_and_resume, read_metrics
+from tests.e2e.test_train_e2e import ROOT, gspo_train, kill_and_resume, read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -60,3 +61,31 @@ def test_a_rollout_rank_that_dies_stops_the_job(tmp_path):
             in proc.stderr
     steps = [m["step"] for m in read_metrics(run / "metrics.jsonl")]
     assert steps == [0, 1][:len(steps)]  # steps 0 and 1 were sampled before the kill
+
+
+def test_staleness_0_with_dynamic_sampling_and_evaluation_is_the_colocated_run(tmp_path):
+    """DAPO's dynamic sampling (the rollout rank redraws tied groups: its own collectives), the
+    overlong penalty, a user reward in worker processes (``reward.num_workers``; the built-in
+    exact match would run inline) and the sampled evaluation (the trainer's engine) under
+    ``placement: separate`` at staleness 0: every logged value but timings equals the colocated
+    run's."""
+    (tmp_path / "plain_reward.py").write_text(
+        "def score(response, answer, example=None):\n"
+        "    return 1.0 if response.strip() == answer else 0.0\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    features = ["--trainer.steps=3", "--dynamic_sampling.enabled=true",
+                "--dynamic_sampling.max_extra_batches=2", "--overlong.mask_truncated=true",
+                "--overlong.buffer_tokens=1", "--evaluation.num_samples=4",
+                "--evaluation.temperature=1.0", "--trainer.eval_interval=2",
+                "--reward.fn=plain_reward:score", "--reward.num_workers=2"]
+    gspo_train(tmp_path / "colocated", *features, env_extra=env)
+    gspo_train(tmp_path / "separate", *features, *SEPARATE, "--rollout.max_staleness=0", nproc=2,
+               env_extra=env)
+    a = read_metrics(tmp_path / "colocated" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "separate" / "metrics.jsonl")
+    assert sum(m["sampling/rollout_batches"] for m in a) > 3  # tied groups were redrawn
+    assert "eval/pass@4" in a[1] and all(m["reward/errors"] == 0 for m in a)
+    assert max(m["reward/std"] for m in a) > 0  # the user reward scored (with the penalty)
+    for x, y in zip(a, b, strict=True):
+        keys = [k for k in x if not k.startswith("perf/") and k != "time"]
+        assert {k: y.get(k) for k in keys} == {k: x[k] for k in keys}

@@ -38,7 +38,8 @@ def clean_env(extra=None) -> dict:
     """The test's environment without any torch.distributed rendezvous variables."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled", **(extra or {}))
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.update(extra or {})  # (may replace the three above, PYTHONPATH included)
     return env
 
 
