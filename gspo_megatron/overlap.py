@@ -122,13 +122,15 @@ class Bridge:
         self.group = group
         self._sends: list = []
 
-    def send(self, obj: Any, dst: int) -> None:
+    def send(self, obj: Any, *dsts: int) -> None:
+        """``obj`` to each of the job ranks ``dsts``, pickled once."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                    dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         self._sends = [(w, bufs) for w, bufs in self._sends if not w.is_completed()]
-        for buf in (size, payload):
-            self._sends.append((self.group.send([buf], dst, 0), buf))
+        for dst in dsts:
+            for buf in (size, payload):
+                self._sends.append((self.group.send([buf], dst, 0), buf))
 
     def recv(self, src: int, waiting_for: str = "a message") -> Any:
         """The next object from job rank ``src``; :class:`PeerLost` if ``src`` is gone (gloo sees
@@ -163,7 +165,7 @@ class RemoteRollouts:
 
     def __init__(self, bridge: Bridge, placement: Placement, dp_rank: int, max_staleness: int,
                  steps: int):
-        self.bridge, self.placement = bridge, placement
+        self.bridge, self.placement, self.dp_rank = bridge, placement, dp_rank
         self.source = placement.rollout_rank(dp_rank)
         self.k, self.steps = max_staleness, steps
         self.received: dict[int, dict] = {}
@@ -197,8 +199,8 @@ class RemoteRollouts:
             return
         msg = {"version": version, "stop": True} if stop else {"version": version, "stop": False,
                                                                 "weights": weights}
-        for j in range(self.placement.rollout_ranks):
-            self.bridge.send(msg, self.placement.rollout_rank(j))
+        self.bridge.send(msg, *map(self.placement.rollout_rank,
+                                   range(self.placement.rollout_ranks)))
 
     def close(self) -> None:
         """Send the stop if it was not sent (a trainer that fails stops the rollout ranks; those
@@ -213,12 +215,12 @@ class RemoteRollouts:
     def _receive(self, step: int) -> None:
         while self.next_step <= step:
             msg = self.bridge.recv(self.source, f"the samples of step {self.next_step} from "
-                                                f"rollout rank {self.source - self.placement.trainer_ranks}")
+                                                f"rollout rank {self.dp_rank}")
             if msg.get("error"):
-                raise RuntimeError(f"rollout rank {self.source}: {msg['error']}")
+                raise RuntimeError(f"rollout rank {self.dp_rank}: {msg['error']}")
             if msg["step"] != self.next_step:
-                raise RuntimeError(f"rollout rank {self.source} sent step {msg['step']}, expected "
-                                   f"{self.next_step}")
+                raise RuntimeError(f"rollout rank {self.dp_rank} sent step {msg['step']}, "
+                                   f"expected {self.next_step}")
             self.received[msg["step"]] = msg
             self.sampler_state = msg["sampler"]
             self.next_step += 1
@@ -267,8 +269,7 @@ def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int],
                 version = msg["version"]
             body = sample(step)
             body.update(step=step, version=version, sampler=sampler.state_dict())
-            for r in targets:
-                bridge.send(body, r)
+            bridge.send(body, *targets)
             done += 1
         while not bridge.recv(trainer0, "the stop from trainer rank 0")["stop"]:
             pass
@@ -276,8 +277,7 @@ def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int],
     except PeerLost:  # the trainer is gone: nobody to tell
         raise
     except Exception as exc:
-        for r in targets:
-            bridge.send({"error": f"{type(exc).__name__}: {exc}"}, r)
+        bridge.send({"error": f"{type(exc).__name__}: {exc}"}, *targets)
         raise
     finally:  # sends to a trainer rank that is gone are dropped: the error above is the news
         bridge.flush(quiet=True)

@@ -28,6 +28,10 @@ import torch
 
 from gspo_megatron.layout import ContextShard, PackedRows, TokenLayout
 
+RANK_STATE_KEY = "rank"
+"""A checkpoint's ``extra[RANK_STATE_KEY]``: state that differs per rank (under
+``rollout.placement: separate``, the rollouts in flight); the backend saves it per rank."""
+
 
 @dataclass
 class PolicyBatch:

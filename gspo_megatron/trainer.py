@@ -29,7 +29,8 @@ from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gat
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
 from gspo_megatron.overlap import RemoteRollouts
-from gspo_megatron.policy import Generator, Policy, PolicyBatch, make_policy_batch
+from gspo_megatron.policy import (RANK_STATE_KEY, Generator, Policy, PolicyBatch,
+                                  make_policy_batch)
 from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, balance_stage,
                                   batch_stage, overlong_stage, response_metrics, reward_stage,
                                   rollout_stage, sft_stage, update_stage)
@@ -199,7 +200,7 @@ class Trainer:
         if self.policy.has_checkpoint(self.load_dir):
             self.step, extra = self.policy.load_checkpoint(self.load_dir)
             self.task.sampler.load_state_dict(extra["sampler"])
-            self._rank_state = extra.get("rank")
+            self._rank_state = extra.get(RANK_STATE_KEY)
             self.log(f"resumed from {self.load_dir} at step {self.step}")
         elif self.cfg.checkpoint.init_weights:
             self.policy.load_weights(self.cfg.checkpoint.init_weights)
@@ -227,7 +228,7 @@ class Trainer:
         watch = Stopwatch()
         extra = {"sampler": self.task.sampler.state_dict()}
         if self.rollouts is not None:  # the rollouts in flight (received now), per rank
-            extra["rank"] = self.rollouts.state(self.step)
+            extra[RANK_STATE_KEY] = self.rollouts.state(self.step)
         self.policy.save_checkpoint(self.save_dir, self.step, extra,
                                     keep_last=self.cfg.checkpoint.keep_last,
                                     before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s),
@@ -249,7 +250,7 @@ class Trainer:
     # -- the loop body, top to bottom
     def rl_step(self) -> dict[str, float]:
         cfg, g, faults = self.cfg, self.groups, self.faults
-        seed = cfg.trainer.seed + 1000 * self.step + g.dp_rank
+        seed = self._sampling_seed(self.step)
         faults.step = self.step
         faults.maybe_fail("step_start")
         watch = Stopwatch()
@@ -308,6 +309,11 @@ class Trainer:
                    **device_memory_metrics(), **response_metrics(samples, g)}
         return gather_on_logging_rank(metrics, g)
 
+    def _sampling_seed(self, step: int) -> int:
+        """The seed of step ``step``'s rollouts on this data-parallel rank (the same whichever
+        rank samples them: colocated, or a rollout rank of ``placement: separate``)."""
+        return self.cfg.trainer.seed + 1000 * step + self.groups.dp_rank
+
     # -- rollouts on their own ranks (rollout.placement: separate)
     def start_rollouts(self) -> None:
         """Tell the rollout ranks where training starts (with what was in flight at the
@@ -362,7 +368,7 @@ class Trainer:
     def remote_sample(self, step: int) -> dict:
         """A rollout rank's body of step ``step``'s message (:func:`~gspo_megatron.overlap.
         serve_rollouts`): this data-parallel rank's samples, or the skip, and ``perf/*``."""
-        seed = self.cfg.trainer.seed + 1000 * step + self.groups.dp_rank
+        seed = self._sampling_seed(step)
         self.faults.step = step
         self.faults.maybe_fail("rollout_sample")
         watch = Stopwatch()

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.policy import RANK_STATE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -209,11 +210,6 @@ class AsyncCheckpointWriter:
         megatron-core 0.16, so each active call's writer is killed here.)"""
         while self._queue.async_calls:
             self._queue.async_calls.popleft().async_caller.close(abort=True)
-
-
-RANK_STATE_KEY = "rank"
-"""``TrainingState.extra[RANK_STATE_KEY]``: state that differs per rank (under
-``rollout.placement: separate``, the rollouts in flight), saved as ``rank/rank_XXXXX.pt``."""
 
 
 def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int = 2,

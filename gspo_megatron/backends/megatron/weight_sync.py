@@ -44,8 +44,7 @@ def gather_full_state(gpt_model, dtype: torch.dtype | None = torch.float32
     for t in _shards(gpt_model):
         if is_main_replica(t.replica_id):
             data = t.data.detach().to("cpu", dtype or t.data.dtype, copy=True)
-            pieces.append((t.key, tuple(t.global_shape), tuple(t.global_offset),
-                           t.prepend_axis_num, data))
+            pieces.append((t.key, tuple(t.global_shape), *_window(t), data))
     gathered = [pieces]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
@@ -53,10 +52,9 @@ def gather_full_state(gpt_model, dtype: torch.dtype | None = torch.float32
         if dist.get_rank() != 0:
             return None
     full: dict[str, torch.Tensor] = {}
-    for key, shape, offset, prepend, data in (p for rank in gathered for p in rank):
+    for key, shape, window, local, data in (p for rank in gathered for p in rank):
         out = full.setdefault(key, torch.zeros(shape, dtype=data.dtype))
-        local = (1,) * prepend + tuple(data.shape)
-        out[tuple(slice(o, o + n) for o, n in zip(offset, local))] = data.reshape(local)
+        out[window] = data.reshape(local)
     return full
 
 
