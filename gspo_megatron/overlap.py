@@ -10,6 +10,7 @@ all ``W`` ranks carries what crosses (:class:`Bridge`)::
     ---------------------                          ------------------------------------------
     start(step, in-flight)  --- start message -->  sampler state, first step
     publish(version 0)      --- weights v0 ----->  rollout(t) with weights v = max(0, t - k)
+                            (layout on the bridge, tensors broadcast on the weight channel)
     take(t) <------------- samples of step t ----  (prompts, rollout, reward, advantages)
     old log-probs, updates of step t
     publish(version t + 1)  --- weights ------->   ... rollout(t + k + 1)
@@ -77,9 +78,10 @@ class Placement:
 
 def start_sides(placement: Placement, timeout_minutes: int = 30) -> "Bridge":
     """Rendezvous through the launcher's store (``env://``), start this side's own default
-    process group (gloo on CPU, NCCL on CUDA) and the gloo bridge over the job; afterwards
-    ``RANK`` / ``WORLD_SIZE`` name this rank within its side, so everything built next (Megatron's
-    parallel state, the logging rank) sees only its side."""
+    process group (gloo on CPU, NCCL on CUDA), the gloo bridge over the job and the weight
+    channel (trainer rank 0 and the rollout ranks); afterwards ``RANK`` / ``WORLD_SIZE`` name
+    this rank within its side, so everything built next (Megatron's parallel state, the logging
+    rank) sees only its side."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     side = "rollout" if placement.is_rollout else "trainer"
@@ -92,10 +94,16 @@ def start_sides(placement: Placement, timeout_minutes: int = 30) -> "Bridge":
                             timeout=timeout)
     # The rollout ranks wait on the bridge through the trainer's warm-up and checkpoints: a long
     # timeout (a rank that dies is stopped by the launcher, which kills every worker).
+    long_wait = datetime.timedelta(hours=12)
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge/", store), placement.rank,
-                                   placement.world_size, datetime.timedelta(hours=12))
+                                   placement.world_size, long_wait)
+    channel = None
+    members = [0, *map(placement.rollout_rank, range(placement.rollout_ranks))]
+    if placement.rank in members:
+        channel = WeightChannel.connect(dist.PrefixStore("weights/", store),
+                                        members.index(placement.rank), len(members), long_wait)
     os.environ.update(RANK=str(placement.side_rank), WORLD_SIZE=str(placement.side_size))
-    return Bridge(bridge)
+    return Bridge(bridge, channel)
 
 
 class PeerLost(RuntimeError):
@@ -116,10 +124,12 @@ class Bridge:
     """Python objects between two ranks of the job over a gloo process group: a pickled message
     is its length (int64) then its bytes. Sends do not wait for the receiver (each side may send
     while the other does: the rollout ranks' samples and the trainer's weights cross); their
-    buffers are kept until done."""
+    buffers are kept until done. ``weights``: this rank's end of the weight channel (trainer
+    rank 0 and the rollout ranks; None on the other trainer ranks)."""
 
-    def __init__(self, group):
+    def __init__(self, group, weights: "WeightChannel | None" = None):
         self.group = group
+        self.weights = weights
         self._sends: list = []
 
     def send(self, obj: Any, *dsts: int) -> None:
@@ -149,12 +159,75 @@ class Bridge:
         """Wait until every send is done (``quiet``: a send to a rank that is gone is dropped:
         the stop sent while failing must not raise over the error being reported)."""
         sends, self._sends = self._sends, []
+        if self.weights is not None:
+            sends += self.weights.take_sends()
         for work, _ in sends:
             try:
                 work.wait()
             except RuntimeError:
                 if not quiet:
                     raise
+
+
+class WeightChannel:
+    """The weights from trainer rank 0 to every rollout rank: a ``torch.distributed`` broadcast
+    of each flat buffer of a :class:`~gspo_megatron.policy.FlatWeights` over a process group of
+    exactly those ranks (group rank 0 = trainer rank 0): gloo on CPU, NCCL where each rank has a
+    GPU of its own (gloo from host memory where ranks share one). The bridge carries the layout
+    (keys, shapes, dtypes) and the version; the tensors are never pickled, and the receiving
+    buffers are allocated once. The sender does not wait: the broadcast goes on in the process
+    group's thread while the trainer trains the next step."""
+
+    def __init__(self, group, group_rank: int, device: torch.device):
+        self.group, self.group_rank, self.device = group, group_rank, device
+        self._sends: list = []
+        self._inbox = None  # the receiving buffers (their layout is the same every step)
+
+    @classmethod
+    def connect(cls, store, group_rank: int, group_size: int,
+                timeout: datetime.timedelta) -> "WeightChannel":
+        own_gpus = (torch.cuda.is_available() and torch.cuda.device_count()
+                    >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if own_gpus:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, group_rank, group_size, options)
+            return cls(group, group_rank, torch.device("cuda", torch.cuda.current_device()))
+        return cls(dist.ProcessGroupGloo(store, group_rank, group_size, timeout), group_rank,
+                   torch.device("cpu"))
+
+    def _broadcast(self, buf: torch.Tensor):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self.group.broadcast([buf], opts)
+
+    def send(self, weights) -> None:
+        """Broadcast ``weights``' buffers (group rank 0 only); returns at once."""
+        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
+        for dtype in sorted(weights.buffers):
+            buf = weights.buffers[dtype].to(self.device)
+            self._sends.append((self._broadcast(buf), buf))
+
+    def receive(self, layout, src_rank: int, version: int) -> Any:
+        """The weights of ``layout`` (a :class:`~gspo_megatron.policy.FlatWeights` in buffers
+        this channel reuses: load them before the next receive). :class:`PeerLost` if the
+        sender (job rank ``src_rank``) is gone."""
+        from gspo_megatron.policy import FlatWeights
+
+        if self._inbox is None or self._inbox.layout != list(layout):
+            self._inbox = FlatWeights.empty(layout, self.device)
+        try:
+            for dtype in sorted(self._inbox.buffers):
+                self._broadcast(self._inbox.buffers[dtype]).wait()
+        except RuntimeError as exc:
+            raise PeerLost(f"job rank {src_rank} is gone (waiting for weights version {version}'s "
+                           f"tensors): {_first_sentence(exc)}") from None
+        return self._inbox
+
+    def take_sends(self) -> list:
+        """The broadcasts not yet waited for (for :meth:`Bridge.flush`)."""
+        sends, self._sends = self._sends, []
+        return sends
 
 
 # ----------------------------------------------------------------------------- trainer's end
@@ -193,14 +266,18 @@ class RemoteRollouts:
 
     def publish(self, weights: Any, version: int, stop: bool) -> None:
         """After the optimizer step that made ``version`` (trainer rank 0 sends; ``weights`` are
-        the policy's export there): the weights, or a stop."""
+        the policy's export there, a :class:`~gspo_megatron.policy.FlatWeights`): the layout and
+        version over the bridge, the buffers over the weight channel; or a stop."""
         self.stopped = self.stopped or stop
         if self.placement.rank != 0:
             return
-        msg = {"version": version, "stop": True} if stop else {"version": version, "stop": False,
-                                                                "weights": weights}
+        msg = {"version": version, "stop": stop}
+        if not stop:
+            msg["layout"] = weights.layout
         self.bridge.send(msg, *map(self.placement.rollout_rank,
                                    range(self.placement.rollout_ranks)))
+        if not stop:
+            self.bridge.weights.send(weights)
 
     def close(self) -> None:
         """Send the stop if it was not sent (a trainer that fails stops the rollout ranks; those
@@ -265,14 +342,15 @@ def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int],
                                             f"from trainer rank 0")
                 if msg["stop"]:
                     return done
-                load_weights(msg["weights"])
+                load_weights(bridge.weights.receive(msg["layout"], trainer0, msg["version"]))
                 version = msg["version"]
             body = sample(step)
             body.update(step=step, version=version, sampler=sampler.state_dict())
             bridge.send(body, *targets)
             done += 1
-        while not bridge.recv(trainer0, "the stop from trainer rank 0")["stop"]:
-            pass
+        while not (msg := bridge.recv(trainer0, "the stop from trainer rank 0"))["stop"]:
+            bridge.weights.receive(msg["layout"], trainer0, msg["version"])  # versions no rollout needs: the
+            # trainer's broadcasts complete only once received
         return done
     except PeerLost:  # the trainer is gone: nobody to tell
         raise

@@ -232,6 +232,13 @@ def _routing_errors(cfg: TrainConfig) -> list[str]:
             warnings.warn("routing.replay='r2' with trainer.old_logprobs='rollout': the replayed "
                           "routes come from the trainer's recompute pass while pi_old comes from "
                           "the rollout engine", ConfigWarning, stacklevel=_WARN_LEVEL)
+        ro = cfg.rollout
+        if rt.replay == "r3" and ro.placement == "separate" and ro.max_staleness > 0:
+            warnings.warn(f"routing.replay='r3' with rollout.max_staleness={ro.max_staleness}: "
+                          "the replayed routes are those of the rollout's weights, up to "
+                          f"{ro.max_staleness} optimizer steps older than the policy being "
+                          "trained (docs/routing.md, staleness arms); routing.replay='r2' "
+                          "replays the trainer's own", ConfigWarning, stacklevel=_WARN_LEVEL)
     return errors
 
 

@@ -1,8 +1,9 @@
 """The bridge of ``rollout.placement: separate`` (:mod:`gspo_megatron.overlap`) on 2 gloo
 processes, with no model: one trainer rank, one rollout rank.
 
-* the protocol: the rollout of step ``t`` samples with weights version ``max(0, t - k)`` and the
-  trainer takes every step in order, for ``k`` = 0, 1 and 3;
+* the protocol: the rollout of step ``t`` samples with weights version ``max(0, t - k)`` (the
+  weight channel's broadcast of two dtypes' buffers, read whole) and the trainer takes every step
+  in order, for ``k`` = 0, 1 and 3;
 * a side that dies never leaves the other waiting: a rollout rank killed before it samples step 2
   makes the trainer's ``take`` raise :class:`~gspo_megatron.overlap.PeerLost` naming the rank and
   what was awaited, within seconds, and a trainer that dies makes the rollout rank raise it
@@ -15,6 +16,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from tests.helpers.dist import free_port
@@ -37,6 +39,21 @@ class _Sampler:
         self.n = state["n"]
 
 
+def _weights(version: int):
+    """Weights of two dtypes whose every value is ``version``."""
+    from gspo_megatron.policy import FlatWeights
+
+    return FlatWeights.of({"b": torch.full((2, 3), version, dtype=torch.bfloat16),
+                           "a": torch.full((5,), version, dtype=torch.float32),
+                           "c": torch.full((4, 1), version, dtype=torch.float32)})
+
+
+def _version(weights) -> int:
+    """The version every tensor of ``weights`` holds (-1 if they disagree)."""
+    values = {int(v) for t in weights.tensors().values() for v in t.flatten().tolist()}
+    return values.pop() if len(values) == 1 else -1
+
+
 def _side(rank: int, port: int, k: int, die: str, queue) -> None:
     from gspo_megatron.overlap import PeerLost, Placement, RemoteRollouts, serve_rollouts, start_sides
 
@@ -54,12 +71,16 @@ def _side(rank: int, port: int, k: int, die: str, queue) -> None:
                 sampler.n += 1
                 return {"samples": {"step": step, "weights": loaded[-1]}, "perf": {}}
 
-            done = serve_rollouts(bridge, placement, sample, loaded.append, sampler, k, STEPS)
+            def load(weights):  # the channel reuses its buffers: read them now
+                assert [key for key, _, _ in weights.layout] == ["a", "b", "c"]
+                loaded.append(_version(weights))
+
+            done = serve_rollouts(bridge, placement, sample, load, sampler, k, STEPS)
             queue.put((rank, "ok", done))
             return
         rollouts = RemoteRollouts(bridge, placement, dp_rank=0, max_staleness=k, steps=STEPS)
         rollouts.start(0, None, [0])
-        rollouts.publish({"version": 0}, 0, stop=False)
+        rollouts.publish(_weights(0), 0, stop=False)
         seen = []
         for step in range(STEPS):
             if die == "trainer" and step == 2:
@@ -71,9 +92,9 @@ def _side(rank: int, port: int, k: int, die: str, queue) -> None:
                 queue.put((rank, "lost", (str(exc), time.monotonic() - t0)))
                 rollouts.close()
                 return
-            seen.append((msg["step"], msg["version"], msg["samples"]["weights"]["version"],
+            seen.append((msg["step"], msg["version"], msg["samples"]["weights"],
                          msg["sampler"]["n"]))
-            rollouts.publish({"version": step + 1}, step + 1, stop=step + 1 == STEPS)
+            rollouts.publish(_weights(step + 1), step + 1, stop=step + 1 == STEPS)
         rollouts.close()
         queue.put((rank, "ok", seen))
     except PeerLost as exc:
@@ -126,4 +147,5 @@ def test_a_trainer_that_dies_stops_the_rollout_rank():
     out = _run(1, die="trainer")
     status, (message, _) = out[1]
     assert status == "lost"
+    # the trainer may die before or after it sent a version's layout, not its tensors
     assert message.startswith("job rank 0 is gone (waiting for weights version"), message

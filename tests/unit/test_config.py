@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -635,6 +636,15 @@ def test_data_file_exists_check(tmp_path: Path) -> None:
     validate_config(cfg, check_paths=False)
     missing.write_text("{}\n")
     validate_config(cfg)
+
+
+def test_r3_with_stale_rollouts_warns() -> None:
+    separate = ("--rollout.placement=separate", "--rollout.ranks=1", "--routing.replay=r3")
+    with pytest.warns(ConfigWarning, match="max_staleness=1: the replayed routes"):
+        validate_config(demo(*separate), world_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        validate_config(demo(*separate, "--rollout.max_staleness=0"), world_size=2)
 
 
 def test_reference_model_without_kl_warns() -> None:

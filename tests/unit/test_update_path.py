@@ -184,6 +184,13 @@ def test_a_frozen_policy_keeps_no_gradient_buffer_and_scores_as_the_policy(group
     assert all(p.requires_grad for p in frozen.unwrapped().parameters())
     _steps(policy, groups, n=2)  # weights the fresh model does not have
     frozen.import_weights(policy.export_weights())
+    # the shard index is built once per model and rebuilt when a parameter's storage moves
+    shards = frozen._weight_shards()
+    assert frozen._weight_shards() is shards
+    param = next(frozen.unwrapped().parameters())
+    param.data = param.data.clone()
+    assert frozen._weight_shards() is not shards
+    frozen.import_weights(policy.export_weights())
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
             for k in torch.randint(6, 14, (6,), generator=gen)]

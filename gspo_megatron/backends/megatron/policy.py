@@ -26,7 +26,7 @@ from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
 from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                                   RoutingConfig)
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
-from gspo_megatron.policy import PolicyBatch
+from gspo_megatron.policy import FlatWeights, PolicyBatch
 
 
 class MegatronPolicy:
@@ -60,6 +60,7 @@ class MegatronPolicy:
         section), or None when the run neither replays nor diagnoses routes."""
         self._model_routing = None
         self._checkpoint_writer: ckpt.AsyncCheckpointWriter | None = None
+        self._shard_index = None
 
     def unwrapped(self):
         """The ``GPTModel`` inside DDP (single chunk: no virtual pipeline)."""
@@ -233,17 +234,26 @@ class MegatronPolicy:
     def load_weights(self, directory: str) -> None:
         ckpt.load_model_weights(self.unwrapped(), directory)
 
-    def export_weights(self):
-        """Every parameter whole, in its dtype, on rank 0 (None elsewhere; collective)."""
-        from gspo_megatron.backends.megatron.weight_sync import gather_full_state
+    def export_weights(self) -> FlatWeights | None:
+        """Every parameter whole, in its dtype, as flat buffers on rank 0 (None elsewhere;
+        collective)."""
+        from gspo_megatron.backends.megatron.weight_sync import gather_flat_state
 
-        return gather_full_state(self.unwrapped(), dtype=None)
+        return gather_flat_state(self._weight_shards())
 
-    def import_weights(self, weights) -> None:
+    def import_weights(self, weights: FlatWeights) -> None:
         """Load :meth:`export_weights`' result (of any layout) into this rank's shards."""
         from gspo_megatron.backends.megatron.weight_sync import load_full_state
 
-        load_full_state(self.unwrapped(), weights)
+        load_full_state(self._weight_shards(), weights.tensors())
+
+    def _weight_shards(self) -> list:
+        """This rank's shards of the model, indexed once (:class:`weight_sync.ShardIndex`)."""
+        if self._shard_index is None:
+            from gspo_megatron.backends.megatron.weight_sync import ShardIndex
+
+            self._shard_index = ShardIndex(self.unwrapped())
+        return self._shard_index()
 
 
 def build_policy(
