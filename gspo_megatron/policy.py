@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 
@@ -199,15 +199,59 @@ class RolloutSample:
     """Generated tokens, including the EOS token when one was produced; no padding."""
     response_logprobs: list[float]
     """``log softmax(logits[:V] / T)`` of each response token (before top-k/top-p truncation)."""
-    finish_reason: Literal["eos", "length"]
+    finish_reason: Literal["eos", "length", "aborted"]
+    """``aborted``: a partial rollout stopped it unfinished (:class:`GroupStop`); it goes on in
+    a later rollout (:mod:`gspo_megatron.partial_rollouts`)."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GroupStop:
+    """When a partial rollout stops (APRIL; slime's partial rollouts): once ``need`` groups of
+    responses are complete, the requests still running are aborted and returned unfinished.
+
+    ``group_of[i]``: the group of request ``i`` of the call; a group is complete when every one
+    of its requests in the call has finished (its other members finished in earlier calls).
+    ``refill(running)``: asked after every engine step with the number of requests still
+    running, returns new requests ``(prompt ids, budget, group)`` to add to the call (fresh
+    groups, so that the engine keeps a batch's worth of requests running); None: no refill."""
+
+    group_of: list[int]
+    need: int
+    refill: Callable[[int], list[tuple[list[int], int, int]]] | None = None
+
+    def __post_init__(self):
+        self.pending: dict[int, int] = {}
+        for g in self.group_of:
+            self.pending[g] = self.pending.get(g, 0) + 1
+        self.complete = 0
+
+    def add(self, group: int) -> int:
+        """A request of ``group`` joins the call; returns its index."""
+        self.group_of.append(group)
+        self.pending[group] = self.pending.get(group, 0) + 1
+        return len(self.group_of) - 1
+
+    def finished(self, i: int) -> None:
+        """Request ``i`` of the call finished."""
+        g = self.group_of[i]
+        self.pending[g] -= 1
+        self.complete += self.pending[g] == 0
+
+    @property
+    def done(self) -> bool:
+        return self.complete >= self.need
 
 
 class Generator(Protocol):
     """Samples responses from the live policy (the rollout engine)."""
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[RolloutSample]:
-        """One response per entry of ``prompts`` (token ids), in order."""
+    def generate(self, prompts: list[list[int]], seed: int, budgets: list[int] | None = None,
+                 stop: GroupStop | None = None) -> list[RolloutSample]:
+        """One response per entry of ``prompts`` (token ids), in order, then one per request
+        ``stop.refill`` added. ``budgets``: each request's new-token budget (default
+        ``rollout.max_new_tokens``); ``stop``: end early once enough groups are complete, the
+        unfinished responses ``aborted``."""
 
     def with_sampling(self, config) -> "Generator":
         """The same engine (model, KV cache) sampling with another ``RolloutConfig``'s

@@ -32,12 +32,16 @@ def all_finite(tensor: torch.Tensor | None, mask: torch.Tensor | None = None) ->
 
 # ----------------------------------------------------------------------------- stages
 
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """The token ids the policy is prompted with: the chat template over the model input."""
+    return tokenizer.encode(tokenizer.apply_chat_template(prompt.model_input))
+
+
 def rollout_stage(generator: Generator, tokenizer, prompts: list, group_size: int,
                   seed: int) -> list[RolloutSample]:
     """Sample ``group_size`` responses for every prompt. Returns the samples, prompt-major:
     sample ``i * G + g`` is response ``g`` to prompt ``i``."""
-    prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template(p.model_input)) for p in prompts]
-    repeated = [ids for ids in prompt_ids for _ in range(group_size)]
+    repeated = [prompt_ids(tokenizer, p) for p in prompts for _ in range(group_size)]
     return generator.generate(repeated, seed=seed)
 
 

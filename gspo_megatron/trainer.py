@@ -29,11 +29,12 @@ from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gat
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
 from gspo_megatron.overlap import RemoteRollouts
+from gspo_megatron.partial_rollouts import PartialRollouts
 from gspo_megatron.policy import (RANK_STATE_KEY, Generator, Policy, PolicyBatch,
                                   make_policy_batch)
 from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, balance_stage,
-                                  batch_stage, overlong_stage, response_metrics, reward_stage,
-                                  rollout_stage, sft_stage, update_stage)
+                                  batch_stage, overlong_stage, prompt_ids, response_metrics,
+                                  reward_stage, rollout_stage, sft_stage, update_stage)
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ class Trainer:
         None: this rank rolls out itself."""
         self._rank_state: dict | None = None
         """This rank's part of the checkpoint resumed from (in-flight rollouts)."""
+        ro = cfg.rollout
+        self.partial = (PartialRollouts(ro.group_size, ro.prompts_per_step, ro.in_flight(),
+                                        ro.max_new_tokens) if ro.partial_rollouts else None)
+        """``rollout.partial_rollouts``: this rank's groups in flight between steps."""
 
     def close(self) -> None:
         """Stop what the run started outside this process: the reward workers, and the writer of
@@ -201,6 +206,8 @@ class Trainer:
             self.step, extra = self.policy.load_checkpoint(self.load_dir)
             self.task.sampler.load_state_dict(extra["sampler"])
             self._rank_state = extra.get(RANK_STATE_KEY)
+            if self.partial is not None:
+                self.partial.load_state_dict(self._rank_state["partial"])
             self.log(f"resumed from {self.load_dir} at step {self.step}")
         elif self.cfg.checkpoint.init_weights:
             self.policy.load_weights(self.cfg.checkpoint.init_weights)
@@ -229,6 +236,8 @@ class Trainer:
         extra = {"sampler": self.task.sampler.state_dict()}
         if self.rollouts is not None:  # the rollouts in flight (received now), per rank
             extra[RANK_STATE_KEY] = self.rollouts.state(self.step)
+        if self.partial is not None:  # this rank's unfinished groups
+            extra[RANK_STATE_KEY] = {"partial": self.partial.state_dict()}
         self.policy.save_checkpoint(self.save_dir, self.step, extra,
                                     keep_last=self.cfg.checkpoint.keep_last,
                                     before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s),
@@ -394,10 +403,17 @@ class Trainer:
         generated = 0
         while True:
             b = len(batches)
-            prompts = self._local_prompts(self.task.sampler.next_batch())
-            samples = rollout_stage(self.generator, self.task.tokenizer, prompts, group,
-                                    seed + EXTRA_BATCH_SEED_STRIDE * b)
-            generated += sum(len(s.response_ids) for s in samples)
+            if self.partial is not None:  # the groups carried over, then fresh ones
+                prompts, samples, partial = self.partial.rollout(
+                    self.generator, lambda p: prompt_ids(self.task.tokenizer, p),
+                    lambda: self._local_prompts(self.task.sampler.next_batch()), seed, self.step)
+                generated += int(partial.pop("rollout/partial_generated_tokens"))
+                metrics.update(partial)
+            else:
+                prompts = self._local_prompts(self.task.sampler.next_batch())
+                samples = rollout_stage(self.generator, self.task.tokenizer, prompts, group,
+                                        seed + EXTRA_BATCH_SEED_STRIDE * b)
+                generated += sum(len(s.response_ids) for s in samples)
             watch.lap("perf/rollout_s")
             rewards, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, prompts, samples, group,
                                           cfg.reward.timeout_s, self.task.reward_workers)
@@ -413,7 +429,7 @@ class Trainer:
                 advantages = mask_truncated(advantages, torch.tensor(
                     [s.finish_reason == "length" for s in samples]))
             if b == 0:  # reward/* describe the nominal batch, as without dynamic sampling
-                metrics = {**stats, **adv_metrics}
+                metrics.update({**stats, **adv_metrics})
             batches.append((prompts, samples, advantages, tied))
             if not ds.enabled or b >= ds.max_extra_batches:
                 break

@@ -95,6 +95,32 @@ def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, ma
     return out.transpose(1, 2).masked_fill(~live[:, :, None, None], 0.0)
 
 
+def _paged_sdpa_by_length(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                          max_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, softmax_scale: float | None, causal: bool,
+                          depth: int = 3) -> torch.Tensor:
+    """:func:`_paged_sdpa`, the requests split in two at the median kv length (up to ``depth``
+    times) while padding them to the longest would more than double the keys gathered: a long
+    tail (a few requests at 10x the others' length, a partial rollout's continued requests)
+    then costs its own keys, not ``B x`` the longest. Batches of similar lengths take one call,
+    as before."""
+    B = q.shape[0]
+    if depth == 0 or B < 8 or B * max_kv <= 2 * int(kv_lens.sum()):
+        return _paged_sdpa(q, q_lens, kv_lens, max_kv, k_cache, v_cache, block_table,
+                           softmax_scale, causal)
+    short = kv_lens <= kv_lens.median()
+    if bool(short.all()):
+        return _paged_sdpa(q, q_lens, kv_lens, max_kv, k_cache, v_cache, block_table,
+                           softmax_scale, causal)
+    out = torch.empty_like(q)
+    for rows in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]):
+        sub_kv = kv_lens[rows]
+        out[rows] = _paged_sdpa_by_length(q[rows], q_lens[rows], sub_kv, int(sub_kv.max()),
+                                          k_cache, v_cache, block_table[rows], softmax_scale,
+                                          causal, depth - 1)
+    return out
+
+
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
@@ -121,12 +147,50 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_q, max_kv = torch.stack([q_lens.max(), kv_lens.max()]).tolist()  # one host sync
     if max_q <= 0:
         return out
-    idx = cu_q[:-1, None] + torch.arange(max_q, device=cu_q.device)  # [B, Lq] token index
-    valid = torch.arange(max_q, device=cu_q.device)[None, :] < q_lens[:, None]
-    q_pad = q[idx.clamp(0, T - 1)]  # [B, Lq, H, D]
-    o_pad = _paged_sdpa(q_pad, q_lens, kv_lens, max_kv, k, v, block_table, softmax_scale, causal)
-    out[idx[valid]] = o_pad[valid]
+    decode = q_lens == 1
+    if max_q > 1 and bool(decode.any()):
+        # A mixed step (prefills beside decodes: continuous batching, a partial rollout's
+        # continued requests): padded together, every decode request would cost the longest
+        # prefill's queries (B x Lq x Lk); apart, the decodes cost one query each.
+        for rows in (decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]):
+            sub_q, sub_kv = q_lens[rows], kv_lens[rows]
+            most_q, most_kv = torch.stack([sub_q.max(), sub_kv.max()]).tolist()
+            _varlen_rows(out, q, cu_q[:-1][rows], sub_q, sub_kv, most_q, most_kv, k, v,
+                         block_table[rows], softmax_scale, causal)
+        return out
+    _varlen_rows(out, q, cu_q[:-1], q_lens, kv_lens, max_q, max_kv, k, v, block_table,
+                 softmax_scale, causal)
     return out
+
+
+def _varlen_rows(out: torch.Tensor, q: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
+                 kv_lens: torch.Tensor, max_q: int, max_kv: int, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, block_table: torch.Tensor, softmax_scale: float | None,
+                 causal: bool, depth: int = 3) -> None:
+    """Attention of the requests whose queries start at ``starts`` (``[B]``, token index into
+    ``q`` ``[T, H, D]``), written into ``out`` at their tokens. Requests of very different query
+    lengths (prefixes of 5 and 250 tokens prefilled together) are split in two at the median
+    length (up to ``depth`` times) while padding them to the longest would more than double the
+    queries; requests of similar lengths take one call, as before."""
+    if max_q <= 0:
+        return
+    B = starts.shape[0]
+    if depth > 0 and B >= 8 and B * max_q > 2 * int(q_lens.sum()):
+        short = q_lens <= q_lens.median()
+        if not bool(short.all()):
+            for rows in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]):
+                sub_q, sub_kv = q_lens[rows], kv_lens[rows]
+                most_q, most_kv = torch.stack([sub_q.max(), sub_kv.max()]).tolist()
+                _varlen_rows(out, q, starts[rows], sub_q, sub_kv, most_q, most_kv, k_cache,
+                             v_cache, block_table[rows], softmax_scale, causal, depth - 1)
+            return
+    T = q.shape[0]
+    idx = starts[:, None] + torch.arange(max_q, device=starts.device)  # [B, Lq] token index
+    valid = torch.arange(max_q, device=starts.device)[None, :] < q_lens[:, None]
+    q_pad = q[idx.clamp(0, T - 1)]  # [B, Lq, H, D]
+    o_pad = _paged_sdpa_by_length(q_pad, q_lens, kv_lens, max_kv, k_cache, v_cache,
+                                  block_table, softmax_scale, causal)
+    out[idx[valid]] = o_pad[valid]
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,8 +218,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return torch.zeros_like(q)
     q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)
     max_kv = int(cache_seqlens.max().item())  # one host sync
-    return _paged_sdpa(q, q_lens, cache_seqlens, max_kv, k_cache, v_cache, block_table,
-                       softmax_scale, causal)
+    return _paged_sdpa_by_length(q, q_lens, cache_seqlens.long(), max_kv, k_cache, v_cache,
+                                 block_table, softmax_scale, causal)
 
 
 def _attention_module(attention_module: ModuleType | None) -> ModuleType:

@@ -216,11 +216,34 @@ class RolloutConfig(Section, name="rollout"):
     relative to the policy being updated); the stale rollout's own log-probs reach the loss only
     through ``rollout_correction``. Ignored when colocated."""
 
+    partial_rollouts: bool = False
+    """Carry a rollout's long tail into the next step (APRIL; slime's partial rollouts): each
+    data-parallel rank keeps ``prompts_per_step x group_size`` requests running, fresh groups
+    joining as responses end (up to ``in_flight_groups`` groups held); a rollout stops once
+    ``prompts_per_step`` groups are complete, and the responses still running go on in the next
+    step's rollout (with the newer weights; each token keeps its own sampler's log-prob). Cost:
+    responses written by several policies (``rollout/partial_max_age``, ``_carried_share``); it
+    keeps long-tailed rollouts from decoding their tail alone (docs/benchmarks.md, section 12).
+    Dynamic engine, colocated, without dynamic sampling."""
+    in_flight_groups: int = 0
+    """``partial_rollouts``: the most groups a data-parallel rank holds (running, or complete
+    but waiting for their slowest response), >= ``prompts_per_step``; 0: four times
+    ``prompts_per_step``. It bounds the prompts drawn ahead and how stale a carried response
+    can get."""
+
+    def in_flight(self) -> int:
+        """The most groups a partial rollout holds per data-parallel rank."""
+        return self.in_flight_groups or 4 * self.prompts_per_step
+
     def _problems(self) -> Iterator[Problem]:
+        if self.partial_rollouts and self.in_flight() < self.prompts_per_step:
+            yield self._problem("in_flight_groups", f"must be >= rollout.prompts_per_step "
+                                                    f"({self.prompts_per_step}) or 0, got "
+                                                    f"{self.in_flight_groups}")
         if self.placement == "separate" and self.ranks < 1:
             yield self._problem("ranks", f"must be >= 1 with rollout.placement='separate', got "
                                          f"{self.ranks}")
-        yield from self._at_least(0, "ranks", "max_staleness")
+        yield from self._at_least(0, "ranks", "max_staleness", "in_flight_groups")
         if self.dynamic_buffer_size_gb is not None and not self.dynamic_buffer_size_gb > 0:
             yield self._problem("dynamic_buffer_size_gb",
                                 f"must be > 0 (or null: sized from max_batch_size), got "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -636,6 +637,18 @@ def test_data_file_exists_check(tmp_path: Path) -> None:
     validate_config(cfg, check_paths=False)
     missing.write_text("{}\n")
     validate_config(cfg)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rollout.engine=static"], "rollout.partial_rollouts with rollout.engine='static'"),
+    (["--dynamic_sampling.enabled=true"], "with dynamic_sampling.enabled"),
+    (["--rollout.placement=separate", "--rollout.ranks=1"], "with rollout.placement='separate'"),
+    (["--rollout.in_flight_groups=3"], "rollout.in_flight_groups: must be >= "
+                                       "rollout.prompts_per_step"),
+])
+def test_partial_rollouts_refuse_what_they_cannot_run(args, message) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(demo("--rollout.partial_rollouts=true", *args), world_size=2)
 
 
 def test_r3_with_stale_rollouts_warns() -> None:

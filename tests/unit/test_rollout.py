@@ -319,3 +319,63 @@ def test_dynamic_engine_refills_slots_and_releases_its_kv_cache(setup):
     assert eng.dynamic.kv_bytes == (6 + 1) * 256 * 2 * 2 * 2 * 16 * 4
     eng.dynamic.suspend()
     assert eng.dynamic.kv_bytes == 0
+
+
+def test_a_partial_rollout_stops_at_its_groups_and_continues_where_it_stopped(setup):
+    """``GroupStop`` (partial rollouts): the dynamic engine stops once ``need`` groups are
+    complete and returns the rest ``aborted`` with the tokens and log-probs written so far;
+    continuing each from its prompt + those tokens, with what is left of its budget, gives
+    (greedy) the uninterrupted responses, and every log-prob is the trainer's."""
+    from gspo_megatron.policy import GroupStop
+
+    eng = engine(setup, temperature=0.7, top_k=1, max_new_tokens=12)
+    prompts = make_prompts(12, seed=6)  # greedy: requests 2 and 3 end at once, the rest at 12
+    whole = eng.generate(prompts, seed=0)
+    stop = GroupStop([i // 2 for i in range(12)], need=1)  # 6 groups of 2
+    first = eng.generate(prompts, seed=0, stop=stop)
+    aborted = [i for i, s in enumerate(first) if s.finish_reason == "aborted"]
+    assert stop.done and stop.complete == 1 and len(aborted) == 10
+    assert eng.dynamic.steps < max(len(s.response_ids) for s in whole)  # it stopped early
+    for i, s in enumerate(first):
+        assert whole[i].response_ids[:len(s.response_ids)] == s.response_ids
+        if s.finish_reason != "aborted":
+            assert s.response_ids == whole[i].response_ids
+    rest = eng.generate([prompts[i] + first[i].response_ids for i in aborted], seed=0,
+                        budgets=[12 - len(first[i].response_ids) for i in aborted])
+    for i, s in zip(aborted, rest):
+        assert first[i].response_ids + s.response_ids == whole[i].response_ids
+        assert s.finish_reason == whole[i].finish_reason
+    joined = [RolloutSample(prompts[i], first[i].response_ids + s.response_ids,
+                            first[i].response_logprobs + s.response_logprobs, s.finish_reason)
+              for i, s in zip(aborted, rest)]
+    worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
+                for s, ref in zip(joined, trainer_logprobs(setup, joined, 0.7)))
+    assert worst <= LOGPROB_TOL
+    # the engine is left clean: the next full rollout is the same as before
+    assert [s.response_ids for s in eng.generate(prompts, seed=0)] == \
+        [s.response_ids for s in whole]
+    with pytest.raises(NotImplementedError, match="dynamic engine"):
+        engine(setup, engine="static").generate(prompts, seed=0, stop=GroupStop([0] * 12, 1))
+
+
+def test_a_partial_rollout_takes_requests_added_on_the_way(setup):
+    """``GroupStop.refill`` (a partial rollout keeping a batch running): requests it returns
+    join the running call and come back after the call's own, in the order added, each as it
+    would have been sampled alone (greedy)."""
+    from gspo_megatron.policy import GroupStop
+
+    eng = engine(setup, temperature=0.7, top_k=1, max_new_tokens=12)
+    prompts = make_prompts(12, seed=6)
+    whole = eng.generate(prompts, seed=0)
+    asked = []
+
+    def refill(running):
+        asked.append(running)
+        return [(prompts[5], 12, 2), (prompts[6], 12, 2)] if len(asked) == 2 else []
+    stop = GroupStop([0, 0, 1, 1], need=3, refill=refill)
+    out = eng.generate(prompts[:4], seed=0, stop=stop)
+    assert asked[:2] == [4, 2]  # requests 2 and 3 end after one token (seed 6, greedy)
+    assert stop.group_of == [0, 0, 1, 1, 2, 2] and stop.complete == 3
+    assert [s.prompt_ids for s in out] == prompts[:4] + [prompts[5], prompts[6]]
+    assert [s.response_ids for s in out] == [whole[i].response_ids for i in (0, 1, 2, 3, 5, 6)]
+    assert stop.refill is refill  # restored after the call

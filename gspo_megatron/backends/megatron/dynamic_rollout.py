@@ -131,31 +131,48 @@ class DynamicRollout:
             self.controller._init_dynamic_sampling_tensors()
         self.kv_bytes = self._kv_bytes()
 
-    def generate(self, prompts: list[list[int]], sp) -> list:
-        """One finished Megatron request record per prompt, in order. Collective over the world
-        under EP > 1 (lock-step), over the model-parallel group otherwise."""
+    def generate(self, prompts: list[list[int]], sps: list, stop=None, refill_sp=None) -> list:
+        """Per request, in order (``prompts``, then those ``stop.refill`` added): its finished
+        Megatron request record, or, for a request that ``stop`` (a
+        :class:`~gspo_megatron.policy.GroupStop`) aborted, the request as it stands (the tokens
+        and log-probs written so far). ``sps``: each prompt's ``SamplingParams``;
+        ``refill_sp(budget)``: a refilled request's. Collective over the world under EP > 1
+        (lock-step), over the model-parallel group otherwise."""
         self.resume()
         try:
             self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
-            first = None
-            for prompt in prompts:
+            index: dict[int, int] = {}  # request id -> its place in the call
+
+            def add(prompt, sp):
                 request_id = int(next(self.engine.request_counter))
-                first = request_id if first is None else first
+                index[request_id] = len(index)
                 self.engine.add_request(request_id, list(prompt), sp)
+            for prompt, sp in zip(prompts, sps):
+                add(prompt, sp)
             records = {}
             lock_step = self.groups.ep_size > 1
             self.steps = 0
             while True:
-                mine = self.engine.has_unfinished_requests()
+                if stop is not None and stop.refill is not None and not stop.done:
+                    for prompt, budget, _ in stop.refill(len(index) - len(records)):
+                        add(prompt, refill_sp(budget))
+                mine = self.engine.has_unfinished_requests() and not (stop and stop.done)
                 if not (any_rank(mine) if lock_step else mine):
                     break
                 if mine:
                     for rec in self.engine.step_modern()["finished_request_records"]:
                         records[rec.request_id] = rec
+                        if stop is not None:
+                            stop.finished(index[rec.request_id])
                 else:
                     self.controller.dummy_forward()
                 self.steps += 1
-            return [records[first + i] for i in range(len(prompts))]
+            out = [records.get(request_id) for request_id in index]
+            if any(r is None for r in out):  # aborted: take them as they stand, then drop them
+                out = [r if r is not None else self.engine.get_request(request_id)
+                       for request_id, r in zip(index, out)]
+                self.engine.reset()
+            return out
         finally:
             self.suspend()
 

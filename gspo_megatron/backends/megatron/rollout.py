@@ -81,7 +81,7 @@ import torch.distributed as dist
 from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.distributed import ParallelGroups
-from gspo_megatron.policy import RolloutSample
+from gspo_megatron.policy import GroupStop, RolloutSample
 
 __all__ = ["RolloutEngine", "RolloutSample"]
 
@@ -437,21 +437,21 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seed: int) -> list[RolloutSample]:
-        """One response per prompt (in order), sampled from the current weights.
+    def generate(self, prompts: list[list[int]], seed: int, budgets: list[int] | None = None,
+                 stop: GroupStop | None = None) -> list[RolloutSample]:
+        """One response per prompt (in order), sampled from the current weights. ``budgets``:
+        each request's new-token budget (default ``max_new_tokens``); ``stop``: a partial
+        rollout's early end (dynamic engine only), the requests it cuts returned ``aborted``.
 
         Collective over the model-parallel group (and over the whole world when EP > 1).
         """
         prompts = [[int(t) for t in p] for p in prompts]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"prompt {i} has ids outside [0, {self.vocab_size})")
-            if len(p) + self.config.max_new_tokens > self.max_sequence_length:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + max_new_tokens={self.config.max_new_tokens} "
-                    f"exceeds the inference max sequence length {self.max_sequence_length}")
+        budgets = budgets or [int(self.config.max_new_tokens)] * len(prompts)
+        if (stop is not None or budgets != [self.config.max_new_tokens] * len(prompts)) and \
+                self.backend != "dynamic":
+            raise NotImplementedError("partial rollouts (per-request budgets, an early stop) "
+                                      "need the dynamic engine")
+        self._check(prompts, budgets)
         sp, score_t = self._sampling()
         self.wrapper.temperature = score_t
         self.controller.sampling_rng.manual_seed(int(seed))
@@ -467,13 +467,24 @@ class RolloutEngine:
                     with _sequence_parallel_off(model):
                         samples = self._generate_static(prompts, sp)
                 else:
-                    samples = self._generate_dynamic(prompts, sp)
+                    samples = self._generate_dynamic(prompts, sp, budgets, stop)
         finally:
             model.train(was_training)
             self.wrapper.route_recorder = None
             if self._route_recorder is not None:
                 self._route_recorder.reset()
         return samples
+
+    def _check(self, prompts: list[list[int]], budgets: list[int], first: int = 0) -> None:
+        for i, (p, budget) in enumerate(zip(prompts, budgets), start=first):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"prompt {i} has ids outside [0, {self.vocab_size})")
+            if len(p) + budget > self.max_sequence_length:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} tokens + {budget} new tokens exceeds the inference "
+                    f"max sequence length {self.max_sequence_length}")
 
     # ------------------------------------------------------------------ static (CPU) path
     def _generate_static(self, prompts, sp) -> list[RolloutSample]:
@@ -561,30 +572,63 @@ class RolloutEngine:
             sample.extra[ROLLOUT_ROUTES_KEY] = req.gspo_routes[:, pad:pad + n].clone()
         return sample
 
-    def _finish(self, prompt, tokens, logprobs) -> RolloutSample:
-        """Cut at the first EOS (kept) and name the finish reason."""
+    def _finish(self, prompt, tokens, logprobs, budget: int | None = None) -> RolloutSample:
+        """Cut at the first EOS (kept) and name the finish reason (``budget``: the request's
+        new-token budget, default ``max_new_tokens``)."""
         if self.eos_id in tokens and not self.config.ignore_eos:
             end = tokens.index(self.eos_id) + 1
             return RolloutSample(list(prompt), tokens[:end], logprobs[:end], "eos")
-        n = self.config.max_new_tokens
+        n = self.config.max_new_tokens if budget is None else budget
         return RolloutSample(list(prompt), tokens[:n], logprobs[:n], "length")
 
     # ------------------------------------------------------------------ dynamic path
-    def _generate_dynamic(self, prompts, sp) -> list[RolloutSample]:
+    def _generate_dynamic(self, prompts, sp, budgets: list[int],
+                          stop: GroupStop | None) -> list[RolloutSample]:
         # Sampling draws from controller.sampling_rng (seeded in generate()); the engine's own
         # random_seed is unused in megatron-core 0.16.
-        with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
-                contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
-            records = self.dynamic.generate(prompts, sp)
+        per_budget: dict[int, Any] = {}
+
+        def sp_for(budget: int):  # one SamplingParams per budget (Megatron copies it anyway)
+            if budget not in per_budget:
+                per_budget[budget] = copy.copy(sp)
+                per_budget[budget].num_tokens_to_generate = budget
+            return per_budget[budget]
+        prompts, budgets = list(prompts), list(budgets)
+        refill = None if stop is None else stop.refill
+        if refill is not None:  # the requests added on the way join the lists
+
+            def checked_refill(running: int):
+                new = refill(running)
+                self._check([p for p, _, _ in new], [b for _, b, _ in new], len(prompts))
+                for p, b, group in new:
+                    prompts.append([int(t) for t in p])
+                    budgets.append(b)
+                    stop.add(group)
+                return new
+            stop.refill = checked_refill
+        try:
+            with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
+                    contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
+                records = self.dynamic.generate(prompts, [sp_for(b) for b in budgets], stop,
+                                                sp_for)
+        finally:
+            if refill is not None:
+                stop.refill = refill
         recorder = self._route_recorder
         samples = []
-        for prompt, record in zip(prompts, records):
-            req = record.merge() if hasattr(record, "merge") else record
+        for prompt, budget, record in zip(prompts, budgets, records):
+            finished = hasattr(record, "requests")  # a record; an aborted request is not one
+            req = (record.merge() if len(record.requests) > 1 else record.requests[0]) \
+                if finished else record
             tokens = [int(t) for t in (req.generated_tokens.tolist()
                                        if torch.is_tensor(req.generated_tokens)
                                        else req.generated_tokens)]
             logprobs = [float(x) for x in (req.generated_log_probs or [])]
-            sample = self._finish(prompt, tokens, logprobs[-len(tokens):] if tokens else [])
+            logprobs = logprobs[-len(tokens):] if tokens else []
+            if not finished:
+                samples.append(RolloutSample(list(prompt), tokens, logprobs, "aborted"))
+                continue
+            sample = self._finish(prompt, tokens, logprobs, budget)
             if recorder is not None:
                 from gspo_megatron.backends.megatron.rollout_routes import ROLLOUT_ROUTES_KEY
 

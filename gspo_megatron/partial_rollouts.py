@@ -1,0 +1,145 @@
+"""Partial rollouts (``rollout.partial_rollouts``): the long tail of a rollout carried into the next
+step instead of waited for (APRIL, "Active Partial Rollouts in RL"; slime's partial rollouts).
+
+A rollout's decoding steps follow its longest response, and a decoding step costs about the same
+with 3 requests running as with 128 (on a GPU the weights are read once per step whatever the
+batch; on CPU it is per-call overhead), so on long-tailed responses the last few requests cost
+most of the steps. Here every data-parallel rank keeps a batch's worth of requests running
+(``prompts_per_step x group_size``, what a rollout without a tail runs at once): as responses
+end, fresh groups join the rollout (continuous batching over prompts, up to
+``in_flight_groups`` groups held), and the rollout stops as soon as ``prompts_per_step`` groups
+are complete (:class:`~gspo_megatron.policy.GroupStop`); the requests still running are set aside
+with the tokens and log-probs written so far, and the next step's rollout continues them first,
+with the newer weights (the prefix is prefilled again, so its KV cache is the new policy's).
+
+What it changes in the objective: a response carried over was written by two or more policies.
+Each token keeps the log-prob of the policy that sampled it (``response_logprobs``), the trainer
+recomputes the old log-probs at its step (the clip is relative to the policy being updated), and
+``rollout_correction`` weighs the tokens by their own sampler's probability; ``rollout/partial_*``
+says how much of a step was carried and for how long. Under R3 the replayed routes of a carried
+response are those of its last rollout (which re-prefilled the prefix).
+
+State (:meth:`PartialRollouts.state_dict`): the groups in flight with their finished responses and
+the unfinished ones' tokens, plain lists, saved with the checkpoint, so a resumed run continues the
+same requests. Nothing here imports Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gspo_megatron.policy import Generator, GroupStop, RolloutSample
+
+
+@dataclass
+class _Response:
+    """One response of a group in flight: finished, or the tokens written so far."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: RolloutSample | None = None
+    first_step: int | None = None
+    """The step whose rollout wrote its first token (None: none written yet)."""
+
+
+@dataclass
+class _Group:
+    prompt: Any
+    """The prompt's example (the task's object: model input, answer)."""
+    prompt_ids: list[int]
+    drawn: int
+    """The step whose rollout first ran it."""
+    responses: list[_Response]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.done is not None for r in self.responses)
+
+
+class PartialRollouts:
+    """One data-parallel rank's groups in flight and the rule that runs them.
+
+    ``group_size``: G; ``need``: groups a step trains on (``rollout.prompts_per_step``);
+    ``in_flight``: the most groups held (``rollout.in_flight_groups``, >= ``need``);
+    ``max_new_tokens``: a response's whole budget (a continued one gets what is left of it)."""
+
+    def __init__(self, group_size: int, need: int, in_flight: int, max_new_tokens: int):
+        if in_flight < need:
+            raise ValueError(f"in_flight ({in_flight}) must be >= need ({need})")
+        self.group_size, self.need, self.in_flight = group_size, need, in_flight
+        self.max_new_tokens = max_new_tokens
+        self.groups: list[_Group] = []
+
+    def rollout(self, generator: Generator, encode: Callable[[Any], list[int]],
+                draw: Callable[[], list], seed: int, step: int
+                ) -> tuple[list, list[RolloutSample], dict[str, float]]:
+        """One step's rollout: continue every unfinished response and keep a batch's worth of
+        requests (``need x group_size``) running, drawing fresh groups from ``draw()`` (a batch
+        of prompts per call) as responses end while fewer than ``in_flight`` groups are held,
+        until ``need`` groups are complete; hand those over (the ones drawn first). Returns
+        ``(prompts, samples, rollout/partial_* metrics)``; samples are prompt-major as
+        :func:`~gspo_megatron.stages.rollout_stage`'s."""
+        target = self.need * self.group_size
+        index = {id(g): i for i, g in enumerate(self.groups)}
+        running = [(g, r) for g in self.groups for r in g.responses if r.done is None]
+
+        def fresh(n_running: int) -> list[tuple[list[int], int, int]]:
+            """Fresh groups while fewer than ``target`` requests run: their requests."""
+            new = []
+            while n_running + len(new) < target and len(self.groups) + self.need <= self.in_flight:
+                for prompt in draw():
+                    g = _Group(prompt, encode(prompt), step, [
+                        _Response() for _ in range(self.group_size)])
+                    index[id(g)] = len(index)
+                    self.groups.append(g)
+                    running.extend((g, r) for r in g.responses)
+                    new += [(g.prompt_ids, self.max_new_tokens, index[id(g)])] * self.group_size
+            return new
+
+        fresh(len(running))  # before the call: they go in with the carried requests
+        complete = sum(g.complete for g in self.groups)
+        generated = 0
+        if complete < self.need and running:
+            stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh)
+            out = generator.generate([g.prompt_ids + r.tokens for g, r in running], seed,
+                                     budgets=[self.max_new_tokens - len(r.tokens)
+                                              for _, r in running], stop=stop)
+            for (g, r), sample in zip(running, out, strict=True):
+                generated += len(sample.response_ids)
+                if sample.response_ids and r.first_step is None:
+                    r.first_step = step
+                r.tokens += sample.response_ids
+                r.logprobs += sample.response_logprobs
+                if sample.finish_reason != "aborted":
+                    r.done = RolloutSample(list(g.prompt_ids), list(r.tokens), list(r.logprobs),
+                                           sample.finish_reason, sample.extra)
+        ready = [g for g in self.groups if g.complete][:self.need]
+        if len(ready) < self.need:
+            raise RuntimeError(f"partial rollouts: {len(ready)} groups complete after the "
+                               f"rollout, {self.need} needed")
+        taken = {id(g) for g in ready}
+        self.groups = [g for g in self.groups if id(g) not in taken]
+        samples = [r.done for g in ready for r in g.responses]
+        carried = sum(len(r.done.response_ids) for g in ready for r in g.responses
+                      if r.first_step is not None and r.first_step < step)
+        total = sum(len(s.response_ids) for s in samples)
+        return [g.prompt for g in ready], samples, {
+            "rollout/partial_generated_tokens": float(generated),
+            "rollout/partial_carried_share": carried / max(total, 1),
+            "rollout/partial_max_age": float(max(step - g.drawn for g in ready)),
+            "rollout/partial_in_flight": float(len(self.groups)),
+        }
+
+    def state_dict(self) -> dict:
+        """The groups in flight, as plain data (finished responses whole, the others' tokens)."""
+        return {"groups": [
+            {"prompt": g.prompt, "prompt_ids": g.prompt_ids, "drawn": g.drawn,
+             "responses": [{"tokens": r.tokens, "logprobs": r.logprobs, "done": r.done,
+                            "first_step": r.first_step} for r in g.responses]}
+            for g in self.groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = [_Group(g["prompt"], list(g["prompt_ids"]), g["drawn"], [
+            _Response(list(r["tokens"]), list(r["logprobs"]), r["done"], r["first_step"])
+            for r in g["responses"]]) for g in state["groups"]]
