@@ -121,6 +121,11 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
                                "2", *TRAIN[1:], *_tiny(w("tiny_separate_r3"))[len(TRAIN):],
                                "--routing.replay=r3", "--rollout.placement=separate",
                                "--rollout.ranks=1", "--rollout.max_staleness=1"]], 300),
+        # Partial rollouts with R3: the dynamic engine's early stop, refills mid-rollout and
+        # continued requests on CUDA (flash-attn's paged kernels where installed).
+        ("tiny_partial_r3", [_tiny(w("tiny_partial_r3"), "--rollout.partial_rollouts=true",
+                                   "--routing.replay=r3", "--rollout.max_new_tokens=24",
+                                   "--model.seq_length=64")], 300),
         ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
         ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
     ]

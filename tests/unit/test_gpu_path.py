@@ -104,7 +104,7 @@ def test_gpu_check_reward_and_comparison(tmp_path):
     names = [n for n, _, _ in stages(str(tmp_path), quick=True)]
     assert names[:2] == ["env", "tiny_dynamic"] and "slice_mfu" in names
     assert {"tiny_r3", "tiny_r3_bf16_rollout", "tiny_packed", "cp2_cpu", "tiny_yarn",
-            "tiny_separate_r3"} <= set(names)
+            "tiny_separate_r3", "tiny_partial_r3"} <= set(names)
 
 
 def test_engine_choice():
