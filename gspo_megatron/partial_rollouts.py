@@ -16,7 +16,8 @@ What it changes in the objective: a response carried over was written by two or 
 Each token keeps the log-prob of the policy that sampled it (``response_logprobs``), the trainer
 recomputes the old log-probs at its step (the clip is relative to the policy being updated), and
 ``rollout_correction`` weighs the tokens by their own sampler's probability; ``rollout/partial_*``
-says how much of a step was carried and for how long. Under R3 the replayed routes of a carried
+says how much of a step was carried and for how long (``_max_span``: the most steps' policies
+one trained response was written by; ``rollout.partial_max_age`` bounds it). Under R3 the replayed routes of a carried
 response are those of its last rollout (which re-prefilled the prefix).
 
 State (:meth:`PartialRollouts.state_dict`): the groups in flight with their finished responses and
@@ -41,6 +42,8 @@ class _Response:
     done: RolloutSample | None = None
     first_step: int | None = None
     """The step whose rollout wrote its first token (None: none written yet)."""
+    last_step: int | None = None
+    """The step whose rollout finished it."""
 
 
 @dataclass
@@ -62,13 +65,15 @@ class PartialRollouts:
 
     ``group_size``: G; ``need``: groups a step trains on (``rollout.prompts_per_step``);
     ``in_flight``: the most groups held (``rollout.in_flight_groups``, >= ``need``);
-    ``max_new_tokens``: a response's whole budget (a continued one gets what is left of it)."""
+    ``max_new_tokens``: a response's whole budget (a continued one gets what is left of it);
+    ``max_age``: ``rollout.partial_max_age`` (0: none)."""
 
-    def __init__(self, group_size: int, need: int, in_flight: int, max_new_tokens: int):
+    def __init__(self, group_size: int, need: int, in_flight: int, max_new_tokens: int,
+                 max_age: int = 0):
         if in_flight < need:
             raise ValueError(f"in_flight ({in_flight}) must be >= need ({need})")
         self.group_size, self.need, self.in_flight = group_size, need, in_flight
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.max_age = max_new_tokens, max_age
         self.groups: list[_Group] = []
 
     def rollout(self, generator: Generator, encode: Callable[[Any], list[int]],
@@ -99,9 +104,11 @@ class PartialRollouts:
 
         fresh(len(running))  # before the call: they go in with the carried requests
         complete = sum(g.complete for g in self.groups)
+        overdue = [g for g in self.groups if self.max_age and step - g.drawn >= self.max_age]
         generated = 0
-        if complete < self.need and running:
-            stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh)
+        if (complete < self.need or not all(g.complete for g in overdue)) and running:
+            stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh,
+                             frozenset(index[id(g)] for g in overdue))
             out = generator.generate([g.prompt_ids + r.tokens for g, r in running], seed,
                                      budgets=[self.max_new_tokens - len(r.tokens)
                                               for _, r in running], stop=stop)
@@ -112,6 +119,7 @@ class PartialRollouts:
                 r.tokens += sample.response_ids
                 r.logprobs += sample.response_logprobs
                 if sample.finish_reason != "aborted":
+                    r.last_step = step
                     r.done = RolloutSample(list(g.prompt_ids), list(r.tokens), list(r.logprobs),
                                            sample.finish_reason, sample.extra)
         ready = [g for g in self.groups if g.complete][:self.need]
@@ -128,6 +136,9 @@ class PartialRollouts:
             "rollout/partial_generated_tokens": float(generated),
             "rollout/partial_carried_share": carried / max(total, 1),
             "rollout/partial_max_age": float(max(step - g.drawn for g in ready)),
+            "rollout/partial_max_span": float(max(
+                r.last_step - (step if r.first_step is None else r.first_step) + 1
+                for g in ready for r in g.responses)),
             "rollout/partial_in_flight": float(len(self.groups)),
         }
 
@@ -136,10 +147,12 @@ class PartialRollouts:
         return {"groups": [
             {"prompt": g.prompt, "prompt_ids": g.prompt_ids, "drawn": g.drawn,
              "responses": [{"tokens": r.tokens, "logprobs": r.logprobs, "done": r.done,
-                            "first_step": r.first_step} for r in g.responses]}
+                            "first_step": r.first_step, "last_step": r.last_step}
+                           for r in g.responses]}
             for g in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
         self.groups = [_Group(g["prompt"], list(g["prompt_ids"]), g["drawn"], [
-            _Response(list(r["tokens"]), list(r["logprobs"]), r["done"], r["first_step"])
+            _Response(list(r["tokens"]), list(r["logprobs"]), r["done"], r["first_step"],
+                      r["last_step"])
             for r in g["responses"]]) for g in state["groups"]]

@@ -219,12 +219,16 @@ class GroupStop:
     group_of: list[int]
     need: int
     refill: Callable[[int], list[tuple[list[int], int, int]]] | None = None
+    must: frozenset[int] = frozenset()
+    """Groups that must be complete too before the stop (a partial rollout's groups at their
+    maximum age: the rollout waits for them as a plain rollout waits for its tail)."""
 
     def __post_init__(self):
         self.pending: dict[int, int] = {}
         for g in self.group_of:
             self.pending[g] = self.pending.get(g, 0) + 1
         self.complete = 0
+        self._must_left = sum(self.pending.get(g, 0) > 0 for g in self.must)
 
     def add(self, group: int) -> int:
         """A request of ``group`` joins the call; returns its index."""
@@ -237,10 +241,11 @@ class GroupStop:
         g = self.group_of[i]
         self.pending[g] -= 1
         self.complete += self.pending[g] == 0
+        self._must_left -= self.pending[g] == 0 and g in self.must
 
     @property
     def done(self) -> bool:
-        return self.complete >= self.need
+        return self.complete >= self.need and self._must_left == 0
 
 
 class Generator(Protocol):

@@ -109,7 +109,8 @@ class Trainer:
         """This rank's part of the checkpoint resumed from (in-flight rollouts)."""
         ro = cfg.rollout
         self.partial = (PartialRollouts(ro.group_size, ro.prompts_per_step, ro.in_flight(),
-                                        ro.max_new_tokens) if ro.partial_rollouts else None)
+                                        ro.max_new_tokens, ro.partial_max_age)
+                        if ro.partial_rollouts else None)
         """``rollout.partial_rollouts``: this rank's groups in flight between steps."""
 
     def close(self) -> None:

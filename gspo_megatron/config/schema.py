@@ -231,6 +231,14 @@ class RolloutConfig(Section, name="rollout"):
     ``prompts_per_step``. It bounds the prompts drawn ahead and how stale a carried response
     can get."""
 
+    partial_max_age: int = 0
+    """``partial_rollouts``: how long a group may stay unfinished: a rollout does not stop
+    before every group drawn ``partial_max_age`` or more steps ago is complete (it waits for
+    them as a plain rollout waits for its tail), so no response is written by more than
+    ``partial_max_age + 1`` steps' policies (``rollout/partial_max_span``; a complete group may
+    still wait a step when more are due than a step trains on); 0: no bound (AReaL bounds the
+    same staleness, ``max_head_offpolicyness``)."""
+
     def in_flight(self) -> int:
         """The most groups a partial rollout holds per data-parallel rank."""
         return self.in_flight_groups or 4 * self.prompts_per_step
@@ -243,7 +251,8 @@ class RolloutConfig(Section, name="rollout"):
         if self.placement == "separate" and self.ranks < 1:
             yield self._problem("ranks", f"must be >= 1 with rollout.placement='separate', got "
                                          f"{self.ranks}")
-        yield from self._at_least(0, "ranks", "max_staleness", "in_flight_groups")
+        yield from self._at_least(0, "ranks", "max_staleness", "in_flight_groups",
+                                  "partial_max_age")
         if self.dynamic_buffer_size_gb is not None and not self.dynamic_buffer_size_gb > 0:
             yield self._problem("dynamic_buffer_size_gb",
                                 f"must be > 0 (or null: sized from max_batch_size), got "

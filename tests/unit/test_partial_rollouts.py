@@ -82,6 +82,14 @@ def test_group_stop_counts_groups_whose_requests_all_finished():
     assert not stop.done
     stop.finished(1)
     assert stop.complete == 2 and stop.done
+    # with group 2 overdue the stop also waits for it
+    stop = GroupStop([0, 1, 2, 2], need=1, must=frozenset({2}))
+    stop.finished(0)
+    stop.finished(1)
+    assert stop.complete == 2 and not stop.done
+    stop.finished(2)
+    stop.finished(3)
+    assert stop.done
 
 
 def test_a_rollout_keeps_a_batch_running_stops_at_need_groups_and_carries_the_rest():
@@ -176,3 +184,30 @@ def test_oldest_complete_groups_first_and_resume_from_state_is_identical():
 def test_in_flight_below_need_is_refused():
     with pytest.raises(ValueError, match="in_flight"):
         PartialRollouts(G, 4, 3, MAX_NEW)
+
+
+@pytest.mark.parametrize("max_age", [1, 2])
+def test_max_age_bounds_how_many_steps_a_response_spans(max_age):
+    """``rollout.partial_max_age``: a rollout does not stop before every group drawn
+    ``max_age`` steps ago is complete, so no trained response was written over more than
+    ``max_age + 1`` steps; without it, the same long-tailed lengths carry responses further."""
+    rng = random.Random(5)
+    lengths = {i: [rng.choice([1, 1, 2, 3, MAX_NEW])] * G for i in range(400)}
+
+    def ages(cap):
+        pool, gen, drawn = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW, max_age=cap), \
+            LengthGenerator(lengths), []
+
+        def draw():
+            batch = [Example(len(drawn) + k) for k in range(NEED)]
+            drawn.extend(batch)
+            return batch
+        out = []
+        for step in range(30):
+            _, samples, m = pool.rollout(gen, lambda e: [e.i], draw, seed=step, step=step)
+            assert all(s.finish_reason in ("eos", "length") for s in samples)
+            out.append(m["rollout/partial_max_span"])
+        return out
+
+    assert max(ages(max_age)) <= max_age + 1
+    assert max(ages(0)) > max_age + 1
