@@ -245,24 +245,32 @@ class RemoteRollouts:
         """Messages of the steps received and not yet trained on, by step."""
         self.sampler_state: Any = None
         """The prompt sampler's state after the last step received (for a checkpoint)."""
+        self.partial_state: Any = None
+        """``rollout.partial_rollouts``: the rollout rank's groups in flight after the last step
+        received (for a checkpoint)."""
         self.next_step = 0
         """The next step the rollout ranks will send."""
         self.stopped = False
 
-    def start(self, step: int, state: dict | None, dp_ranks: list[int]) -> None:
+    def start(self, step: int, state: dict | None, dp_ranks: list[int],
+              partial_states: list | None = None) -> None:
         """Tell the rollout ranks where the run is (collective over the trainer ranks, sent by
         rank 0): training resumes at ``step`` with ``state`` (a checkpoint's :meth:`state`, None
         for a fresh run); ``dp_ranks``: every trainer rank's data-parallel rank, in rank order
-        (each rollout rank sends to the trainer ranks of its own)."""
+        (each rollout rank sends to the trainer ranks of its own); ``partial_states``: every
+        trainer rank's ``state["partial"]``, in rank order (rollout rank ``j`` gets its own
+        data-parallel rank's groups in flight back)."""
         if state:
             self.received = dict(state["received"])
             self.sampler_state = state["sampler"]
+            self.partial_state = state.get("partial")
         self.next_step = step + len(self.received)
         if self.placement.rank == 0:
             for j in range(self.placement.rollout_ranks):
+                ranks = [r for r, d in enumerate(dp_ranks) if d == j]
                 self.bridge.send({"start": self.next_step, "sampler": self.sampler_state,
-                                  "targets": [r for r, d in enumerate(dp_ranks) if d == j]},
-                                 self.placement.rollout_rank(j))
+                                  "partial": partial_states[ranks[0]] if partial_states else None,
+                                  "targets": ranks}, self.placement.rollout_rank(j))
 
     def publish(self, weights: Any, version: int, stop: bool) -> None:
         """After the optimizer step that made ``version`` (trainer rank 0 sends; ``weights`` are
@@ -300,6 +308,7 @@ class RemoteRollouts:
                                    f"expected {self.next_step}")
             self.received[msg["step"]] = msg
             self.sampler_state = msg["sampler"]
+            self.partial_state = msg.get("partial")
             self.next_step += 1
 
     def take(self, step: int) -> dict:
@@ -316,24 +325,27 @@ class RemoteRollouts:
         if last >= step:
             self._receive(last)
         return {"received": {s: m for s, m in self.received.items() if s >= step},
-                "sampler": self.sampler_state}
+                "sampler": self.sampler_state, "partial": self.partial_state}
 
 
 # ----------------------------------------------------------------------------- rollout's end
 
 def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int], dict],
                    load_weights: Callable[[Any], None], sampler, max_staleness: int,
-                   steps: int) -> int:
+                   steps: int, partial=None) -> int:
     """A rollout rank's loop: wait for the start, then for every step ``t`` receive weights up to
     version ``max(0, t - k)``, ``sample(t)`` (the step's message body) and send it to the trainer
     ranks of this rollout rank's data-parallel rank; after the last step, drain until the stop.
-    Returns the number of steps rolled out. An error is sent to the trainer ranks (which raise
-    it) before it propagates."""
+    ``partial``: the rank's partial-rollout pool (its state travels with every message, for the
+    trainer's checkpoint), or None. Returns the number of steps rolled out. An error is sent to
+    the trainer ranks (which raise it) before it propagates."""
     trainer0 = 0
     start = bridge.recv(trainer0, "the start from trainer rank 0")
     targets = start["targets"]
     if start["sampler"] is not None:
         sampler.load_state_dict(start["sampler"])
+    if partial is not None and start.get("partial"):
+        partial.load_state_dict(start["partial"])
     version, done = -1, 0
     try:
         for step in range(start["start"], steps):
@@ -346,6 +358,8 @@ def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int],
                 version = msg["version"]
             body = sample(step)
             body.update(step=step, version=version, sampler=sampler.state_dict())
+            if partial is not None:
+                body["partial"] = partial.state_dict()
             bridge.send(body, *targets)
             done += 1
         while not (msg := bridge.recv(trainer0, "the stop from trainer rank 0"))["stop"]:

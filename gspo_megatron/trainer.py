@@ -207,8 +207,8 @@ class Trainer:
             self.step, extra = self.policy.load_checkpoint(self.load_dir)
             self.task.sampler.load_state_dict(extra["sampler"])
             self._rank_state = extra.get(RANK_STATE_KEY)
-            if self.partial is not None:
-                self.partial.load_state_dict(self._rank_state["partial"])
+            if self.partial is not None and self.rollouts is None:  # (separate: the rollout
+                self.partial.load_state_dict(self._rank_state["partial"])  # ranks hold it)
             self.log(f"resumed from {self.load_dir} at step {self.step}")
         elif self.cfg.checkpoint.init_weights:
             self.policy.load_weights(self.cfg.checkpoint.init_weights)
@@ -237,7 +237,7 @@ class Trainer:
         extra = {"sampler": self.task.sampler.state_dict()}
         if self.rollouts is not None:  # the rollouts in flight (received now), per rank
             extra[RANK_STATE_KEY] = self.rollouts.state(self.step)
-        if self.partial is not None:  # this rank's unfinished groups
+        elif self.partial is not None:  # this rank's unfinished groups
             extra[RANK_STATE_KEY] = {"partial": self.partial.state_dict()}
         self.policy.save_checkpoint(self.save_dir, self.step, extra,
                                     keep_last=self.cfg.checkpoint.keep_last,
@@ -335,7 +335,9 @@ class Trainer:
         # Nothing in flight (a fresh run, or a colocated checkpoint): the rollouts go on from
         # this step with the sampler where this rank's is.
         state = self._rank_state or {"received": {}, "sampler": self.task.sampler.state_dict()}
-        self.rollouts.start(self.step, state, dp_ranks)
+        partial_states = [None] * self.groups.world_size  # each DP rank's groups in flight
+        torch.distributed.all_gather_object(partial_states, state.get("partial"))
+        self.rollouts.start(self.step, state, dp_ranks, partial_states)
         self.publish_weights(stop=False)
 
     def publish_weights(self, stop: bool) -> None:
@@ -372,14 +374,14 @@ class Trainer:
                 "rollout rank: signal %d, the trainer ranks will stop the run", signum))
         steps = serve_rollouts(bridge, placement, self.remote_sample, self.policy.import_weights,
                                self.task.sampler, self.cfg.rollout.max_staleness,
-                               self.cfg.trainer.steps)
+                               self.cfg.trainer.steps, self.partial)
         return {"rollout_steps": steps, "exit_code": 0}
 
     def remote_sample(self, step: int) -> dict:
         """A rollout rank's body of step ``step``'s message (:func:`~gspo_megatron.overlap.
         serve_rollouts`): this data-parallel rank's samples, or the skip, and ``perf/*``."""
         seed = self._sampling_seed(step)
-        self.faults.step = step
+        self.step = self.faults.step = step  # (the step a partial rollout dates its groups by)
         self.faults.maybe_fail("rollout_sample")
         watch = Stopwatch()
         try:

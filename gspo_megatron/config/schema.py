@@ -224,7 +224,8 @@ class RolloutConfig(Section, name="rollout"):
     step's rollout (with the newer weights; each token keeps its own sampler's log-prob). Cost:
     responses written by several policies (``rollout/partial_max_age``, ``_carried_share``); it
     keeps long-tailed rollouts from decoding their tail alone (docs/benchmarks.md, section 12).
-    Dynamic engine, colocated, without dynamic sampling."""
+    Dynamic engine, without dynamic sampling; with ``placement: separate`` the rollout ranks
+    hold the groups in flight."""
     in_flight_groups: int = 0
     """``partial_rollouts``: the most groups a data-parallel rank holds (running, or complete
     but waiting for their slowest response), >= ``prompts_per_step``; 0: four times

@@ -178,11 +178,9 @@ def _engine_errors(cfg: TrainConfig) -> list[str]:
             "has no pipeline send/recv; use one of them")
     if ro.partial_rollouts:
         why = {"rollout.engine='static'": ro.engine == "static",
-               "rollout.placement='separate'": ro.placement == "separate",
                "dynamic_sampling.enabled": cfg.dynamic_sampling.enabled}
         errors += [f"rollout.partial_rollouts with {name}: partial rollouts run on the dynamic "
-                   "engine, colocated, without dynamic sampling" for name, bad in why.items()
-                   if bad]
+                   "engine, without dynamic sampling" for name, bad in why.items() if bad]
     if ro.engine != "static" and ro.dynamic_buffer_size_gb is not None:
         bf16 = ro.precision == "bf16" or (ro.precision == "auto" and cfg.precision.bf16)
         need = kv_budget_bytes(1, m.seq_length, kv_bytes_per_token(

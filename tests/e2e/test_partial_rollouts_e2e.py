@@ -23,3 +23,28 @@ def test_partial_rollouts_with_r3_carry_groups_and_resume_bitwise(tmp_path):
     for key in SAME:
         if key in a[0]:
             assert [m[key] for m in a] == [m[key] for m in b], key
+
+
+@pytest.mark.distributed
+def test_partial_rollouts_on_rollout_ranks_match_colocated_and_resume_bitwise(tmp_path):
+    """``placement: separate`` with partial rollouts: the rollout rank holds the groups in
+    flight and sends their state with every step's samples; at staleness 0 the run is the
+    colocated one, value for value; at staleness 1 a run killed after its step-2 checkpoint
+    resumes (the rollout rank gets its groups back) to the uninterrupted run's metrics bitwise."""
+    from tests.e2e.test_train_e2e import gspo_train, read_metrics
+
+    partial = ["--rollout.partial_rollouts=true", "--rollout.max_new_tokens=8",
+               "--model.seq_length=16"]
+    separate = ["--rollout.placement=separate", "--rollout.ranks=1"]
+    gspo_train(tmp_path / "colocated", *partial, "--trainer.steps=3")
+    gspo_train(tmp_path / "separate0", *partial, *separate, "--rollout.max_staleness=0",
+               "--trainer.steps=3", nproc=2)
+    a = read_metrics(tmp_path / "colocated" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "separate0" / "metrics.jsonl")
+    for key in SAME[:-1] + ("rollout/partial_in_flight",):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    a, b = kill_and_resume(tmp_path / "stale1", *partial, *separate,
+                           "--rollout.max_staleness=1", nproc=2)
+    assert any(m["rollout/partial_carried_share"] > 0 for m in a)
+    for key in SAME[:-1] + ("rollout/partial_in_flight", "sampling/staleness"):
+        assert [m[key] for m in a] == [m[key] for m in b], key

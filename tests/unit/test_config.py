@@ -642,7 +642,6 @@ def test_data_file_exists_check(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--rollout.engine=static"], "rollout.partial_rollouts with rollout.engine='static'"),
     (["--dynamic_sampling.enabled=true"], "with dynamic_sampling.enabled"),
-    (["--rollout.placement=separate", "--rollout.ranks=1"], "with rollout.placement='separate'"),
     (["--rollout.in_flight_groups=3"], "rollout.in_flight_groups: must be >= "
                                        "rollout.prompts_per_step"),
 ])
