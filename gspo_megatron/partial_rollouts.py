@@ -143,12 +143,13 @@ class PartialRollouts:
         }
 
     def state_dict(self) -> dict:
-        """The groups in flight, as plain data (finished responses whole, the others' tokens)."""
+        """The groups in flight, as plain data (finished responses whole, the others' tokens;
+        copies: the pool goes on changing while a background checkpoint writes it)."""
         return {"groups": [
-            {"prompt": g.prompt, "prompt_ids": g.prompt_ids, "drawn": g.drawn,
-             "responses": [{"tokens": r.tokens, "logprobs": r.logprobs, "done": r.done,
-                            "first_step": r.first_step, "last_step": r.last_step}
-                           for r in g.responses]}
+            {"prompt": g.prompt, "prompt_ids": list(g.prompt_ids), "drawn": g.drawn,
+             "responses": [{"tokens": list(r.tokens), "logprobs": list(r.logprobs),
+                            "done": r.done, "first_step": r.first_step,
+                            "last_step": r.last_step} for r in g.responses]}
             for g in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
