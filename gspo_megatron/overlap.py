@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.policy import FlatWeights
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -201,19 +203,17 @@ class WeightChannel:
         opts.rootRank = 0
         return self.group.broadcast([buf], opts)
 
-    def send(self, weights) -> None:
+    def send(self, weights: FlatWeights) -> None:
         """Broadcast ``weights``' buffers (group rank 0 only); returns at once."""
         self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
         for dtype in sorted(weights.buffers):
             buf = weights.buffers[dtype].to(self.device)
             self._sends.append((self._broadcast(buf), buf))
 
-    def receive(self, layout, src_rank: int, version: int) -> Any:
+    def receive(self, layout, src_rank: int, version: int) -> FlatWeights:
         """The weights of ``layout`` (a :class:`~gspo_megatron.policy.FlatWeights` in buffers
         this channel reuses: load them before the next receive). :class:`PeerLost` if the
         sender (job rank ``src_rank``) is gone."""
-        from gspo_megatron.policy import FlatWeights
-
         if self._inbox is None or self._inbox.layout != list(layout):
             self._inbox = FlatWeights.empty(layout, self.device)
         try:

@@ -95,29 +95,43 @@ def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, ma
     return out.transpose(1, 2).masked_fill(~live[:, :, None, None], 0.0)
 
 
+def _length_groups(lengths: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
+    """Row indices of ``lengths`` ``[B]``, split in two at the median (up to ``depth`` times)
+    while padding a group to its longest would more than double its work: a long tail (a few
+    requests at 10x the others' length, decodes beside a partial rollout's continued prefixes)
+    then costs its own length, not ``B x`` the longest. Similar lengths stay one group."""
+    groups = [torch.arange(lengths.numel(), device=lengths.device)]
+    for _ in range(depth):
+        split = []
+        for rows in groups:
+            sub = lengths[rows]
+            if rows.numel() >= 8 and rows.numel() * int(sub.max()) > 2 * int(sub.sum()):
+                short = sub <= sub.median()
+                if not bool(short.all()):
+                    split += [rows[short], rows[~short]]
+                    continue
+            split.append(rows)
+        if len(split) == len(groups):
+            break
+        groups = split
+    return groups
+
+
 def _paged_sdpa_by_length(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
                           max_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_table: torch.Tensor, softmax_scale: float | None, causal: bool,
-                          depth: int = 3) -> torch.Tensor:
-    """:func:`_paged_sdpa`, the requests split in two at the median kv length (up to ``depth``
-    times) while padding them to the longest would more than double the keys gathered: a long
-    tail (a few requests at 10x the others' length, a partial rollout's continued requests)
-    then costs its own keys, not ``B x`` the longest. Batches of similar lengths take one call,
-    as before."""
-    B = q.shape[0]
-    if depth == 0 or B < 8 or B * max_kv <= 2 * int(kv_lens.sum()):
-        return _paged_sdpa(q, q_lens, kv_lens, max_kv, k_cache, v_cache, block_table,
-                           softmax_scale, causal)
-    short = kv_lens <= kv_lens.median()
-    if bool(short.all()):
+                          block_table: torch.Tensor, softmax_scale: float | None,
+                          causal: bool) -> torch.Tensor:
+    """:func:`_paged_sdpa` per :func:`_length_groups` of the kv lengths (one call for similar
+    lengths, as before)."""
+    groups = _length_groups(kv_lens)
+    if len(groups) == 1:
         return _paged_sdpa(q, q_lens, kv_lens, max_kv, k_cache, v_cache, block_table,
                            softmax_scale, causal)
     out = torch.empty_like(q)
-    for rows in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]):
+    for rows in groups:
         sub_kv = kv_lens[rows]
-        out[rows] = _paged_sdpa_by_length(q[rows], q_lens[rows], sub_kv, int(sub_kv.max()),
-                                          k_cache, v_cache, block_table[rows], softmax_scale,
-                                          causal, depth - 1)
+        out[rows] = _paged_sdpa(q[rows], q_lens[rows], sub_kv, int(sub_kv.max()), k_cache,
+                                v_cache, block_table[rows], softmax_scale, causal)
     return out
 
 
@@ -147,43 +161,29 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_q, max_kv = torch.stack([q_lens.max(), kv_lens.max()]).tolist()  # one host sync
     if max_q <= 0:
         return out
-    decode = q_lens == 1
-    if max_q > 1 and bool(decode.any()):
-        # A mixed step (prefills beside decodes: continuous batching, a partial rollout's
-        # continued requests): padded together, every decode request would cost the longest
-        # prefill's queries (B x Lq x Lk); apart, the decodes cost one query each.
-        for rows in (decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]):
-            sub_q, sub_kv = q_lens[rows], kv_lens[rows]
-            most_q, most_kv = torch.stack([sub_q.max(), sub_kv.max()]).tolist()
-            _varlen_rows(out, q, cu_q[:-1][rows], sub_q, sub_kv, most_q, most_kv, k, v,
-                         block_table[rows], softmax_scale, causal)
+    # Queries padded per group of similar length (a mixed step's decodes apart from its
+    # prefills: padded together, every decode would cost the longest prefill's queries).
+    starts, groups = cu_q[:-1], _length_groups(q_lens)
+    if len(groups) == 1:
+        _varlen_rows(out, q, starts, q_lens, kv_lens, max_q, max_kv, k, v, block_table,
+                     softmax_scale, causal)
         return out
-    _varlen_rows(out, q, cu_q[:-1], q_lens, kv_lens, max_q, max_kv, k, v, block_table,
-                 softmax_scale, causal)
+    for rows in groups:
+        sub_q, sub_kv = q_lens[rows], kv_lens[rows]
+        most_q, most_kv = torch.stack([sub_q.max(), sub_kv.max()]).tolist()
+        _varlen_rows(out, q, starts[rows], sub_q, sub_kv, most_q, most_kv, k, v,
+                     block_table[rows], softmax_scale, causal)
     return out
 
 
 def _varlen_rows(out: torch.Tensor, q: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
                  kv_lens: torch.Tensor, max_q: int, max_kv: int, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, block_table: torch.Tensor, softmax_scale: float | None,
-                 causal: bool, depth: int = 3) -> None:
+                 causal: bool) -> None:
     """Attention of the requests whose queries start at ``starts`` (``[B]``, token index into
-    ``q`` ``[T, H, D]``), written into ``out`` at their tokens. Requests of very different query
-    lengths (prefixes of 5 and 250 tokens prefilled together) are split in two at the median
-    length (up to ``depth`` times) while padding them to the longest would more than double the
-    queries; requests of similar lengths take one call, as before."""
+    ``q`` ``[T, H, D]``), padded to ``max_q``, written into ``out`` at their tokens."""
     if max_q <= 0:
         return
-    B = starts.shape[0]
-    if depth > 0 and B >= 8 and B * max_q > 2 * int(q_lens.sum()):
-        short = q_lens <= q_lens.median()
-        if not bool(short.all()):
-            for rows in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]):
-                sub_q, sub_kv = q_lens[rows], kv_lens[rows]
-                most_q, most_kv = torch.stack([sub_q.max(), sub_kv.max()]).tolist()
-                _varlen_rows(out, q, starts[rows], sub_q, sub_kv, most_q, most_kv, k_cache,
-                             v_cache, block_table[rows], softmax_scale, causal, depth - 1)
-            return
     T = q.shape[0]
     idx = starts[:, None] + torch.arange(max_q, device=starts.device)  # [B, Lq] token index
     valid = torch.arange(max_q, device=starts.device)[None, :] < q_lens[:, None]

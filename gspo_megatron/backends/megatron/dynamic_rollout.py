@@ -131,13 +131,14 @@ class DynamicRollout:
             self.controller._init_dynamic_sampling_tensors()
         self.kv_bytes = self._kv_bytes()
 
-    def generate(self, prompts: list[list[int]], sps: list, stop=None, refill_sp=None) -> list:
-        """Per request, in order (``prompts``, then those ``stop.refill`` added): its finished
+    def generate(self, prompts: list[list[int]], sps: list, stop=None, refill=None) -> list:
+        """Per request, in order (``prompts``, then those ``refill`` added): its finished
         Megatron request record, or, for a request that ``stop`` (a
         :class:`~gspo_megatron.policy.GroupStop`) aborted, the request as it stands (the tokens
         and log-probs written so far). ``sps``: each prompt's ``SamplingParams``;
-        ``refill_sp(budget)``: a refilled request's. Collective over the world under EP > 1
-        (lock-step), over the model-parallel group otherwise."""
+        ``refill(running)``: asked before every step until ``stop`` is done, the requests
+        ``(prompt, SamplingParams)`` to add. Collective over the world under EP > 1 (lock-step),
+        over the model-parallel group otherwise."""
         self.resume()
         try:
             self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
@@ -153,9 +154,9 @@ class DynamicRollout:
             lock_step = self.groups.ep_size > 1
             self.steps = 0
             while True:
-                if stop is not None and stop.refill is not None and not stop.done:
-                    for prompt, budget, _ in stop.refill(len(index) - len(records)):
-                        add(prompt, refill_sp(budget))
+                if refill is not None and not stop.done:
+                    for prompt, sp in refill(len(index) - len(records)):
+                        add(prompt, sp)
                 mine = self.engine.has_unfinished_requests() and not (stop and stop.done)
                 if not (any_rank(mine) if lock_step else mine):
                     break

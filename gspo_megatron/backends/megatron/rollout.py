@@ -480,26 +480,23 @@ class RolloutEngine:
                 per_budget[budget].num_tokens_to_generate = budget
             return per_budget[budget]
         prompts, budgets = list(prompts), list(budgets)
-        refill = None if stop is None else stop.refill
-        if refill is not None:  # the requests added on the way join the lists
+        refill = None
+        if stop is not None and stop.refill is not None:
 
-            def checked_refill(running: int):
-                new = refill(running)
+            def refill(running: int) -> list:
+                """``stop.refill``'s requests, checked, joined to the call's lists."""
+                new = stop.refill(running)
                 self._check([p for p, _, _ in new], [b for _, b, _ in new], len(prompts))
+                added = []
                 for p, b, group in new:
                     prompts.append([int(t) for t in p])
                     budgets.append(b)
                     stop.add(group)
-                return new
-            stop.refill = checked_refill
-        try:
-            with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
-                    contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
-                records = self.dynamic.generate(prompts, [sp_for(b) for b in budgets], stop,
-                                                sp_for)
-        finally:
-            if refill is not None:
-                stop.refill = refill
+                    added.append((prompts[-1], sp_for(b)))
+                return added
+        with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
+                contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
+            records = self.dynamic.generate(prompts, [sp_for(b) for b in budgets], stop, refill)
         recorder = self._route_recorder
         samples = []
         for prompt, budget, record in zip(prompts, budgets, records):
