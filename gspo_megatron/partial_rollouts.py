@@ -11,14 +11,20 @@ end, fresh groups join the rollout (continuous batching over prompts, up to
 are complete (:class:`~gspo_megatron.policy.GroupStop`); the requests still running are set aside
 with the tokens and log-probs written so far, and the next step's rollout continues them first,
 with the newer weights (the prefix is prefilled again, so its KV cache is the new policy's).
+With ``rollout.partial_keep_kv`` the engine holds the cut requests instead, KV cache and all
+(PipelineRL's in-flight weight update): the next rollout continues them without prefilling
+again, their earlier tokens' keys and values computed by the older weights, and the cache stays
+allocated through training; after a checkpoint the prefixes are prefilled once, as a resumed run
+does.
 
 What it changes in the objective: a response carried over was written by two or more policies.
 Each token keeps the log-prob of the policy that sampled it (``response_logprobs``), the trainer
 recomputes the old log-probs at its step (the clip is relative to the policy being updated), and
 ``rollout_correction`` weighs the tokens by their own sampler's probability; ``rollout/partial_*``
 says how much of a step was carried and for how long (``_max_span``: the most steps' policies
-one trained response was written by; ``rollout.partial_max_age`` bounds it). Under R3 the replayed routes of a carried
-response are those of its last rollout (which re-prefilled the prefix).
+one trained response was written by; ``rollout.partial_max_age`` bounds it). Under R3 the
+replayed routes of a carried response are those of its last rollout (which re-prefilled the
+prefix), or with ``partial_keep_kv`` those each token was forwarded with.
 
 State (:meth:`PartialRollouts.state_dict`): the groups in flight with their finished responses and
 the unfinished ones' tokens, plain lists, saved with the checkpoint, so a resumed run continues the
@@ -69,12 +75,15 @@ class PartialRollouts:
     ``max_age``: ``rollout.partial_max_age`` (0: none)."""
 
     def __init__(self, group_size: int, need: int, in_flight: int, max_new_tokens: int,
-                 max_age: int = 0):
+                 max_age: int = 0, keep_kv: bool = False):
         if in_flight < need:
             raise ValueError(f"in_flight ({in_flight}) must be >= need ({need})")
         self.group_size, self.need, self.in_flight = group_size, need, in_flight
-        self.max_new_tokens, self.max_age = max_new_tokens, max_age
+        self.max_new_tokens, self.max_age, self.keep_kv = max_new_tokens, max_age, keep_kv
         self.groups: list[_Group] = []
+        self._checkpointed = True
+        """A checkpoint was taken (or loaded) since the last rollout: the next one prefills every
+        continued prefix, as a run resumed from that checkpoint must."""
 
     def rollout(self, generator: Generator, encode: Callable[[Any], list[int]],
                 draw: Callable[[], list], seed: int, step: int
@@ -108,7 +117,9 @@ class PartialRollouts:
         generated = 0
         if (complete < self.need or not all(g.complete for g in overdue)) and running:
             stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh,
-                             frozenset(index[id(g)] for g in overdue))
+                             frozenset(index[id(g)] for g in overdue), hold_cut=self.keep_kv,
+                             continue_held=self.keep_kv and not self._checkpointed)
+            self._checkpointed = False
             out = generator.generate([g.prompt_ids + r.tokens for g, r in running], seed,
                                      budgets=[self.max_new_tokens - len(r.tokens)
                                               for _, r in running], stop=stop)
@@ -152,7 +163,15 @@ class PartialRollouts:
                             "last_step": r.last_step} for r in g.responses]}
             for g in self.groups]}
 
+    def checkpoint_state(self) -> dict:
+        """:meth:`state_dict` for a checkpoint: the next rollout also prefills every continued
+        prefix again (``keep_kv``: the engine's cache of them is not saved, so the run resumed
+        from this checkpoint and this one compute the same)."""
+        self._checkpointed = True
+        return self.state_dict()
+
     def load_state_dict(self, state: dict) -> None:
+        self._checkpointed = True
         self.groups = [_Group(g["prompt"], list(g["prompt_ids"]), g["drawn"], [
             _Response(list(r["tokens"]), list(r["logprobs"]), r["done"], r["first_step"],
                       r["last_step"])

@@ -89,6 +89,9 @@ class MemoryPlan:
     kv_cache: int = 0
     """The rollout engine's paged KV cache on this GPU (``rollout.dynamic_buffer_size_gb``, or
     ``max_batch_size`` requests of ``seq_length`` tokens; :mod:`gspo_megatron.kv_cache`)."""
+    kv_cache_in_training: bool = False
+    """The KV cache stays allocated through training (``rollout.partial_keep_kv``: the engine
+    holds the requests a partial rollout carried over)."""
     micro_batch_size: int = 1
     """Sequences per padded microbatch (not used when packing)."""
     seq_length: int = 0
@@ -119,8 +122,9 @@ class MemoryPlan:
     @property
     def training_peak(self) -> int:
         """Old-log-prob pass and updates: the state plus activations and log-prob logits (the KV
-        cache is released meanwhile)."""
-        return self.state + self.activations + self.logits
+        cache is released meanwhile, unless :attr:`kv_cache_in_training`)."""
+        held = self.kv_cache if self.kv_cache_in_training else 0
+        return self.state + self.activations + self.logits + held
 
     @property
     def rollout_peak(self) -> int:
@@ -174,13 +178,14 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
                 seq_length: int | None = None, bf16: bool = True, distributed_optimizer: bool = True,
                 recompute: str | None = "full", rollout_tokens: int = 0,
                 routing_replay: bool = False, kv_cache_bytes: int | None = None,
-                rollout_requests: int = 0,
+                rollout_requests: int = 0, keep_kv: bool = False,
                 max_tokens_per_microbatch: int | None = None) -> MemoryPlan:
     """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout is invalid
     or ``max_tokens_per_microbatch`` is below 1.
 
     The rollout's KV cache: ``kv_cache_bytes`` if given, else ``rollout_requests`` requests of
-    ``seq_length`` tokens in paged blocks (0 requests: none).
+    ``seq_length`` tokens in paged blocks (0 requests: none); ``keep_kv``: it stays allocated
+    through training too (``rollout.partial_keep_kv``).
 
     One microbatch's activations and logits, with ``s = seq_length``, ``b = micro_batch_size``,
     ``h`` the hidden size, ``a`` the attention heads, ``k`` the router's top-k, ``f`` the expert FFN
@@ -265,6 +270,7 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
         routing_replay=int(replay), logits=int(logits),
         route_bytes_per_token=route_bytes_per_token(model), rollout_tokens=int(rollout_tokens),
         routing_replay_on=bool(routing_replay), kv_cache=int(kv_cache_bytes),
+        kv_cache_in_training=bool(keep_kv and kv_cache_bytes),
         micro_batch_size=b, seq_length=s, max_tokens_per_microbatch=max_tokens_per_microbatch,
     )
 

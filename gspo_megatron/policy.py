@@ -222,6 +222,15 @@ class GroupStop:
     must: frozenset[int] = frozenset()
     """Groups that must be complete too before the stop (a partial rollout's groups at their
     maximum age: the rollout waits for them as a plain rollout waits for its tail)."""
+    hold_cut: bool = False
+    """Keep the requests the stop cuts in the engine, KV cache and all (``rollout.
+    partial_keep_kv``), for a later call to continue instead of prefilling them again."""
+    continue_held: bool = False
+    """Continue the requests the engine holds from the previous call: a prompt that is exactly a
+    held request's prompt and written tokens resumes it, its KV cache computed by the older
+    weights (PipelineRL's in-flight weight update). False: every held request is dropped and
+    every prompt prefilled (after a checkpoint, so that a run resumed from it, which holds no
+    cache, computes what the uninterrupted run computes)."""
 
     def __post_init__(self):
         self.pending: dict[int, int] = {}

@@ -109,7 +109,8 @@ class Trainer:
         """This rank's part of the checkpoint resumed from (in-flight rollouts)."""
         ro = cfg.rollout
         self.partial = (PartialRollouts(ro.group_size, ro.prompts_per_step, ro.in_flight(),
-                                        ro.max_new_tokens, ro.partial_max_age)
+                                        ro.max_new_tokens, ro.partial_max_age,
+                                        ro.partial_keep_kv)
                         if ro.partial_rollouts else None)
         """``rollout.partial_rollouts``: this rank's groups in flight between steps."""
 
@@ -238,7 +239,7 @@ class Trainer:
         if self.rollouts is not None:  # the rollouts in flight (received now), per rank
             extra[RANK_STATE_KEY] = self.rollouts.state(self.step)
         elif self.partial is not None:  # this rank's unfinished groups
-            extra[RANK_STATE_KEY] = {"partial": self.partial.state_dict()}
+            extra[RANK_STATE_KEY] = {"partial": self.partial.checkpoint_state()}
         self.policy.save_checkpoint(self.save_dir, self.step, extra,
                                     keep_last=self.cfg.checkpoint.keep_last,
                                     before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s),

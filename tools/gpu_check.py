@@ -122,10 +122,16 @@ def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
                                "--routing.replay=r3", "--rollout.placement=separate",
                                "--rollout.ranks=1", "--rollout.max_staleness=1"]], 300),
         # Partial rollouts with R3: the dynamic engine's early stop, refills mid-rollout and
-        # continued requests on CUDA (flash-attn's paged kernels where installed).
+        # continued requests on CUDA (flash-attn's paged kernels where installed); then with the
+        # cut requests' KV cache held through training (rollout.partial_keep_kv).
         ("tiny_partial_r3", [_tiny(w("tiny_partial_r3"), "--rollout.partial_rollouts=true",
                                    "--routing.replay=r3", "--rollout.max_new_tokens=24",
                                    "--model.seq_length=64")], 300),
+        ("tiny_partial_keep_kv_r3", [_tiny(w("tiny_partial_keep_kv_r3"),
+                                           "--rollout.partial_rollouts=true",
+                                           "--rollout.partial_keep_kv=true",
+                                           "--routing.replay=r3", "--rollout.max_new_tokens=24",
+                                           "--model.seq_length=64")], 300),
         ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
         ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
     ]

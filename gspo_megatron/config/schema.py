@@ -240,6 +240,16 @@ class RolloutConfig(Section, name="rollout"):
     still wait a step when more are due than a step trains on); 0: no bound (AReaL bounds the
     same staleness, ``max_head_offpolicyness``)."""
 
+    partial_keep_kv: bool = False
+    """``partial_rollouts``: the engine holds the responses a rollout cuts, KV cache and all, and
+    the next step's rollout continues them without prefilling their prefix again (PipelineRL's
+    in-flight weight update: the earlier tokens' keys and values stay those of the older weights;
+    each token still keeps its own sampler's log-prob). Cost: the KV buffer stays allocated
+    through the old-log-prob pass and the updates instead of being released; saves about 1.8
+    prefilled tokens per token written on long-tailed responses (docs/benchmarks.md, section
+    12). After a checkpoint the prefixes are prefilled once (a resumed run holds no cache).
+    Colocated rollouts only."""
+
     def in_flight(self) -> int:
         """The most groups a partial rollout holds per data-parallel rank."""
         return self.in_flight_groups or 4 * self.prompts_per_step

@@ -86,7 +86,8 @@ def table(plan) -> str:
             ("weights", plan.weights), ("gradients (fp32)", plan.grads),
             ("optimizer (fp32 master + Adam)", plan.optimizer),
             ("activations (estimate)", plan.activations), ("log-prob logits", plan.logits),
-            ("rollout KV cache (paged)", plan.kv_cache),
+            ("rollout KV cache (paged)" + (", held in training" if plan.kv_cache_in_training
+                                           else ""), plan.kv_cache),
             ("training peak", plan.training_peak), ("rollout peak", plan.rollout_peak),
             ("total (larger peak)", plan.total)]
     lines = [f"layout {plan.layout.describe()} DP{plan.dp} on {plan.num_gpus} GPUs"]
@@ -162,6 +163,8 @@ def from_recipe(args, overrides: list[str]):
                   kv_cache_bytes=(None if r.dynamic_buffer_size_gb is None or r.engine == "static"
                                   else int(r.dynamic_buffer_size_gb * GIB)),
                   rollout_requests=0 if r.engine == "static" else r.max_batch_size,
+                  # ... unless the engine holds partial rollouts' requests through training
+                  keep_kv=r.partial_rollouts and r.partial_keep_kv,
                   prompt_length=cfg.data.max_prompt_length,
                   rollout_ranks=r.ranks if r.placement == "separate" else 0)
     return cfg.model.preset, cfg.model, layout, kwargs

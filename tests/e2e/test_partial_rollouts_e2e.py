@@ -13,9 +13,14 @@ SAME = ("reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train", "o
         "rollout/partial_carried_share", "rollout/partial_max_age", "routing/replay_mismatch")
 
 
-def test_partial_rollouts_with_r3_carry_groups_and_resume_bitwise(tmp_path):
+@pytest.mark.parametrize("keep_kv", ["false", "true"])
+def test_partial_rollouts_with_r3_carry_groups_and_resume_bitwise(tmp_path, keep_kv):
+    """With ``rollout.partial_keep_kv`` the carried responses continue from the engine's cache
+    (R3: their routes from the rollouts that forwarded them), and the first rollout after the
+    checkpoint prefills them in both runs."""
     a, b = kill_and_resume(tmp_path, "--rollout.partial_rollouts=true", "--routing.replay=r3",
-                           "--rollout.max_new_tokens=8", "--model.seq_length=16")
+                           "--rollout.max_new_tokens=8", "--model.seq_length=16",
+                           f"--rollout.partial_keep_kv={keep_kv}")
     assert any(m["rollout/partial_carried_share"] > 0 for m in a)
     # at most 4 x 4 groups held (rollout.in_flight_groups' default), 4 taken each step
     assert all(0 < m["rollout/partial_in_flight"] <= 12 for m in a)

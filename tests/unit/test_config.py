@@ -650,6 +650,18 @@ def test_partial_rollouts_refuse_what_they_cannot_run(args, message) -> None:
         validate_config(demo("--rollout.partial_rollouts=true", *args), world_size=2)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--rollout.partial_rollouts=false"], "rollout.partial_keep_kv needs rollout.partial_rollouts"),
+    (["--rollout.placement=separate", "--rollout.ranks=1"],
+     "rollout.partial_keep_kv with rollout.placement='separate'"),
+])
+def test_partial_keep_kv_refuses_what_it_cannot_run(args, message) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(demo("--rollout.partial_rollouts=true", "--rollout.partial_keep_kv=true",
+                             *args), world_size=2)
+    validate_config(demo("--rollout.partial_rollouts=true", "--rollout.partial_keep_kv=true"))
+
+
 def test_r3_with_stale_rollouts_warns() -> None:
     separate = ("--rollout.placement=separate", "--rollout.ranks=1", "--routing.replay=r3")
     with pytest.warns(ConfigWarning, match="max_staleness=1: the replayed routes"):

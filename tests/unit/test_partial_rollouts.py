@@ -17,6 +17,15 @@ class Example:
         self.i = i
 
 
+def drawer(drawn: list):
+    """``draw()`` for a pool: the next ``NEED`` examples, appended to ``drawn``."""
+    def draw():
+        batch = [Example(len(drawn) + k) for k in range(NEED)]
+        drawn.extend(batch)
+        return batch
+    return draw
+
+
 class LengthGenerator:
     """A scripted engine: response ``r`` of prompt ``[i]`` ends (EOS included) after
     ``lengths[i][r]`` tokens, token ``t`` of it being ``10 + 20 r + t``. Every engine step first
@@ -30,7 +39,7 @@ class LengthGenerator:
     def generate(self, prompts, seed, budgets=None, stop=None):
         prompts, budgets = [list(p) for p in prompts], list(budgets)
         call = {"prompts": prompts, "budgets": budgets, "need": stop.need if stop else None,
-                "refills": []}
+                "refills": [], "held": (stop.hold_cut, stop.continue_held) if stop else None}
         self.calls.append(call)
         seen: dict[int, int] = {}
         order, written, finished = [], [], []
@@ -99,10 +108,7 @@ def test_a_rollout_keeps_a_batch_running_stops_at_need_groups_and_carries_the_re
     gen = LengthGenerator(lengths)
     drawn = []
 
-    def draw():
-        batch = [Example(len(drawn) + k) for k in range(NEED)]
-        drawn.extend(batch)
-        return batch
+    draw = drawer(drawn)
 
     pool = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW)
     encode = lambda ex: [ex.i]  # noqa: E731
@@ -150,10 +156,7 @@ def test_oldest_complete_groups_first_and_resume_from_state_is_identical():
     def run(pool, gen, drawn, steps, start=0):
         out = []
 
-        def draw():
-            batch = [Example(len(drawn) + k) for k in range(NEED)]
-            drawn.extend(batch)
-            return batch
+        draw = drawer(drawn)
         for step in range(start, start + steps):
             prompts, samples, m = pool.rollout(gen, lambda e: [e.i], draw, seed=step, step=step)
             out.append(([p.i for p in prompts], [(s.response_ids, s.finish_reason)
@@ -181,6 +184,29 @@ def test_oldest_complete_groups_first_and_resume_from_state_is_identical():
     assert b == a[6:]
 
 
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_keep_kv_continues_held_requests_but_after_a_checkpoint(keep_kv):
+    """``rollout.partial_keep_kv``: every rollout asks the engine to hold what it cuts, and to
+    continue what it holds, except the first rollout after a checkpoint (saved or loaded), so
+    that a resumed run and the uninterrupted one both prefill the prefixes there."""
+    lengths = {i: [MAX_NEW, 1] for i in range(200)}  # every group has a long response
+    pool, gen, drawn = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW, keep_kv=keep_kv), \
+        LengthGenerator(lengths), []
+
+    draw = drawer(drawn)
+
+    def step(k):
+        pool.rollout(gen, lambda e: [e.i], draw, seed=k, step=k)
+        return gen.calls[-1]["held"]
+    flags = [step(0), step(1)]
+    pool.checkpoint_state()
+    flags += [step(2), step(3)]
+    pool.load_state_dict(pool.state_dict())
+    flags += [step(4)]
+    assert flags == [(keep_kv, False), (keep_kv, keep_kv), (keep_kv, False), (keep_kv, keep_kv),
+                     (keep_kv, False)]
+
+
 def test_in_flight_below_need_is_refused():
     with pytest.raises(ValueError, match="in_flight"):
         PartialRollouts(G, 4, 3, MAX_NEW)
@@ -198,10 +224,7 @@ def test_max_age_bounds_how_many_steps_a_response_spans(max_age):
         pool, gen, drawn = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW, max_age=cap), \
             LengthGenerator(lengths), []
 
-        def draw():
-            batch = [Example(len(drawn) + k) for k in range(NEED)]
-            drawn.extend(batch)
-            return batch
+        draw = drawer(drawn)
         out = []
         for step in range(30):
             _, samples, m = pool.rollout(gen, lambda e: [e.i], draw, seed=step, step=step)

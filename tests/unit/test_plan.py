@@ -410,3 +410,19 @@ def test_rollout_ranks_of_a_separate_placement(plan):
     assert "rollout.ranks=4 must equal the trainer's data-parallel size (DP8 on 16" in r.stderr
     r = plan("--config", recipe, "--gpus", "8", *separate)
     assert r.returncode == 2 and "leaves no GPU to train on (--gpus 8)" in r.stderr
+
+
+def test_held_kv_cache_counts_in_the_training_peak(plan):
+    """``rollout.partial_keep_kv``: the engine holds carried requests' KV cache through training,
+    so the training peak carries it too; the report says so."""
+    model = model_config_from_preset("tiny", seq_length=4096)
+    base = plan_memory(model, Layout(), 1, rollout_requests=64)
+    held = plan_memory(model, Layout(), 1, rollout_requests=64, keep_kv=True)
+    assert base.kv_cache > 0 and held.rollout_peak == base.rollout_peak
+    assert held.training_peak == base.training_peak + base.kv_cache
+    tiny = os.path.join(RECIPES, "tiny_gspo.yaml")
+    p = plan("--gpus", "1", "--config", tiny, "--rollout.partial_rollouts=true",
+             "--rollout.partial_keep_kv=true")
+    assert p.returncode == 0 and "held in training" in p.stderr + p.stdout
+    p = plan("--gpus", "1", "--config", tiny, "--rollout.partial_rollouts=true")
+    assert p.returncode == 0 and "held in training" not in p.stderr + p.stdout

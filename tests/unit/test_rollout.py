@@ -358,6 +358,59 @@ def test_a_partial_rollout_stops_at_its_groups_and_continues_where_it_stopped(se
         engine(setup, engine="static").generate(prompts, seed=0, stop=GroupStop([0] * 12, 1))
 
 
+def test_held_requests_continue_without_prefill_with_their_routes(setup):
+    """``GroupStop.hold_cut`` / ``continue_held`` (``rollout.partial_keep_kv``): the requests a
+    stop cuts stay in the engine with their KV cache (the buffer stays allocated); a call whose
+    prompts are their prompts + written tokens continues them with no prefill step, and gives
+    (greedy, same weights) the uninterrupted responses, the trainer's log-probs and, under R3,
+    the uninterrupted routes of every forwarded position. A call that does not continue them
+    (evaluation) drops them and prefills as usual."""
+    from gspo_megatron.policy import GroupStop
+
+    policy, groups = setup
+    eng = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                        config=RolloutConfig(temperature=0.7, top_k=1, max_new_tokens=12,
+                                             max_batch_size=16), record_routes=True)
+    prompts = make_prompts(12, seed=6)
+    whole = eng.generate(prompts, seed=0)
+    first = eng.generate(prompts, seed=0, stop=GroupStop([i // 2 for i in range(12)], need=1,
+                                                         hold_cut=True))
+    cut = [i for i, s in enumerate(first) if s.finish_reason == "aborted"]
+    assert len(cut) == 10 and len(eng.dynamic.held_ids()) == 10
+    assert eng.dynamic.kv_bytes > 0  # held: the cache stays
+    written = {i: len(first[i].response_ids) for i in cut}
+    forwarded = []  # tokens in each engine forward
+    forward = eng.wrapper.run_one_forward_step
+
+    def counted(*args, **kwargs):
+        forwarded.append(int(eng.dynamic.context.active_token_count))
+        return forward(*args, **kwargs)
+    eng.wrapper.run_one_forward_step = counted
+    stop = GroupStop([i // 2 for i in cut], need=5, hold_cut=True, continue_held=True)
+    rest = eng.generate([prompts[i] + first[i].response_ids for i in cut][::-1], seed=0,
+                        budgets=[12 - written[i] for i in cut][::-1], stop=stop)[::-1]
+    eng.wrapper.run_one_forward_step = forward
+    assert max(forwarded) <= len(cut)  # one token per running request: nothing prefilled again
+    assert not eng.dynamic.held_ids() and eng.dynamic.kv_bytes == 0
+    joined = []
+    for i, s in zip(cut, rest):
+        assert first[i].response_ids + s.response_ids == whole[i].response_ids
+        assert s.finish_reason == whole[i].finish_reason
+        assert torch.equal(s.extra["routes"], whole[i].extra["routes"])
+        joined.append(RolloutSample(prompts[i], whole[i].response_ids,
+                                    first[i].response_logprobs + s.response_logprobs, "eos"))
+    worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
+                for s, ref in zip(joined, trainer_logprobs(setup, joined, 0.7)))
+    assert worst <= LOGPROB_TOL
+    # held again, then a call that does not continue them: dropped, prefilled as usual
+    eng.generate(prompts, seed=0, stop=GroupStop([i // 2 for i in range(12)], need=1,
+                                                 hold_cut=True))
+    assert eng.dynamic.held_ids()
+    again = eng.with_sampling(eng.config).generate(prompts, seed=0)
+    assert not eng.dynamic.held_ids() and eng.dynamic.kv_bytes == 0
+    assert [s.response_ids for s in again] == [s.response_ids for s in whole]
+
+
 def test_a_partial_rollout_takes_requests_added_on_the_way(setup):
     """``GroupStop.refill`` (a partial rollout keeping a batch running): requests it returns
     join the running call and come back after the call's own, in the order added, each as it

@@ -22,11 +22,19 @@ What this module adds to Megatron's engine (:class:`DynamicRollout`):
 * **Memory between phases.** After a rollout the KV buffer is released (``engine.suspend()``:
   Megatron's ``deallocate_all_tensors``) and restored before the next (``resume()``), so the old-
   log-prob pass and the updates run without it; :attr:`DynamicRollout.kv_bytes` says what it holds.
+* **Held requests** (``rollout.partial_keep_kv``). The requests a partial rollout cuts
+  (``GroupStop.hold_cut``) can stay in the engine, KV cache and all, instead of being dropped;
+  the next call continues each whose prompt is exactly its prompt + written tokens
+  (``GroupStop.continue_held``) without prefilling it again (PipelineRL's in-flight weight
+  update: the cached keys and values are the older weights'). The buffer is then not released
+  while requests are held. A call that does not continue all of them drops them all.
 * **R3.** With a route recorder, every step's routes are recorded from the packed buffer and
   handed to each request by token position (:class:`~.rollout_routes.PackedRouteRecorder`).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -107,6 +115,12 @@ class DynamicRollout:
         self.engine.persist_cuda_graphs = True
         self.steps = 0
         """Engine steps (forward passes) of the last generate, dummy forwards included."""
+        self._request_ids = itertools.count()
+        """Request ids, unique for the engine's life (R3 routes of held requests are kept by id
+        across calls; Megatron's own counter restarts at every ``engine.reset()``)."""
+        self._held: dict[tuple[int, ...], list[int]] = {}
+        """Requests a partial rollout cut and kept (``GroupStop.hold_cut``), by their prompt and
+        written tokens: the next call's prompt for them."""
         self.kv_bytes = self._kv_bytes()
         """Bytes the paged KV cache holds now (0 while suspended)."""
         self.suspend()
@@ -131,25 +145,62 @@ class DynamicRollout:
             self.controller._init_dynamic_sampling_tensors()
         self.kv_bytes = self._kv_bytes()
 
+    def held_ids(self) -> set[int]:
+        """Ids of the requests held from the previous call (``GroupStop.hold_cut``)."""
+        return {request_id for ids in self._held.values() for request_id in ids}
+
+    def drop_held(self) -> None:
+        """Forget the held requests and their KV cache."""
+        if self._held:
+            self._held.clear()
+            self.engine.reset()
+
+    def _claim_held(self, prompts: list[list[int]], stop) -> dict[int, int]:
+        """``{call position: held request id}`` for the prompts that continue a held request;
+        all or nothing: if ``stop`` does not ask for it or a held request is left unclaimed,
+        every held request is dropped and ``{}`` returned."""
+        claimed: dict[int, int] = {}
+        if self._held and stop is not None and stop.continue_held:
+            free = {key: list(ids) for key, ids in self._held.items()}
+            for i, prompt in enumerate(prompts):
+                ids = free.get(tuple(prompt))
+                if ids:
+                    claimed[i] = ids.pop(0)
+            if len(claimed) == sum(map(len, self._held.values())):
+                self._held.clear()
+                return claimed
+        self.drop_held()
+        return {}
+
     def generate(self, prompts: list[list[int]], sps: list, stop=None, refill=None) -> list:
         """Per request, in order (``prompts``, then those ``refill`` added): its finished
         Megatron request record, or, for a request that ``stop`` (a
         :class:`~gspo_megatron.policy.GroupStop`) aborted, the request as it stands (the tokens
-        and log-probs written so far). ``sps``: each prompt's ``SamplingParams``;
+        and log-probs written so far; a continued request's include those of earlier calls, after
+        its ``prompt_tokens``). ``sps``: each prompt's ``SamplingParams``;
         ``refill(running)``: asked before every step until ``stop`` is done, the requests
-        ``(prompt, SamplingParams)`` to add. Collective over the world under EP > 1 (lock-step),
-        over the model-parallel group otherwise."""
+        ``(prompt, SamplingParams)`` to add. With ``stop.hold_cut`` the aborted requests stay in
+        the engine (and the KV buffer allocated) for the next call to continue
+        (``stop.continue_held``). Collective over the world under EP > 1 (lock-step), over the
+        model-parallel group otherwise."""
+        held = self._claim_held(prompts, stop)
         self.resume()
         try:
-            self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
+            if held:  # the context holds the continued requests: eval mode without its reset
+                self.wrapper.model.eval()
+            else:
+                self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
             index: dict[int, int] = {}  # request id -> its place in the call
 
             def add(prompt, sp):
-                request_id = int(next(self.engine.request_counter))
+                request_id = next(self._request_ids)
                 index[request_id] = len(index)
                 self.engine.add_request(request_id, list(prompt), sp)
-            for prompt, sp in zip(prompts, sps):
-                add(prompt, sp)
+            for i, (prompt, sp) in enumerate(zip(prompts, sps)):
+                if i in held:
+                    index[held[i]] = len(index)
+                else:
+                    add(prompt, sp)
             records = {}
             lock_step = self.groups.ep_size > 1
             self.steps = 0
@@ -169,13 +220,22 @@ class DynamicRollout:
                     self.controller.dummy_forward()
                 self.steps += 1
             out = [records.get(request_id) for request_id in index]
-            if any(r is None for r in out):  # aborted: take them as they stand, then drop them
+            if any(r is None for r in out):  # aborted: take them as they stand
                 out = [r if r is not None else self.engine.get_request(request_id)
                        for request_id, r in zip(index, out)]
-                self.engine.reset()
+                if stop.hold_cut:  # keyed by what the next call's prompt will be
+                    for r in out:
+                        if not hasattr(r, "requests"):
+                            key = tuple(int(t) for t in r.prompt_tokens.tolist()) + tuple(
+                                int(t) for t in r.generated_tokens)
+                            self._held.setdefault(key, []).append(r.request_id)
+                else:
+                    self.engine.reset()
             return out
         finally:
-            self.suspend()
+            if not self._held:
+                self.suspend()
+            self.kv_bytes = self._kv_bytes()
 
 
 class _SingleRank:

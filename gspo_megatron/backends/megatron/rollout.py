@@ -267,6 +267,7 @@ class RolloutEngine:
             # The legacy engine reseeds torch's *global* RNG on every generate(); we seed only the
             # controller's sampling generator, so training RNG streams are left untouched.
             self.engine.random_seed = None
+            self.dynamic = None
         else:
             self._build_dynamic(buffer_size_gb)
 
@@ -357,7 +358,9 @@ class RolloutEngine:
         finally:
             model.train(was_training)
             self.wrapper.route_recorder = None
-            if self._route_recorder is not None:
+            if self.dynamic is not None and self._route_recorder is not None:
+                self._route_recorder.reset(keep=self.dynamic.held_ids())  # held: routes stay
+            elif self._route_recorder is not None:
                 self._route_recorder.reset()
         return samples
 
@@ -503,9 +506,11 @@ class RolloutEngine:
             finished = hasattr(record, "requests")  # a record; an aborted request is not one
             req = (record.merge() if len(record.requests) > 1 else record.requests[0]) \
                 if finished else record
+            # a held request continued (GroupStop.continue_held) wrote the prompt's tail earlier
+            written = len(prompt) - len(req.prompt_tokens)
             tokens = [int(t) for t in (req.generated_tokens.tolist()
                                        if torch.is_tensor(req.generated_tokens)
-                                       else req.generated_tokens)]
+                                       else req.generated_tokens)][written:]
             logprobs = [float(x) for x in (req.generated_log_probs or [])]
             logprobs = logprobs[-len(tokens):] if tokens else []
             if not finished:

@@ -143,8 +143,14 @@ class PackedRouteRecorder:
                                f"{int((~seen).sum())} of its {length} forwarded positions")
         return out
 
-    def reset(self) -> None:
-        self._steps, self._table = [], None
+    def reset(self, keep=()) -> None:
+        """Forget the recorded steps, but the routes of the requests in ``keep`` (held by the
+        engine for a later call: their earlier tokens are not forwarded again)."""
+        keep = torch.tensor(sorted(keep), dtype=torch.long)
+        self._steps = [] if not keep.numel() else [
+            (ids[m], pos[m], routes[:, m]) for ids, pos, routes in self._steps
+            for m in [torch.isin(ids, keep)] if bool(m.any())]
+        self._table = None
         self.routing.reset()
 
 
