@@ -78,9 +78,11 @@ def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, ma
     # a zero weight does not cancel a NaN (NaN - inf, 0 * NaN), so they read the request's first
     # key instead (written, finite, and masked). One gather per cache, only the first Lk keys.
     rows = blocks[:, j // block_size] * block_size + j % block_size  # [B, Lk]
-    rows = torch.where(written, rows, rows[:, :1])
-    k = k_cache.reshape(-1, Hk, D)[rows].transpose(1, 2)  # [B, Hk, Lk, D]
-    v = v_cache.reshape(-1, Hk, D)[rows].transpose(1, 2)
+    rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
+    # index_select, not cache[rows]: the same copy, ~4x faster on CPU (advanced indexing's
+    # generic kernel moved ~5 GB/s, a third of a decoding step's attention at 80 keys)
+    k = k_cache.reshape(-1, Hk, D).index_select(0, rows).view(B, Lk, Hk, D).transpose(1, 2)
+    v = v_cache.reshape(-1, Hk, D).index_select(0, rows).view(B, Lk, Hk, D).transpose(1, 2)
     i = torch.arange(Lq, device=q.device)
     mask = written[:, None, :] & (i[None, :, None] < q_lens[:, None, None])  # [B, Lq, Lk]
     if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i

@@ -17,7 +17,10 @@ Workload: the tiny preset (2 layers, hidden 64, 4 experts top-2), random weights
 
 For each engine (``dynamic``: the default, every prompt in flight at once; ``dynamic_slots32``:
 the same engine with 32 request slots for the 128 prompts, a finished response's slot refilled at
-once, both batches at that setting; ``static``: Megatron's static batch engine) and each
+once, both batches at that setting; ``static``: Megatron's static batch engine;
+``dynamic_partial`` / ``dynamic_partial_keep_kv``: partial rollouts in their steady state,
+continued responses prefilled again / continued from the engine's held KV cache, see
+:func:`_partial`) and each
 layout (EP=1: one process; EP=2: two gloo ranks, each with its own prompts, in lock-step) it reports
 the seconds per real (response) token of each batch and their ratio (the target: <= 1.3x), the
 engine's forward steps against the longest response, and tokens forwarded per real token. The
@@ -30,7 +33,8 @@ from __future__ import annotations
 TARGET = 1.3
 VOCAB, PROMPTS, NEW_TOKENS = 24, 128, 256
 GROUP, PARTIAL_WARMUP, PARTIAL_STEPS = 4, 4, 4
-"""Partial rollouts: responses per group, steps before the steady state, timed steps per round."""
+"""Partial rollouts: responses per group, steps before the steady state, timed steps per round
+(the uniform batch runs every other step)."""
 SLOTS = 32
 """Request slots of the continuous-batching variant (``rollout.max_batch_size``), a quarter of the
 prompts: the Qwen3-30B-A3B 16k recipe decodes 64 of a rank's 128 responses at once."""
@@ -75,9 +79,7 @@ def _child(spec: dict) -> dict:
             pol.model, groups, eos_id=VOCAB - 1, pad_id=0, vocab_size=VOCAB, config=base_slots)
     out: dict = {}
     if spec.get("partial"):
-        out["dynamic_partial"] = _partial(spec, pol, groups, base, prompts, rounds)
-        out["dynamic_partial_keep_kv"] = _partial(spec, pol, groups, base, prompts, rounds,
-                                                  keep_kv=True)
+        out.update(_partial(spec, pol, groups, base, prompts, rounds))
     for name, eng in engines.items():
         longest = eng.generate(prompts, seed=0)  # warm-up, and the lengths
         lengths = [len(s.response_ids) for s in longest]
@@ -105,15 +107,17 @@ def _child(spec: dict) -> dict:
     return out
 
 
-def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: int,
-             keep_kv: bool = False) -> dict:
-    """Partial rollouts (``rollout.partial_rollouts``, its defaults): groups of ``GROUP``
-    responses, a step trains on ``len(prompts) / GROUP`` of them, ``len(prompts)`` requests kept
-    running, fresh groups joining as responses end; the long-tailed
-    rollout's cost per step against the tokens it wrote that step (carried responses included),
-    in the steady state (after ``PARTIAL_WARMUP`` steps), against the uniform batch of the same
-    mean length (every response that long, ``len(prompts)`` requests, no tail to carry).
-    ``keep_kv``: ``rollout.partial_keep_kv`` (the engine holds the cut requests' KV cache)."""
+def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: int) -> dict:
+    """Partial rollouts (``rollout.partial_rollouts``, its defaults), without and with
+    ``rollout.partial_keep_kv`` (the engine holds the cut requests' KV cache): groups of
+    ``GROUP`` responses, a step trains on ``len(prompts) / GROUP`` of them, ``len(prompts)``
+    requests kept running, fresh groups joining as responses end; the long-tailed rollout's cost
+    per step against the tokens it wrote that step (carried responses included), in the steady
+    state (after ``PARTIAL_WARMUP`` steps), against the uniform batch of the same mean length
+    (every response that long, ``len(prompts)`` requests, no tail to carry). The two pools and
+    the uniform batch take turns step by step, each on an engine of its own (a call on a keep_kv
+    pool's engine would drop what it holds, as an evaluation does), so all three see the same
+    machine."""
     import dataclasses
     import time
 
@@ -123,49 +127,57 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
 
     need = len(prompts) // GROUP
     cfg = dataclasses.replace(base, engine="dynamic", partial_rollouts=True,
-                              prompts_per_step=need, group_size=GROUP, partial_keep_kv=keep_kv)
+                              prompts_per_step=need, group_size=GROUP)
     cfg = dataclasses.replace(cfg, max_batch_size=cfg.in_flight() * GROUP)  # room for them all
-    eng = RolloutEngine(pol.model, groups, eos_id=VOCAB - 1, pad_id=0, vocab_size=VOCAB,
-                        config=cfg)
-    forwarded = [0]  # tokens the engine's forwards ran (prefill and decode)
-    forward = eng.wrapper.run_one_forward_step
 
-    def counting(*args, **kwargs):
-        forwarded[0] += int(eng.dynamic.context.active_token_count)
-        return forward(*args, **kwargs)
-    lengths = [len(s.response_ids) for s in eng.generate(prompts, seed=0)]
+    def build(config):
+        return RolloutEngine(pol.model, groups, eos_id=VOCAB - 1, pad_id=0, vocab_size=VOCAB,
+                             config=config)
+    variants = {name: {"engine": build(dataclasses.replace(cfg, partial_keep_kv=keep)),
+                       "pool": PartialRollouts(GROUP, need, cfg.in_flight(), spec["new_tokens"],
+                                               keep_kv=keep),
+                       "drawn": [0], "forwarded": [0], "rows": []}
+                for name, keep in (("dynamic_partial", False), ("dynamic_partial_keep_kv", True))}
+    for v in variants.values():  # count the tokens each engine's forwards run
+        eng, forward, forwarded = v["engine"], v["engine"].wrapper.run_one_forward_step, \
+            v["forwarded"]
+
+        def counting(*args, _eng=eng, _forward=forward, _forwarded=forwarded, **kwargs):
+            _forwarded[0] += int(_eng.dynamic.context.active_token_count)
+            return _forward(*args, **kwargs)
+        eng.wrapper.run_one_forward_step = counting
+    lengths = [len(s.response_ids) for s in build(cfg).generate(prompts, seed=0)]
     mean = max(1, round(sum(lengths) / len(lengths)))
-    # the uniform batch on an engine of its own: a call on the same engine would drop the
-    # requests a keep_kv pool holds (as an evaluation does, every trainer.eval_interval steps)
-    uniform = RolloutEngine(pol.model, groups, eos_id=VOCAB - 1, pad_id=0, vocab_size=VOCAB,
-                            config=dataclasses.replace(cfg, max_new_tokens=mean, ignore_eos=True))
-    drawn = [0]
+    uniform = build(dataclasses.replace(cfg, max_new_tokens=mean, ignore_eos=True))
 
-    def draw():  # the prompts in turn, one group per prompt
-        start, drawn[0] = drawn[0], drawn[0] + need
-        return [(start + k) % len(prompts) for k in range(need)]
-
-    pool = PartialRollouts(GROUP, need, cfg.in_flight(), spec["new_tokens"], keep_kv=keep_kv)
-    eng.wrapper.run_one_forward_step = counting
-    times, written, steps, carried, ages, uni, fwd = [], [], [], [], [], [], []
+    def drawer(drawn):
+        def draw():  # the prompts in turn, one group per prompt
+            start, drawn[0] = drawn[0], drawn[0] + need
+            return [(start + k) % len(prompts) for k in range(need)]
+        return draw
+    uni = []
     for step in range(PARTIAL_WARMUP + PARTIAL_STEPS * rounds):
-        forwarded[0] = 0
-        t = time.perf_counter()
-        _, samples, m = pool.rollout(eng, lambda i: prompts[i], draw, seed=step, step=step)
-        if step >= PARTIAL_WARMUP:
-            times.append(time.perf_counter() - t)
-            fwd.append(forwarded[0])
-            written.append(m["rollout/partial_generated_tokens"])
-            steps.append(eng.dynamic.steps)
-            carried.append(m["rollout/partial_carried_share"])
-            ages.append(m["rollout/partial_max_age"])
-            if step % PARTIAL_STEPS == 0:  # the uniform batch, interleaved
-                t = time.perf_counter()
-                uniform.generate(prompts, seed=step)
-                uni.append(time.perf_counter() - t)
-    per_token = {"long_tailed": sum(times) / sum(written),
-                 "uniform": median(uni) / (mean * len(prompts))}
-    return {"seconds": {"long_tailed": median(times), "uniform": median(uni)},
+        for v in variants.values():
+            v["forwarded"][0] = 0
+            t = time.perf_counter()
+            _, _, m = v["pool"].rollout(v["engine"], lambda i: prompts[i], drawer(v["drawn"]),
+                                        seed=step, step=step)
+            if step >= PARTIAL_WARMUP:  # seconds, written, forwarded, steps, carried, age
+                v["rows"].append((time.perf_counter() - t, m["rollout/partial_generated_tokens"],
+                                  v["forwarded"][0], v["engine"].dynamic.steps,
+                                  m["rollout/partial_carried_share"],
+                                  m["rollout/partial_max_age"]))
+        if step >= PARTIAL_WARMUP and step % 2 == 0:  # the uniform batch, interleaved
+            t = time.perf_counter()
+            uniform.generate(prompts, seed=step)
+            uni.append(time.perf_counter() - t)
+    out = {}
+    for name, v in variants.items():
+        times, written, fwd, steps, carried, ages = map(list, zip(*v["rows"]))
+        per_token = {"long_tailed": sum(times) / sum(written),
+                     "uniform": median(uni) / (mean * len(prompts))}
+        out[name] = {
+            "seconds": {"long_tailed": median(times), "uniform": median(uni)},
             "real_tokens": {"long_tailed": round(median(written)), "uniform": mean * len(prompts)},
             "forward_steps": {"long_tailed": median(steps), "uniform": None},
             "longest": max(lengths), "mean_length": mean, "per_token_s": per_token,
@@ -174,6 +186,7 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
             # every token written but a response's last is fed back once (a decode token); the
             # rest of what the forwards ran is prefill (fresh prompts, continued prefixes)
             "prefilled_per_written": (sum(fwd) - sum(written)) / sum(written)}
+    return out
 
 
 def run(smoke: bool = False, rounds: int = 3) -> dict:
