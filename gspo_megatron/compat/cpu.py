@@ -15,7 +15,7 @@ How (and how far each fix reaches):
 * Three module functions are replaced by CPU equivalents where no narrower fix exists (the RNG
   state getters/setters of ``tensor_parallel.random`` and the fp32 grad-clip helper that asserts the
   type string ``torch.cuda.FloatTensor``).
-* glibc's allocator keeps large freed blocks (:func:`_keep_freed_memory`; speed only).
+* :func:`keep_freed_memory` (speed only, not applied here: the CPU rollout engine calls it).
 * ``torch.compile`` (megatron's ``jit_fuser``) is set to run eagerly with
   ``torch.compiler.set_stance("force_eager")``. That switch is process-wide: it costs ~17 s and a C++
   toolchain per process on first use, and buys nothing at the sizes a CPU runs.
@@ -326,15 +326,19 @@ def _no_nvtx(*args, **kwargs) -> None:
     """An NVTX range marker that marks nothing (a profiler annotation; no CUDA, no profiler)."""
 
 
-def _keep_freed_memory() -> None:
-    """glibc's allocator: serve large temporaries from the heap and keep freed memory mapped.
+def keep_freed_memory() -> None:
+    """glibc's allocator: serve large temporaries from the heap and keep freed memory mapped
+    (process-wide from the call on).
 
     By default a block over a (dynamic) threshold of a few MB is a fresh ``mmap`` and the top of
     the heap is returned to the OS once 2x that is free, so a tensor of that size allocated every
     step (the paged-attention fallback's gathered keys and values: 5 MB per layer at 128 requests
     x 80 keys) page-faults every time: 1.4 ms -> 6.7 ms per attention call measured at 80 keys.
-    Raising both thresholds (mmap 32 MB, glibc's maximum; trim 1 GB) keeps those pages. Not a
-    megatron fix and no change to any result; a no-op outside glibc."""
+    Raising both thresholds (mmap 32 MB, glibc's maximum; trim 1 GB) keeps those pages. The
+    price is a higher resident peak where memory is freed and not reused (the HF converter's
+    shard-by-shard peak: 348 -> 458 MB on its test), so only the CPU rollout engine applies it
+    (:class:`~gspo_megatron.backends.megatron.dynamic_rollout.DynamicRollout`), never the
+    converter. No change to any result; a no-op outside glibc."""
     import ctypes
     import ctypes.util
 
@@ -362,7 +366,6 @@ def apply_cpu_compat() -> bool:
 
     # Failure 7: jit_fuser is torch.compile; make it eager (process-wide, see module docstring).
     torch.compiler.set_stance("force_eager")
-    _keep_freed_memory()  # CPU speed, not a failure: large per-step temporaries stop page-faulting
 
     proxy = _TorchOnCpu()
     for rel_name in _PATCHED_MODULES:

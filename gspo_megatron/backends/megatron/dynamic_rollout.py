@@ -53,9 +53,9 @@ class DynamicRollout:
     def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
                  max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None):
         from megatron.core.inference.contexts import StaticInferenceContext
-        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-        from megatron.core.inference.engines import DynamicInferenceEngine
 
+        from gspo_megatron.backends.megatron.dynamic_admission import (AdmittingContext,
+                                                                       AdmittingEngine)
         from gspo_megatron.backends.megatron.inference_hooks import (
             RolloutInferenceWrapper,
             RolloutTextGenerationController,
@@ -79,7 +79,7 @@ class DynamicRollout:
             budget = kv_budget_bytes(max_requests, max_sequence_length, per_token)
             # + half a block: Megatron floors buffer bytes / block bytes
             buffer_size_gb = (budget + BLOCK_SIZE_TOKENS * per_token // 2) / 1024 ** 3
-        self.context = _yarn_scaled(DynamicInferenceContext)(
+        self.context = _yarn_scaled(AdmittingContext)(
             params_dtype=wrapper_config.params_dtype,
             num_layers=cfg.num_layers // groups.pp_size,
             kv_channels=cfg.kv_channels,
@@ -107,8 +107,14 @@ class DynamicRollout:
         self.wrapper.prep_model_for_inference()  # puts the model in eval mode ...
         model.train(training)  # ... which training must not inherit (no MoE aux loss in eval)
         self.controller._init_dynamic_sampling_tensors()
-        self.engine = DynamicInferenceEngine(controller=self.controller, context=self.context,
-                                             random_seed=1234)
+        self.engine = AdmittingEngine(controller=self.controller, context=self.context,
+                                      random_seed=1234)
+        self._device = (torch.device("cuda", torch.cuda.current_device())
+                        if torch.cuda.is_available() else torch.device("cpu"))
+        if self._device.type == "cpu":  # the fallback's per-step gathers stop page-faulting
+            from gspo_megatron.compat.cpu import keep_freed_memory
+
+            keep_freed_memory()
         # No CUDA graphs are built (num_cuda_graphs is None), so suspend / resume have none to
         # delete or capture; without this Megatron's suspend calls delete_cuda_graphs(), a full
         # gc.collect() (0.15 s per rollout on the tiny CPU model, more in a large process).
@@ -183,6 +189,8 @@ class DynamicRollout:
         the engine (and the KV buffer allocated) for the next call to continue
         (``stop.continue_held``). Collective over the world under EP > 1 (lock-step), over the
         model-parallel group otherwise."""
+        from gspo_megatron.backends.megatron.dynamic_admission import RolloutRequest
+
         held = self._claim_held(prompts, stop)
         self.resume()
         try:
@@ -192,10 +200,12 @@ class DynamicRollout:
                 self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
             index: dict[int, int] = {}  # request id -> its place in the call
 
-            def add(prompt, sp):
+            def add(prompt, sp):  # engine.add_request without its deep copies
                 request_id = next(self._request_ids)
                 index[request_id] = len(index)
-                self.engine.add_request(request_id, list(prompt), sp)
+                self.engine._add_request(RolloutRequest(
+                    request_id=request_id, sampling_params=sp,
+                    prompt_tokens=torch.tensor(prompt, dtype=torch.int64, device=self._device)))
             for i, (prompt, sp) in enumerate(zip(prompts, sps)):
                 if i in held:
                     index[held[i]] = len(index)
