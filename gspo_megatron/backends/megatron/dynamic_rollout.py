@@ -236,8 +236,7 @@ class DynamicRollout:
                 if stop.hold_cut:  # keyed by what the next call's prompt will be
                     for r in out:
                         if not hasattr(r, "requests"):
-                            key = tuple(int(t) for t in r.prompt_tokens.tolist()) + tuple(
-                                int(t) for t in r.generated_tokens)
+                            key = tuple(r.prompt_tokens.tolist()) + tuple(r.generated_tokens)
                             self._held.setdefault(key, []).append(r.request_id)
                 else:
                     self.engine.reset()
