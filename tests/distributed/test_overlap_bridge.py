@@ -102,7 +102,10 @@ def _side(rank: int, port: int, k: int, die: str, queue) -> None:
 
 
 def _run(k: int, die: str = "") -> dict[int, tuple[str, object]]:
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a forked child inherits the parent's default process group when an
+    # earlier test of this pytest process initialised one ("initialize the default process
+    # group twice")
+    ctx = mp.get_context("spawn")
     queue, port = ctx.SimpleQueue(), free_port()
     procs = [ctx.Process(target=_side, args=(r, port, k, die, queue)) for r in range(2)]
     for p in procs:

@@ -1,4 +1,4 @@
-"""Run a function on N gloo processes (fork start, so test modules need no importable entry)."""
+"""Run a function on N gloo processes (spawned: ``fn`` must be a module-level function)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 def run_gloo(fn, world_size: int, *args, timeout: float = 120.0):
     """Call ``fn(rank, world_size, *args)`` on each rank; return the per-rank results in rank order."""
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a forked child inherits the parent's default process group when an
+    # earlier test of this pytest process initialised one, and cannot initialise its own
+    ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
