@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -226,29 +225,22 @@ class RopeOnceSelfAttention(SelfAttention):
         return cached[2]
 
 
-_ROPE_TABLES: dict[int, tuple] = {}
-
-
 def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
     """``(cos, sin, rot_dim)`` of the rotary table ``freqs [S, 1, 1, rot]`` as Megatron's unfused
-    ``_apply_rotary_pos_emb_bshd`` computes them (``(cos(freqs) * mscale).to(dtype)``), cached
-    per table object: Megatron's ``RotaryEmbedding`` returns the same (``lru_cache``d) tensor for
-    a sequence length, so the two layers' queries and keys of every forward of that length share
-    one pair (Megatron computes 4 pairs per forward). Entries hold the table weakly (keyed by
-    ``id``, checked by identity; dead ones are dropped once there are more than 64); an entry
-    made under ``torch.inference_mode`` is not reused outside it (inference tensors cannot be
-    saved for backward). Cost: one ``[S, 1, 1, rot]`` cos/sin pair per live table."""
-    key = (id(freqs), dtype, mscale)
-    entry = _ROPE_TABLES.get(key)
-    if (entry is None or entry[0]() is not freqs
-            or (entry[1].is_inference() and not torch.is_inference_mode_enabled())):
-        if len(_ROPE_TABLES) > 64:
-            for k in [k for k, e in _ROPE_TABLES.items() if e[0]() is None]:
-                del _ROPE_TABLES[k]
-        entry = (weakref.ref(freqs), (torch.cos(freqs) * mscale).to(dtype),
-                 (torch.sin(freqs) * mscale).to(dtype))
-        _ROPE_TABLES[key] = entry
-    return entry[1], entry[2], freqs.shape[-1]
+    ``_apply_rotary_pos_emb_bshd`` computes them (``(cos(freqs) * mscale).to(dtype)``), kept on
+    the table tensor itself: Megatron's ``RotaryEmbedding`` returns the same (``lru_cache``d)
+    tensor for a sequence length, so the layers' queries and keys of every forward of that length
+    share one pair (Megatron computes 4 pairs per forward), and the pair goes when the table does.
+    A pair made under ``torch.inference_mode`` is made again outside it (inference tensors cannot
+    be saved for backward). Cost: one ``[S, 1, 1, rot]`` cos/sin pair per table and dtype."""
+    pairs = getattr(freqs, "_rope_cos_sin", None)
+    if pairs is None:
+        pairs = freqs._rope_cos_sin = {}
+    entry = pairs.get((dtype, mscale))
+    if entry is None or (entry[0].is_inference() and not torch.is_inference_mode_enabled()):
+        entry = pairs[(dtype, mscale)] = ((torch.cos(freqs) * mscale).to(dtype),
+                                          (torch.sin(freqs) * mscale).to(dtype))
+    return entry[0], entry[1], freqs.shape[-1]
 
 
 def _packed_positions(params, total: int, device) -> torch.Tensor:

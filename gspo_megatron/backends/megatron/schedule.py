@@ -8,7 +8,6 @@ on the last pipeline stage; what is minimised is an :class:`~gspo_megatron.algor
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -209,23 +208,20 @@ def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_o
             routing.finish()
 
 
-_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, list | None]" = weakref.WeakKeyDictionary()
-
-
 def set_training(policy_model: list, mode: bool) -> None:
     """``chunk.train(mode)`` for every chunk: the ``training`` flag of each of its modules. When
     no module overrides ``nn.Module.train`` (none of Megatron's or ours does) the flag is written
     straight into each module's ``__dict__`` over a module list cached per chunk, which is what
     ``nn.Module.train`` ends up doing, without its recursive ``children()`` walk and the
     ``nn.Module.__setattr__`` checks per module (~0.3 ms per call on the tiny model, twice per
-    old-log-prob pass). The list is cached once per chunk (the module tree does not change after
-    the model is built)."""
+    old-log-prob pass). The list is kept on the chunk, made once (the module tree does not
+    change after the model is built); a plain attribute in its ``__dict__``, not a submodule."""
     for chunk in policy_model:
-        if chunk not in _MODULES:
+        if "_train_flag_modules" not in chunk.__dict__:
             mods = list(chunk.modules())
-            _MODULES[chunk] = (mods if all(type(m).train is torch.nn.Module.train for m in mods)
-                               else None)
-        mods = _MODULES[chunk]
+            chunk.__dict__["_train_flag_modules"] = (
+                mods if all(type(m).train is torch.nn.Module.train for m in mods) else None)
+        mods = chunk.__dict__["_train_flag_modules"]
         if mods is None:
             chunk.train(mode)
         else:
