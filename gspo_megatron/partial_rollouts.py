@@ -75,7 +75,8 @@ class PartialRollouts:
     ``max_age``: ``rollout.partial_max_age`` (0: none)."""
 
     def __init__(self, group_size: int, need: int, in_flight: int, max_new_tokens: int,
-                 max_age: int = 0, keep_kv: bool = False):
+                 max_age: int = 0, keep_kv: bool = False,
+                 follows_checkpoint: Callable[[int], bool] | None = None):
         if in_flight < need:
             raise ValueError(f"in_flight ({in_flight}) must be >= need ({need})")
         self.group_size, self.need, self.in_flight = group_size, need, in_flight
@@ -84,6 +85,10 @@ class PartialRollouts:
         self._checkpointed = True
         """A checkpoint was taken (or loaded) since the last rollout: the next one prefills every
         continued prefix, as a run resumed from that checkpoint must."""
+        self.follows_checkpoint = follows_checkpoint
+        """For a pool whose checkpoints another process takes (a rollout rank's: the trainer
+        saves its state): whether the rollout of ``step`` is the first a run resumed from one of
+        them would run (that rollout prefills too)."""
 
     def rollout(self, generator: Generator, encode: Callable[[Any], list[int]],
                 draw: Callable[[], list], seed: int, step: int
@@ -118,7 +123,8 @@ class PartialRollouts:
         if (complete < self.need or not all(g.complete for g in overdue)) and running:
             stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh,
                              frozenset(index[id(g)] for g in overdue), hold_cut=self.keep_kv,
-                             continue_held=self.keep_kv and not self._checkpointed)
+                             continue_held=self.keep_kv and not self._checkpointed and not (
+                                 self.follows_checkpoint and self.follows_checkpoint(step)))
             self._checkpointed = False
             out = generator.generate([g.prompt_ids + r.tokens for g, r in running], seed,
                                      budgets=[self.max_new_tokens - len(r.tokens)

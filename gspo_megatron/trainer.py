@@ -110,9 +110,18 @@ class Trainer:
         ro = cfg.rollout
         self.partial = (PartialRollouts(ro.group_size, ro.prompts_per_step, ro.in_flight(),
                                         ro.max_new_tokens, ro.partial_max_age,
-                                        ro.partial_keep_kv)
+                                        ro.partial_keep_kv, self._follows_checkpoint
+                                        if ro.placement == "separate" else None)
                         if ro.partial_rollouts else None)
         """``rollout.partial_rollouts``: this rank's groups in flight between steps."""
+
+    def _follows_checkpoint(self, step: int) -> bool:
+        """``rollout.placement: separate``: whether the rollout of ``step`` is the first one a run
+        resumed from a ``checkpoint.save_interval`` checkpoint runs (a checkpoint after ``s``
+        steps keeps the samples of steps ``s .. s + k - 1`` already rolled out: the resumed
+        rollout rank starts at ``s + k``)."""
+        every, saved = self.cfg.checkpoint.save_interval, step - self.cfg.rollout.max_staleness
+        return bool(every) and 0 < saved < self.cfg.trainer.steps and saved % every == 0
 
     def close(self) -> None:
         """Stop what the run started outside this process: the reward workers, and the writer of

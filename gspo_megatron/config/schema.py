@@ -248,7 +248,8 @@ class RolloutConfig(Section, name="rollout"):
     through the old-log-prob pass and the updates instead of being released; saves about 1.8
     prefilled tokens per token written on long-tailed responses (docs/benchmarks.md, section
     12). After a checkpoint the prefixes are prefilled once (a resumed run holds no cache).
-    Colocated rollouts only."""
+    With ``placement: separate`` the rollout ranks hold them (they do not train, so nothing else
+    needs the memory), and prefill once after each ``checkpoint.save_interval`` checkpoint."""
 
     def in_flight(self) -> int:
         """The most groups a partial rollout holds per data-parallel rank."""

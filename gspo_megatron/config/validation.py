@@ -184,10 +184,6 @@ def _engine_errors(cfg: TrainConfig) -> list[str]:
     if ro.partial_keep_kv and not ro.partial_rollouts:
         errors.append("rollout.partial_keep_kv needs rollout.partial_rollouts: it keeps the KV "
                       "cache of the responses a partial rollout carries")
-    if ro.partial_keep_kv and ro.placement == "separate":
-        errors.append("rollout.partial_keep_kv with rollout.placement='separate': the rollout "
-                      "ranks prefill continued responses again (held KV caches are colocated "
-                      "only)")
     if ro.engine != "static" and ro.dynamic_buffer_size_gb is not None:
         bf16 = ro.precision == "bf16" or (ro.precision == "auto" and cfg.precision.bf16)
         need = kv_budget_bytes(1, m.seq_length, kv_bytes_per_token(

@@ -164,7 +164,9 @@ def from_recipe(args, overrides: list[str]):
                                   else int(r.dynamic_buffer_size_gb * GIB)),
                   rollout_requests=0 if r.engine == "static" else r.max_batch_size,
                   # ... unless the engine holds partial rollouts' requests through training
-                  keep_kv=r.partial_rollouts and r.partial_keep_kv,
+                  # (colocated: with placement separate the rollout GPUs hold them)
+                  keep_kv=(r.partial_rollouts and r.partial_keep_kv
+                           and r.placement != "separate"),
                   prompt_length=cfg.data.max_prompt_length,
                   rollout_ranks=r.ranks if r.placement == "separate" else 0)
     return cfg.model.preset, cfg.model, layout, kwargs

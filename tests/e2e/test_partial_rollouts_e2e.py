@@ -48,8 +48,10 @@ def test_partial_rollouts_on_rollout_ranks_match_colocated_and_resume_bitwise(tm
     b = read_metrics(tmp_path / "separate0" / "metrics.jsonl")
     for key in SAME[:-1] + ("rollout/partial_in_flight",):
         assert [m[key] for m in a] == [m[key] for m in b], key
-    a, b = kill_and_resume(tmp_path / "stale1", *partial, *separate,
-                           "--rollout.max_staleness=1", nproc=2)
-    assert any(m["rollout/partial_carried_share"] > 0 for m in a)
-    for key in SAME[:-1] + ("rollout/partial_in_flight", "sampling/staleness"):
-        assert [m[key] for m in a] == [m[key] for m in b], key
+    for keep_kv in ("false", "true"):  # with the KV cache held on the rollout rank too
+        a, b = kill_and_resume(tmp_path / f"stale1_keep_{keep_kv}", *partial, *separate,
+                               "--rollout.max_staleness=1", f"--rollout.partial_keep_kv={keep_kv}",
+                               nproc=2)
+        assert any(m["rollout/partial_carried_share"] > 0 for m in a)
+        for key in SAME[:-1] + ("rollout/partial_in_flight", "sampling/staleness"):
+            assert [m[key] for m in a] == [m[key] for m in b], (keep_kv, key)

@@ -650,16 +650,14 @@ def test_partial_rollouts_refuse_what_they_cannot_run(args, message) -> None:
         validate_config(demo("--rollout.partial_rollouts=true", *args), world_size=2)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rollout.partial_rollouts=false"], "rollout.partial_keep_kv needs rollout.partial_rollouts"),
-    (["--rollout.placement=separate", "--rollout.ranks=1"],
-     "rollout.partial_keep_kv with rollout.placement='separate'"),
-])
-def test_partial_keep_kv_refuses_what_it_cannot_run(args, message) -> None:
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(demo("--rollout.partial_rollouts=true", "--rollout.partial_keep_kv=true",
-                             *args), world_size=2)
-    validate_config(demo("--rollout.partial_rollouts=true", "--rollout.partial_keep_kv=true"))
+def test_partial_keep_kv_needs_partial_rollouts() -> None:
+    keep = ("--rollout.partial_rollouts=true", "--rollout.partial_keep_kv=true")
+    with pytest.raises(ConfigError, match=re.escape(
+            "rollout.partial_keep_kv needs rollout.partial_rollouts")):
+        validate_config(demo(*keep, "--rollout.partial_rollouts=false"))
+    validate_config(demo(*keep))
+    validate_config(demo(*keep, "--rollout.placement=separate", "--rollout.ranks=1"),
+                    world_size=2)
 
 
 def test_r3_with_stale_rollouts_warns() -> None:

@@ -207,6 +207,20 @@ def test_keep_kv_continues_held_requests_but_after_a_checkpoint(keep_kv):
                      (keep_kv, False)]
 
 
+def test_a_rollout_rank_pool_prefills_after_the_trainers_checkpoints():
+    """``follows_checkpoint`` (a rollout rank's pool: the trainer saves it): the rollouts it names
+    do not continue held requests, the others do."""
+    lengths = {i: [MAX_NEW, 1] for i in range(200)}
+    pool, gen, drawn = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW, keep_kv=True,
+                                       follows_checkpoint=lambda step: step % 3 == 0), \
+        LengthGenerator(lengths), []
+    flags = []
+    for step in range(7):
+        pool.rollout(gen, lambda e: [e.i], drawer(drawn), seed=step, step=step)
+        flags.append(gen.calls[-1]["held"][1])
+    assert flags == [False, True, True, False, True, True, False]
+
+
 def test_in_flight_below_need_is_refused():
     with pytest.raises(ValueError, match="in_flight"):
         PartialRollouts(G, 4, 3, MAX_NEW)
