@@ -119,3 +119,28 @@ def test_engine_choice():
     with pytest.raises(NotImplementedError, match="pipeline_model_parallel_size=2 with "
                                                   "expert_model_parallel_size=2"):
         choose_backend("auto", pp_size=2, ep_size=2)
+
+
+def test_every_training_stage_of_gpu_check_is_a_valid_config(tmp_path):
+    """A stage whose overrides the config refuses would spend a lent GPU's minutes on a one-line
+    error: every ``gspo-train`` command of ``tools/gpu_check`` (plain or under torchrun) loads and
+    passes the cross-section checks here, at its world size."""
+    from gspo_megatron.config import DEMO_RECIPE
+    from gspo_megatron.config.loader import load_config, parse_command_line
+    from gspo_megatron.config.validation import validate_config
+    from tools.gpu_check import stages
+
+    checked = []
+    for quick in (True, False):
+        for name, commands, _ in stages(str(tmp_path), quick=quick):
+            for command in commands:
+                if "gspo_megatron.cli" not in command:
+                    continue
+                args = parse_command_line(command[command.index("gspo_megatron.cli") + 1:])
+                world = (int(command[command.index("--nproc-per-node") + 1])
+                         if "--nproc-per-node" in command else 1)
+                cfg = load_config(args.config or DEMO_RECIPE, args.overrides)
+                validate_config(cfg, world_size=world, check_paths=False)
+                checked.append(name)
+    assert {"tiny_dynamic", "tiny_partial_r3", "tiny_partial_keep_kv_r3",
+            "tiny_separate_r3"} <= set(checked)
