@@ -358,10 +358,9 @@ class RolloutEngine:
         finally:
             model.train(was_training)
             self.wrapper.route_recorder = None
-            if self.dynamic is not None and self._route_recorder is not None:
-                self._route_recorder.reset(keep=self.dynamic.held_ids())  # held: routes stay
-            elif self._route_recorder is not None:
-                self._route_recorder.reset()
+            if self._route_recorder is not None:  # the held requests' routes stay
+                self._route_recorder.reset(
+                    keep=self.dynamic.held_ids() if self.dynamic is not None else ())
         return samples
 
     def _check(self, prompts: list[list[int]], budgets: list[int], first: int = 0) -> None:

@@ -80,7 +80,11 @@ class RolloutRouteRecorder:
             return None
         return torch.cat([w for _, w in windows], dim=2)
 
-    def reset(self) -> None:
+    def reset(self, keep=()) -> None:
+        """Forget the recorded windows (``keep``: ids of requests held across calls, which the
+        static engine never has)."""
+        if keep:
+            raise ValueError("the static engine holds no request across calls")
         self._windows = []
         self.routing.reset()
 
