@@ -53,48 +53,64 @@ def _reject_unsupported(fn: str, unused: dict[str, Any]) -> None:
                                       "is not supported; install flash-attn for it")
 
 
-def _paged_sdpa(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, max_kv: int,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                softmax_scale: float | None, causal: bool) -> torch.Tensor:
-    """Attention of padded queries over paged keys/values, all requests at once.
+class _Plan:
+    """What a paged attention call needs besides the queries and the caches, for requests of
+    ``q_lens`` / ``kv_lens`` over ``block_table``: the flat cache row of each key it reads
+    (``rows [B * Lk]``), the mask (``[B, 1, Lq, Lk]``, True = attend) and which queries see a
+    key (``live [B, Lq]``). It depends on the step's lengths and block table only, so every
+    layer of a step shares one (:func:`_step_plans`)."""
+
+    __slots__ = ("rows", "mask", "live", "all_live", "B", "Lk")
+
+    def __init__(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, max_kv: int, Lq: int,
+                 block_table: torch.Tensor, block_size: int, causal: bool):
+        B, device = block_table.shape[0], block_table.device
+        nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
+        blocks = block_table[:, :nb].long().clamp(min=0)  # [B, nb]; -1 (unused) reads block 0
+        # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
+        # block is cut before the attention (a 256-token block holding 20 keys costs 20, not 256).
+        Lk = min(nb * block_size, max(max_kv, 1))
+        kv_lens, q_lens = kv_lens.to(device).long(), q_lens.to(device).long()
+        j = torch.arange(Lk, device=device)
+        written = j[None, :] < kv_lens[:, None]  # [B, Lk]: the request's own keys
+        # Flat cache row of each key. Slots past a request's keys were never written (Megatron
+        # allocates the cache with torch.empty): they may hold NaN bit patterns, and a masked
+        # score or a zero weight does not cancel a NaN (NaN - inf, 0 * NaN), so they read the
+        # request's first key instead (written, finite, and masked).
+        rows = blocks[:, j // block_size] * block_size + j % block_size  # [B, Lk]
+        self.rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
+        i = torch.arange(Lq, device=device)
+        mask = written[:, None, :] & (i[None, :, None] < q_lens[:, None, None])  # [B, Lq, Lk]
+        if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i
+            pos = (kv_lens - q_lens)[:, None] + i[None, :]  # [B, Lq]
+            mask = mask & (j[None, None, :] <= pos[:, :, None])
+        self.live = mask.any(dim=-1)  # [B, Lq]
+        self.all_live = bool(self.live.all())
+        mask[..., 0] |= ~self.live  # a fully masked row would give NaN; it is zeroed below
+        self.mask = mask[:, None]
+        self.B, self.Lk = B, Lk
+
+
+def _paged_sdpa(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                softmax_scale: float | None) -> torch.Tensor:
+    """Attention of padded queries over paged keys/values, all requests of ``plan`` at once.
 
     q ``[B, Lq, H, D]`` (request ``b``'s queries in ``q[b, :q_lens[b]]``, the rest ignored);
-    q_lens, kv_lens ``[B]``; max_kv >= ``kv_lens.max()``; k_cache, v_cache
-    ``[num_blocks, block_size, Hk, D]``; block_table ``[B, max_blocks]``.
+    k_cache, v_cache ``[num_blocks, block_size, Hk, D]``.
     Returns ``[B, Lq, H, D]`` in q's dtype, zero where a query is padding or sees no key.
     """
     B, Lq, H, D = q.shape
-    block_size, Hk = k_cache.shape[1], k_cache.shape[2]
-    nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
-    blocks = block_table[:, :nb].long().clamp(min=0)  # [B, nb]; -1 (unused) reads block 0, masked
-    # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
-    # block is cut before the attention (a 256-token block holding 20 keys costs 20, not 256).
-    Lk = min(nb * block_size, max(max_kv, 1))
-    kv_lens, q_lens = kv_lens.to(q.device).long(), q_lens.to(q.device).long()
-    j = torch.arange(Lk, device=q.device)
-    written = j[None, :] < kv_lens[:, None]  # [B, Lk]: the request's own keys
-    # Flat cache row of each key. Slots past a request's keys were never written (Megatron
-    # allocates the cache with torch.empty): they may hold NaN bit patterns, and a masked score or
-    # a zero weight does not cancel a NaN (NaN - inf, 0 * NaN), so they read the request's first
-    # key instead (written, finite, and masked). One gather per cache, only the first Lk keys.
-    rows = blocks[:, j // block_size] * block_size + j % block_size  # [B, Lk]
-    rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
+    Hk, Lk = k_cache.shape[2], plan.Lk
     # index_select, not cache[rows]: the same copy, ~4x faster on CPU (advanced indexing's
     # generic kernel moved ~5 GB/s, a third of a decoding step's attention at 80 keys)
-    k = k_cache.reshape(-1, Hk, D).index_select(0, rows).view(B, Lk, Hk, D).transpose(1, 2)
-    v = v_cache.reshape(-1, Hk, D).index_select(0, rows).view(B, Lk, Hk, D).transpose(1, 2)
-    i = torch.arange(Lq, device=q.device)
-    mask = written[:, None, :] & (i[None, :, None] < q_lens[:, None, None])  # [B, Lq, Lk]
-    if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i
-        pos = (kv_lens - q_lens)[:, None] + i[None, :]  # [B, Lq]
-        mask = mask & (j[None, None, :] <= pos[:, :, None])
-    live = mask.any(dim=-1)  # [B, Lq]
-    mask[..., 0] |= ~live  # a fully masked row would give NaN; it is zeroed below
+    k = k_cache.reshape(-1, Hk, D).index_select(0, plan.rows).view(B, Lk, Hk, D).transpose(1, 2)
+    v = v_cache.reshape(-1, Hk, D).index_select(0, plan.rows).view(B, Lk, Hk, D).transpose(1, 2)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     # GQA: query head h reads kv head h // (H // Hk), SDPA's own grouping (no expanded copy).
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=plan.mask,
                                          scale=scale, enable_gqa=H != Hk)  # [B, H, Lq, D]
-    return out.transpose(1, 2).masked_fill(~live[:, :, None, None], 0.0)
+    out = out.transpose(1, 2)
+    return out if plan.all_live else out.masked_fill(~plan.live[:, :, None, None], 0.0)
 
 
 def _length_groups(lengths: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
@@ -119,21 +135,42 @@ def _length_groups(lengths: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
     return groups
 
 
-def _paged_sdpa_by_length(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
-                          max_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_table: torch.Tensor, softmax_scale: float | None,
-                          causal: bool) -> torch.Tensor:
-    """:func:`_paged_sdpa` per :func:`_length_groups` of the kv lengths (one call for similar
-    lengths, as before)."""
+def _step_plans(block_table: torch.Tensor, key: tuple, lengths: tuple, build):
+    """``build()``'s plans for this call, made once per forward step and kept on the step's
+    ``block_table`` tensor: megatron-core builds one view of its block-table buffer per step
+    (``MHAMetadata.update``) and hands the same view and the same length tensors to every
+    layer, so the first layer's plans serve the rest. Reused only for the very same
+    ``lengths`` tensors (held here, so their ids stay theirs) unmodified since (their and the
+    table's ``_version``); ``key``: what else the plans depend on (kind, shapes)."""
+    plans = getattr(block_table, "_gspo_paged_plans", None)
+    if plans is None:
+        plans = block_table._gspo_paged_plans = {}
+    versions = (block_table._version, *(t._version for t in lengths))
+    hit = plans.get(key)
+    if hit is None or hit[1] != versions or any(a is not b for a, b in zip(hit[0], lengths)):
+        hit = plans[key] = (lengths, versions, build())
+    return hit[2]
+
+
+def _decode_plans(q_lens: torch.Tensor, kv_lens: torch.Tensor, Lq: int,
+                  block_table: torch.Tensor, block_size: int, causal: bool):
+    """``[(rows or None, plan)]`` per :func:`_length_groups` of the kv lengths (one plan for
+    similar lengths, ``rows`` None: every request)."""
     groups = _length_groups(kv_lens)
     if len(groups) == 1:
-        return _paged_sdpa(q, q_lens, kv_lens, max_kv, k_cache, v_cache, block_table,
-                           softmax_scale, causal)
+        most = int(kv_lens.max())  # one host sync
+        return [(None, _Plan(q_lens, kv_lens, most, Lq, block_table, block_size, causal))]
+    return [(rows, _Plan(q_lens[rows], kv_lens[rows], int(kv_lens[rows].max()), Lq,
+                         block_table[rows], block_size, causal)) for rows in groups]
+
+
+def _attend(q: torch.Tensor, plans, k_cache, v_cache, softmax_scale) -> torch.Tensor:
+    """:func:`_paged_sdpa` of ``q [B, Lq, H, D]`` per group of :func:`_decode_plans`."""
+    if plans[0][0] is None:
+        return _paged_sdpa(q, plans[0][1], k_cache, v_cache, softmax_scale)
     out = torch.empty_like(q)
-    for rows in groups:
-        sub_kv = kv_lens[rows]
-        out[rows] = _paged_sdpa(q[rows], q_lens[rows], sub_kv, int(sub_kv.max()), k_cache,
-                                v_cache, block_table[rows], softmax_scale, causal)
+    for rows, plan in plans:
+        out[rows] = _paged_sdpa(q[rows], plan, k_cache, v_cache, softmax_scale)
     return out
 
 
@@ -155,44 +192,41 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   "supports only the paged form (block_table=...)")
     _reject_unsupported("flash_attn_varlen_func", unused)
     T = q.shape[0]
-    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
-    q_lens, kv_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     out = torch.zeros_like(q)
-    if q_lens.numel() == 0 or T == 0:
+    if cu_seqlens_q.numel() <= 1 or T == 0:
         return out
-    max_q, max_kv = torch.stack([q_lens.max(), kv_lens.max()]).tolist()  # one host sync
-    if max_q <= 0:
-        return out
-    # Queries padded per group of similar length (a mixed step's decodes apart from its
-    # prefills: padded together, every decode would cost the longest prefill's queries).
-    starts, groups = cu_q[:-1], _length_groups(q_lens)
-    if len(groups) == 1:
-        _varlen_rows(out, q, starts, q_lens, kv_lens, max_q, max_kv, k, v, block_table,
-                     softmax_scale, causal)
-        return out
-    for rows in groups:
-        sub_q, sub_kv = q_lens[rows], kv_lens[rows]
-        most_q, most_kv = torch.stack([sub_q.max(), sub_kv.max()]).tolist()
-        _varlen_rows(out, q, starts[rows], sub_q, sub_kv, most_q, most_kv, k, v,
-                     block_table[rows], softmax_scale, causal)
+    plans = _step_plans(block_table, ("varlen", T, k.shape[1], causal),
+                        (cu_seqlens_q, cu_seqlens_k),
+                        lambda: _varlen_plans(cu_seqlens_q, cu_seqlens_k, T, block_table,
+                                              k.shape[1], causal))
+    for gather, dest, valid, group_plans in plans:
+        o_pad = _attend(q[gather], group_plans, k, v, softmax_scale)  # [B, Lq, H, D]
+        out[dest] = o_pad[valid]
     return out
 
 
-def _varlen_rows(out: torch.Tensor, q: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
-                 kv_lens: torch.Tensor, max_q: int, max_kv: int, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, block_table: torch.Tensor, softmax_scale: float | None,
-                 causal: bool) -> None:
-    """Attention of the requests whose queries start at ``starts`` (``[B]``, token index into
-    ``q`` ``[T, H, D]``), padded to ``max_q``, written into ``out`` at their tokens."""
-    if max_q <= 0:
-        return
-    T = q.shape[0]
-    idx = starts[:, None] + torch.arange(max_q, device=starts.device)  # [B, Lq] token index
-    valid = torch.arange(max_q, device=starts.device)[None, :] < q_lens[:, None]
-    q_pad = q[idx.clamp(0, T - 1)]  # [B, Lq, H, D]
-    o_pad = _paged_sdpa_by_length(q_pad, q_lens, kv_lens, max_kv, k_cache, v_cache,
-                                  block_table, softmax_scale, causal)
-    out[idx[valid]] = o_pad[valid]
+def _varlen_plans(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, T: int,
+                  block_table: torch.Tensor, block_size: int, causal: bool) -> list:
+    """Per group of similar query lengths (a mixed step's decodes apart from its prefills:
+    padded together, every decode would cost the longest prefill's queries): the token index of
+    each padded query (``gather [B, Lq]``), where the real ones go (``dest``, ``valid [B, Lq]``)
+    and the group's :func:`_decode_plans`."""
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    q_lens, kv_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    starts, groups = cu_q[:-1], _length_groups(q_lens)
+    out = []
+    for rows in groups:
+        sub_q, sub_kv = (q_lens, kv_lens) if len(groups) == 1 else (q_lens[rows], kv_lens[rows])
+        most_q = int(sub_q.max())  # one host sync per group
+        if most_q <= 0:
+            continue
+        arange = torch.arange(most_q, device=starts.device)
+        idx = starts[rows][:, None] + arange  # [B, Lq] token index
+        valid = arange[None, :] < sub_q[:, None]
+        out.append((idx.clamp(0, T - 1), idx[valid], valid,
+                    _decode_plans(sub_q, sub_kv, most_q, block_table[rows], block_size,
+                                  causal)))
+    return out
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -218,10 +252,14 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                          f"{tuple(cache_seqlens.shape)}, block_table {tuple(block_table.shape)}")
     if B == 0:
         return torch.zeros_like(q)
-    q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)
-    max_kv = int(cache_seqlens.max().item())  # one host sync
-    return _paged_sdpa_by_length(q, q_lens, cache_seqlens.long(), max_kv, k_cache, v_cache,
-                                 block_table, softmax_scale, causal)
+
+    def build():
+        q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)
+        return _decode_plans(q_lens, cache_seqlens.long(), Sq, block_table, k_cache.shape[1],
+                             causal)
+    plans = _step_plans(block_table, ("decode", Sq, k_cache.shape[1], causal), (cache_seqlens,),
+                        build)
+    return _attend(q, plans, k_cache, v_cache, softmax_scale)
 
 
 def _attention_module(attention_module: ModuleType | None) -> ModuleType:

@@ -1,7 +1,8 @@
 """Batched admission into the dynamic engine (:mod:`gspo_megatron.backends.megatron.dynamic_admission`):
-the context a batch leaves is the one Megatron's one-at-a-time scheduler leaves, tensor for tensor
-(block ids included), when the queue fits whole, when the request limit cuts it, and when the
-token budget cuts it inside a prompt (Megatron's chunked prefill takes over)."""
+the context a batch leaves, and the queue, are what Megatron's one-at-a-time non-chunked scheduling
+(``check_availability`` then ``add_request`` per request, stopping at the first that does not fit)
+leaves, tensor for tensor (block ids included), when the queue fits whole, when the request limit
+cuts it, and when the token budget stops it before a prompt."""
 
 from __future__ import annotations
 
@@ -37,20 +38,30 @@ def dynamic(setup, max_tokens=None):  # noqa: F811
 
 
 def queue(eng, lengths, seed):
-    """Requests of ``lengths`` random tokens (several longer than a 256-token block) in the
-    engine's waiting queue, as ``DynamicRollout.generate`` adds them."""
+    """A deque of requests of ``lengths`` random tokens (several longer than a 256-token block),
+    as ``DynamicRollout.generate`` queues them."""
+    import collections
+
     from gspo_megatron.backends.megatron.dynamic_admission import RolloutRequest
 
     sp = eng._sampling()[0]
     sp.num_tokens_to_generate = 4
     gen = torch.Generator().manual_seed(seed)
-    for i, n in enumerate(lengths):
-        eng.engine._add_request(RolloutRequest(
-            request_id=100 + i, sampling_params=sp,
-            prompt_tokens=torch.randint(3, VOCAB, (n,), generator=gen)))
+    return collections.deque(
+        RolloutRequest(request_id=100 + i, sampling_params=sp,
+                       prompt_tokens=torch.randint(3, VOCAB, (n,), generator=gen))
+        for i, n in enumerate(lengths))
 
 
-def state(ctx, eng) -> dict:
+def megatron_admits(ctx, waiting) -> None:
+    """megatron-core 0.16.1's ``schedule_non_chunked_prefill``, on the context alone."""
+    while waiting:
+        if not all(ctx.check_availability(waiting[0])):
+            break
+        ctx.add_request(waiting.popleft())
+
+
+def state(ctx, waiting) -> dict:
     """What the scheduler wrote: the live rows of every bookkeeping tensor, the counters, the
     free-block bag and the queue."""
     r, t = ctx.total_request_count, ctx.active_token_count
@@ -58,38 +69,34 @@ def state(ctx, eng) -> dict:
     out.update({name: getattr(ctx, name)[:t].clone() for name in TOKEN_TENSORS})
     out.update({f"meta/{k}": v[:r].clone() for k, v in ctx.request_metadata.items()})
     out["bag"] = ctx.block_allocator.block_bag.clone()
-    out["counts"] = (r, t, ctx.num_prefill_requests, ctx.block_allocator.total_avail,
-                     ctx.chunked_prefill_request_id)
-    out["queue"] = [(i, eng.get_request(i).finished_chunk_token_count,
-                     eng.get_request(i).remaining_prompt_tokens.tolist())
-                    for i in eng.waiting_request_ids]
+    out["counts"] = (r, t, ctx.num_prefill_requests, ctx.block_allocator.total_avail)
+    out["queue"] = [(req.request_id, len(req.remaining_prompt_tokens)) for req in waiting]
     return out
 
 
-@pytest.mark.parametrize("lengths, max_tokens", [
-    ([5, 300, 17, 1, 260, 40], None),  # all fit: one batch
-    ([3] * 15, None),  # 12 request slots: the last 3 wait
-    ([30, 270, 9, 400, 12], 350),  # the budget ends inside the 400-token prompt: a chunk
+@pytest.mark.parametrize("lengths, max_tokens, waits", [
+    ([5, 300, 17, 1, 260, 40], None, 0),  # all fit: one batch
+    ([3] * 15, None, 3),  # 12 request slots: the last 3 wait
+    ([30, 270, 9, 400, 12], 350, 2),  # the budget ends inside the 400-token prompt: it waits
 ])
-def test_a_batch_leaves_what_one_by_one_admission_leaves(setup, lengths, max_tokens):  # noqa: F811
-    from megatron.core.inference.engines import DynamicInferenceEngine
+def test_a_batch_leaves_what_one_by_one_admission_leaves(setup, lengths, max_tokens,  # noqa: F811
+                                                         waits):
+    from gspo_megatron.backends.megatron.dynamic_admission import admit_waiting
 
     ours, megatrons = dynamic(setup, max_tokens), dynamic(setup, max_tokens)
-    for eng in (ours, megatrons):
-        queue(eng, lengths, seed=len(lengths))
-    ours.engine.schedule_waiting_requests()
-    DynamicInferenceEngine.schedule_waiting_requests(megatrons.engine)  # one at a time
-    a, b = state(ours.dynamic.context, ours.engine), state(megatrons.dynamic.context,
-                                                           megatrons.engine)
+    mine, theirs = queue(ours, lengths, seed=len(lengths)), queue(megatrons, lengths,
+                                                                 seed=len(lengths))
+    admitted = admit_waiting(ours.dynamic.context, mine)
+    megatron_admits(megatrons.dynamic.context, theirs)
+    a, b = state(ours.dynamic.context, mine), state(megatrons.dynamic.context, theirs)
     assert a.keys() == b.keys()
     for key in a:
         if torch.is_tensor(a[key]):
             assert torch.equal(a[key], b[key]), key
         else:
             assert a[key] == b[key], key
-    assert a["counts"][0] > 0
-    if max_tokens is not None:
-        assert a["counts"][4] >= 0 and a["queue"][0][1] > 0  # a prompt begun in chunks
+    assert a["counts"][0] == len(admitted) > 0
+    assert len(a["queue"]) == waits
     for eng in (ours, megatrons):
-        eng.dynamic.engine.reset()
+        eng.dynamic.context.reset()
         eng.dynamic.suspend()

@@ -209,7 +209,7 @@ def test_with_sampling_shares_the_engine_and_samples_as_a_fresh_one(setup):
     prompts = make_prompts(10, seed=7)
     sampler = engine(setup, temperature=1.0)
     greedy = sampler.with_sampling(RolloutConfig(max_new_tokens=8, max_batch_size=16, top_k=1))
-    assert greedy.engine is sampler.engine and greedy.controller is sampler.controller
+    assert greedy.dynamic is sampler.dynamic and greedy.controller is sampler.controller
     fresh = engine(setup, top_k=1).generate(prompts, seed=3)
     assert [s.response_ids for s in greedy.generate(prompts, seed=3)] == \
         [s.response_ids for s in fresh]
@@ -301,7 +301,7 @@ def test_dynamic_engine_refills_slots_and_releases_its_kv_cache(setup):
     def counted(*args, **kwargs):
         ctx = eng.dynamic.context
         seen.append((ctx.total_request_count - ctx.paused_request_count,
-                     len(eng.dynamic.engine.waiting_request_ids)))
+                     len(eng.dynamic.call.waiting)))
         return forward(*args, **kwargs)
 
     eng.wrapper.run_one_forward_step = counted

@@ -6,12 +6,12 @@ about twenty small tensor writes (``DynamicInferenceContext.add_request``) and a
 That is ~0.18 ms of host time per request: 23 ms of an 83 ms rollout of 128 short requests on CPU
 (TRL's workload), and the same Python on a GPU's host, where it is not hidden behind the forward.
 
-Here (:class:`AdmittingEngine`, :class:`AdmittingContext`) the waiting requests that fit whole are
+Here (:func:`admit_waiting`, :class:`AdmittingContext`) the waiting requests that fit whole are
 admitted together, with one block allocation and one write per context tensor, and
-:class:`RolloutRequest` is built with shallow copies. What is left of the queue (a request that
-fits only in part: chunked prefill; a full context) goes through Megatron's own scheduler. The
-context after a batch holds exactly what admitting the requests one by one leaves, block ids
-included (``tests/unit/test_dynamic_admission.py`` compares every tensor).
+:class:`RolloutRequest` is built with shallow copies. A prompt that does not fit waits for a
+later step (the rollout loop, :mod:`.dynamic_rollout`, has no chunked prefill). The context after
+a batch holds exactly what admitting the requests one by one with Megatron's ``add_request``
+leaves, block ids included (``tests/unit/test_dynamic_admission.py`` compares every tensor).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from megatron.core.inference.contexts.dynamic_context import (
     RequestOverflowError,
     TokenOverflowError,
 )
-from megatron.core.inference.engines import DynamicInferenceEngine
 from megatron.core.inference.inference_request import DynamicInferenceRequest
 
 
@@ -79,9 +78,10 @@ class AdmittingContext(DynamicInferenceContext):
         for label, values in zip((t[0] for t in self.request_metadata_types),
                                  zip(*(r.tracked_metadata for r in requests))):
             target = self.request_metadata[label]
-            target[first:first + n] = torch.stack([
-                v if isinstance(v, torch.Tensor) else torch.as_tensor(v, dtype=target.dtype)
-                for v in values]).to(target.device, target.dtype)
+            # sampling-parameter scalars (one tensor for all, not one per request)
+            target[first:first + n] = torch.tensor(
+                [v.item() if isinstance(v, torch.Tensor) else v for v in values],
+                dtype=target.dtype).to(target.device)
         self.request_query_lengths[first:first + n] = lens
         self.request_output_lengths[first:first + n] = lens + torch.tensor(
             [r.sampling_params.num_tokens_to_generate for r in requests], device=device)
@@ -108,33 +108,26 @@ class AdmittingContext(DynamicInferenceContext):
         self.num_prefill_requests += n
 
 
-class AdmittingEngine(DynamicInferenceEngine):
-    """Megatron's dynamic engine admitting the waiting requests that fit whole in one
-    :meth:`AdmittingContext.add_requests` call, then the rest as Megatron does."""
-
-    def schedule_waiting_requests(self):
-        ctx = self.context
-        if ctx.chunked_prefill_request_id < 0 and not ctx.is_hybrid_model:
-            batch, tokens, blocks = [], ctx.active_token_count, 0
-            room = ctx.max_requests - ctx.total_request_count if ctx.paused_request_count == 0 \
-                else 0
-            for request_id in self.waiting_request_ids:  # Megatron's order and tests, in bulk
-                req = self.get_request(request_id)
-                length = len(req.remaining_prompt_tokens)
-                need = -(-length // ctx.block_size_tokens)
-                if (req.finished_chunk_token_count or len(batch) >= room
-                        or tokens + length > ctx.max_tokens
-                        or not ctx.block_allocator.is_memory_available(blocks + need)):
-                    break
-                batch.append(req)
-                tokens, blocks = tokens + length, blocks + need
-            if batch:
-                ctx.has_explicit_chunked_prefill_req = False
-                ctx.add_requests(batch)
-                for req in batch:
-                    req.remaining_prompt_tokens = req.remaining_prompt_tokens.new_empty(0)
-                    req.add_event_add()
-                    self.waiting_request_ids.popleft()
-                self._loop.call_soon_threadsafe(self._loop.create_task,
-                                                self._notify_cond_for_new_request())
-        super().schedule_waiting_requests()  # a request that fits in part, or nothing
+def admit_waiting(ctx: AdmittingContext, waiting) -> list:
+    """Admit the longest prefix of ``waiting`` (a deque of :class:`RolloutRequest`, popped from
+    the left) that fits whole into ``ctx`` in one :meth:`AdmittingContext.add_requests`: free
+    request slots (none while requests are paused: Megatron resumes them first), the token
+    budget of one step and free KV blocks. A prompt that does not fit waits for the next step
+    (no chunked prefill: ``max_tokens`` >= the longest sequence, so an empty context always
+    admits the head). Returns the admitted requests."""
+    room = ctx.max_requests - ctx.total_request_count if ctx.paused_request_count == 0 else 0
+    batch, tokens, blocks = [], ctx.active_token_count, 0
+    for req in waiting:
+        length = len(req.remaining_prompt_tokens)
+        need = -(-length // ctx.block_size_tokens)
+        if (len(batch) >= room or tokens + length > ctx.max_tokens
+                or not ctx.block_allocator.is_memory_available(blocks + need)):
+            break
+        batch.append(req)
+        tokens, blocks = tokens + length, blocks + need
+    if batch:
+        ctx.has_explicit_chunked_prefill_req = False
+        ctx.add_requests(batch)
+        for _ in batch:
+            waiting.popleft()
+    return batch

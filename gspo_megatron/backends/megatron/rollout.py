@@ -4,10 +4,11 @@
 trainer updates; nothing is copied, unless ``rollout.precision`` asks for other numerics: see
 *Precision* below) with Megatron-Core's text-generation controller:
 
-* ``rollout.engine: auto`` (the default), on CPU and GPU: Megatron's ``DynamicInferenceEngine``
-  over a paged ``DynamicInferenceContext`` (continuous batching: a response leaves the packed
-  batch the step it ends), sized from the recipe, expert-parallel ranks in lock-step, the KV cache
-  released between rollouts (:mod:`.dynamic_rollout`). Without flash-attn its attention runs on
+* ``rollout.engine: auto`` (the default), on CPU and GPU: Megatron's paged
+  ``DynamicInferenceContext`` (continuous batching: a response leaves the packed batch the step
+  it ends) driven by our step loop in place of ``DynamicInferenceEngine``'s, sized from the
+  recipe, expert-parallel ranks in lock-step, the KV cache released between rollouts
+  (:mod:`.dynamic_rollout`). Without flash-attn its attention runs on
   :mod:`gspo_megatron.compat.paged_attention` (PyTorch SDPA).
 * ``rollout.engine: static``: ``StaticInferenceEngine(legacy=True)`` + ``GPTInferenceWrapper`` +
   ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache, the A/B reference; the
@@ -123,7 +124,7 @@ def _context_parallel_off(model):
     hold the same prompts; Megatron's inference has no CP): the rotary table is not cut to the
     rank's CP share while it runs (``RotaryEmbedding.cp_group`` None, its ``lru_cache`` cleared on
     the way in and out so no table crosses between the two), and the dynamic context's rotations
-    see a single rank (:func:`.dynamic_rollout._yarn_scaled`). Nothing to do at CP = 1."""
+    see a single rank (:func:`.dynamic_rollout._rollout_context`). Nothing to do at CP = 1."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)
@@ -283,7 +284,6 @@ class RolloutEngine:
             max_batch_size=self.config.max_batch_size,
             max_sequence_length=self.max_sequence_length, buffer_size_gb=buffer_size_gb)
         self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
-        self.engine = self.dynamic.engine
 
     def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":
         """The same engine (model, precision copy, Megatron engine, KV cache) sampling with
@@ -472,15 +472,9 @@ class RolloutEngine:
     # ------------------------------------------------------------------ dynamic path
     def _generate_dynamic(self, prompts, sp, budgets: list[int],
                           stop: GroupStop | None) -> list[RolloutSample]:
-        # Sampling draws from controller.sampling_rng (seeded in generate()); the engine's own
-        # random_seed is unused in megatron-core 0.16.
-        per_budget: dict[int, Any] = {}
+        # Sampling draws from controller.sampling_rng (seeded in generate()).
+        from gspo_megatron.backends.megatron.dynamic_rollout import Sampling
 
-        def sp_for(budget: int):  # one SamplingParams per budget (Megatron copies it anyway)
-            if budget not in per_budget:
-                per_budget[budget] = copy.copy(sp)
-                per_budget[budget].num_tokens_to_generate = budget
-            return per_budget[budget]
         prompts, budgets = list(prompts), list(budgets)
         refill = None
         if stop is not None and stop.refill is not None:
@@ -494,33 +488,23 @@ class RolloutEngine:
                     prompts.append([int(t) for t in p])
                     budgets.append(b)
                     stop.add(group)
-                    added.append((prompts[-1], sp_for(b)))
+                    added.append((prompts[-1], b))
                 return added
         with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
                 contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
-            records = self.dynamic.generate(prompts, [sp_for(b) for b in budgets], stop, refill)
+            written = self.dynamic.generate(prompts, budgets, Sampling(sp), stop, refill)
         recorder = self._route_recorder
         samples = []
-        for prompt, budget, record in zip(prompts, budgets, records):
-            finished = hasattr(record, "requests")  # a record; an aborted request is not one
-            req = (record.merge() if len(record.requests) > 1 else record.requests[0]) \
-                if finished else record
-            # a held request continued (GroupStop.continue_held) wrote the prompt's tail earlier
-            written = len(prompt) - len(req.prompt_tokens)
-            tokens = [int(t) for t in (req.generated_tokens.tolist()
-                                       if torch.is_tensor(req.generated_tokens)
-                                       else req.generated_tokens)][written:]
-            logprobs = [float(x) for x in (req.generated_log_probs or [])]
-            logprobs = logprobs[-len(tokens):] if tokens else []
-            if not finished:
-                samples.append(RolloutSample(list(prompt), tokens, logprobs, "aborted"))
+        for prompt, budget, w in zip(prompts, budgets, written):
+            if not w.finished:
+                samples.append(RolloutSample(list(prompt), w.tokens, w.logprobs, "aborted"))
                 continue
-            sample = self._finish(prompt, tokens, logprobs, budget)
+            sample = self._finish(prompt, w.tokens, w.logprobs, budget)
             if recorder is not None:
                 from gspo_megatron.backends.megatron.rollout_routes import ROLLOUT_ROUTES_KEY
 
                 # [L, positions, k]: every token the engine forwarded (all but the last)
                 n = len(sample.prompt_ids) + len(sample.response_ids) - 1
-                sample.extra[ROLLOUT_ROUTES_KEY] = recorder.take_request(req.request_id, n)
+                sample.extra[ROLLOUT_ROUTES_KEY] = recorder.take_request(w.request_id, n)
             samples.append(sample)
         return samples
