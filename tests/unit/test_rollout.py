@@ -432,3 +432,31 @@ def test_a_partial_rollout_takes_requests_added_on_the_way(setup):
     assert [s.prompt_ids for s in out] == prompts[:4] + [prompts[5], prompts[6]]
     assert [s.response_ids for s in out] == [whole[i].response_ids for i in (0, 1, 2, 3, 5, 6)]
     assert stop.refill is refill  # restored after the call
+
+
+def test_a_kv_budget_too_small_for_every_request_admits_them_as_blocks_free(setup):
+    """A KV budget of 4 blocks for 4 requests that each grow into a second 256-token block: the
+    loop admits what the free blocks allow (Megatron's allocator keeps a reserve for paused
+    requests), the rest waits for a finished request's blocks, and every response is the one an
+    engine with room for all of them writes (greedy)."""
+    policy, groups = setup
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (250 + i,), generator=g).tolist() for i in range(4)]
+    block = 256 * 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads x 16 channels, fp32
+
+    def engine_with(buffer_size_gb):
+        return RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                             config=RolloutConfig(max_new_tokens=12, top_k=1, max_batch_size=4,
+                                                  dynamic_buffer_size_gb=buffer_size_gb),
+                             max_sequence_length=512)
+    roomy = engine_with(None)
+    whole = roomy.generate(prompts, seed=0)
+    tight = engine_with(5.5 * block / 1024 ** 3)  # the dummy block + 4
+    assert tight.dynamic.context.block_allocator.total_count == 5
+    out = tight.generate(prompts, seed=0)
+    assert roomy.dynamic.steps == 12  # all at once: one prefill, 11 decoding steps
+    assert tight.dynamic.steps > 12  # in waves
+    assert [s.response_ids for s in out] == [s.response_ids for s in whole]
+    assert [s.finish_reason for s in out] == [s.finish_reason for s in whole]
+    for a, b in zip(out, whole):
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-5)

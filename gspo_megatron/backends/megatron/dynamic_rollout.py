@@ -15,9 +15,10 @@ parameters and a log-softmax over every prompt token. Here the requests of a cal
 sampling rule (one draw for the whole batch from the controller's generator, over the real
 vocabulary's columns only), each step's ``(request ids, tokens, log-probs)`` are kept as three tensors and
 joined per request once at the end (:class:`_Call`), and only the sampled tokens' log-probs are
-taken. On TRL's workload (128 requests x 16 tokens, CPU) a rollout went from 70 to 54 ms
-(``docs/benchmarks.md``); tokens and log-probs are Megatron's engine's, bitwise (the demo's
-metrics did not move).
+taken. On TRL's workload (128 requests x 16 tokens, CPU) a rollout went from 70 to 50 ms
+(``docs/benchmarks.md``, section 10; the static engine: 41 ms). The loop alone kept Megatron's
+engine's tokens and log-probs bitwise (the demo's metrics did not move); drawing over the real
+vocabulary's columns only draws other samples from the same distribution.
 
 What else it adds (:class:`DynamicRollout`):
 
