@@ -147,10 +147,10 @@ MUTANTS: tuple[Mutant, ...] = (
            (T + "test_packing.py", "-k", "rank_balance")),
     Mutant("YaRN: the rollout context rotates queries without the cos/sin scale",
            "gspo_megatron/backends/megatron/dynamic_rollout.py",
-           "query, query_emb, config, cu_seqlens_q, _SingleRank(),\n"
-           "                mscale=concentration(config) if mscale is None else mscale)",
-           "query, query_emb, config, cu_seqlens_q, _SingleRank(),\n"
-           "                mscale=1.0)",
+           "                                   mscale=None):\n"
+           "            mscale = concentration(config) if mscale is None else mscale",
+           "                                   mscale=None):\n"
+           "            mscale = 1.0",
            ("-m", "slow", "tests/e2e/test_train_e2e.py", "-k", "yarn")),
 )
 
