@@ -189,12 +189,13 @@ class DynamicRollout:
         self.drop_held()
         return {}
 
-    def generate(self, prompts: list[list[int]], budgets: list[int], sampling: "Sampling",
+    def generate(self, prompts: list[list[int]], budgets: list[int], sp,
                  stop=None, refill=None) -> list["Generated"]:
         """Per request, in order (``prompts``, then those ``refill`` added), what it wrote in
         this call (:class:`Generated`; ``finished`` False for a request ``stop``, a
         :class:`~gspo_megatron.policy.GroupStop`, aborted). ``budgets``: each prompt's new-token
-        budget; ``refill(running)``: asked before every step until ``stop`` is done, the requests
+        budget; ``sp``: the call's Megatron ``SamplingParams`` (at temperature 1: the wrapper
+        divides the logits by the temperature first); ``refill(running)``: asked before every step until ``stop`` is done, the requests
         ``(prompt, budget)`` to add. With ``stop.hold_cut`` the aborted requests stay in the
         context (and the KV buffer allocated) for the next call to continue
         (``stop.continue_held``). Collective over the world under EP > 1 (lock-step), over the
@@ -206,7 +207,7 @@ class DynamicRollout:
                 self.wrapper.model.eval()
             else:
                 self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
-            call = self.call = _Call(sampling, self._device)
+            call = self.call = _Call(sp, self._device)
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
                     call.join(held[i], prompt, budget)
@@ -261,14 +262,14 @@ class DynamicRollout:
         first, last = ctx.paused_request_count, ctx.total_request_count
         # [n, V_padded]: logits / T of each request, the padded vocabulary's columns -inf
         last_logits = ctx.last_token_logits(logits)
-        s = call.sampling
+        sp = call.sp
         # Drawn over the real vocabulary only: the padded columns have probability 0, and
         # Megatron's filter + softmax + multinomial cost follows the columns (TRL's workload:
         # 18 real of 128, 0.27 -> 0.06 ms a step). The draws differ from a draw over all
         # columns (torch's multinomial consumes its generator by column count); greedy
         # decoding and the distribution are the same.
         sampled = self.controller._torch_sampling_func(
-            last_logits[:, :self.wrapper.real_vocab_size], 1.0, s.top_k, s.top_p)
+            last_logits[:, :self.wrapper.real_vocab_size], 1.0, int(sp.top_k), float(sp.top_p))
         logprobs = torch.log_softmax(last_logits.float(), dim=-1).gather(
             -1, sampled.unsqueeze(-1)).squeeze(-1)  # [n]
         ids = ctx.request_ids[first:last].clone()  # [n]: update_requests moves the slots
@@ -284,15 +285,6 @@ class DynamicRollout:
             for request_id in reversed(evicted.tolist()):
                 call.requeue(request_id)
         return finished
-
-
-class Sampling:
-    """The sampling rule of one call: ``SamplingParams`` fields the engine reads (Megatron's
-    at temperature 1: the wrapper divides the logits by the temperature first)."""
-
-    def __init__(self, sp):
-        self.sp = sp
-        self.top_k, self.top_p = int(sp.top_k), float(sp.top_p)
 
 
 class Generated:
@@ -311,8 +303,10 @@ class _Call:
     queue waiting for a slot, and every step's ``(ids, tokens, log-probs)`` (joined per request
     once, at the end, instead of a Python append per request and step)."""
 
-    def __init__(self, sampling: Sampling, device):
-        self.sampling, self.device = sampling, device
+    def __init__(self, sp, device):
+        self.sp, self.device = sp, device
+        self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}
+        """One ``SamplingParams`` per budget (the requests' own copies are shallow)."""
         self.row: dict[int, int] = {}
         """Request id -> its place in the call."""
         self.prompts: list[list[int]] = []
@@ -342,9 +336,9 @@ class _Call:
     def _request(self, request_id: int, prompt: list[int], budget: int):
         from gspo_megatron.backends.megatron.dynamic_admission import RolloutRequest
 
-        sp = self.sampling.sp
-        if sp.num_tokens_to_generate != budget:
-            sp = copy.copy(sp)
+        sp = self._sp_of_budget.get(budget)
+        if sp is None:
+            sp = self._sp_of_budget[budget] = copy.copy(self.sp)
             sp.num_tokens_to_generate = budget
         return RolloutRequest(request_id=request_id, sampling_params=sp, prompt_tokens=torch.tensor(
             prompt, dtype=torch.int64, device=self.device))

@@ -73,7 +73,6 @@ import contextlib
 import copy
 import functools
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -312,10 +311,8 @@ class RolloutEngine:
             top_k=1 if greedy else int(c.top_k),
             top_p=0.0 if (greedy or c.top_p >= 1.0) else float(c.top_p),
             num_tokens_to_generate=int(c.max_new_tokens),
-            # The dynamic engine reports the sampled tokens' log-probs (not the prompt's); the
-            # static path records them itself (RolloutTextGenerationController).
-            return_log_probs=self.backend == "dynamic",
-            skip_prompt_log_probs=self.backend == "dynamic",
+            # Neither path asks Megatron for log-probs: both record the sampled tokens' own
+            # (RolloutTextGenerationController; DynamicRollout._step).
             termination_id=-1 if c.ignore_eos else self.eos_id,
         )
         if c.ignore_eos:  # the static path stops on the tokenizer's EOS unless told not to
@@ -473,8 +470,6 @@ class RolloutEngine:
     def _generate_dynamic(self, prompts, sp, budgets: list[int],
                           stop: GroupStop | None) -> list[RolloutSample]:
         # Sampling draws from controller.sampling_rng (seeded in generate()).
-        from gspo_megatron.backends.megatron.dynamic_rollout import Sampling
-
         prompts, budgets = list(prompts), list(budgets)
         refill = None
         if stop is not None and stop.refill is not None:
@@ -492,7 +487,7 @@ class RolloutEngine:
                 return added
         with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
                 contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
-            written = self.dynamic.generate(prompts, budgets, Sampling(sp), stop, refill)
+            written = self.dynamic.generate(prompts, budgets, sp, stop, refill)
         recorder = self._route_recorder
         samples = []
         for prompt, budget, w in zip(prompts, budgets, written):
