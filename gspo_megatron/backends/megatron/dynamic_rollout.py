@@ -415,6 +415,9 @@ def _rollout_context(context_class):
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
         _yarn_get_concentration_factor_from_config as concentration)
 
+    from megatron.core.inference.contexts.dynamic_context import (
+        triton_append_key_value_cache as triton_append)
+
     from gspo_megatron.backends.megatron.local_kernels import _rotate
 
     def plain(config) -> bool:
@@ -424,15 +427,17 @@ def _rollout_context(context_class):
     class RolloutContext(context_class):
         def initialize_attention_state(self, **kwargs):
             super().initialize_attention_state(**kwargs)
-            self.step_rotary = {}
-            """``(cos, sin, rot_dim)`` of this step's tokens, by position index and table."""
+            self.step_tables = {}
+            """What every layer of this step shares: the tokens' rotary ``(cos, sin, rot_dim)``
+            by position index and table, whether Megatron's thd rotation is the exact mapping
+            (``"exact"``), the tokens' flat KV slots (``"kv_slots"``)."""
 
         def _rotary(self, table, index: str, mscale: float, dtype):
             key = (index, table.data_ptr(), mscale, dtype)
-            hit = self.step_rotary.get(key)
+            hit = self.step_tables.get(key)
             if hit is None:
                 freqs = table[getattr(self, index)[:self.padded_active_token_count]]
-                hit = self.step_rotary[key] = ((torch.cos(freqs) * mscale).to(dtype),
+                hit = self.step_tables[key] = ((torch.cos(freqs) * mscale).to(dtype),
                                                (torch.sin(freqs) * mscale).to(dtype),
                                                freqs.shape[-1])
             return hit
@@ -446,14 +451,36 @@ def _rollout_context(context_class):
                 if cu_seqlens_q is None:  # Megatron's bshd rotation
                     query[:n] = _rotate(query[:n], cos, sin, rot)
                     return query
-                exact = self.step_rotary.get("exact")
+                exact = self.step_tables.get("exact")
                 if exact is None:  # Megatron's thd "exact mapping": a table row per token
-                    exact = self.step_rotary["exact"] = int(cu_seqlens_q[-1]) == n
+                    exact = self.step_tables["exact"] = int(cu_seqlens_q[-1]) == n
                 if exact:
                     query[:n] = _rotate(query[:n].unsqueeze(1), cos, sin, rot).squeeze(1)
                     return query
             return super().apply_rotary_emb_query(query, query_emb, config, cu_seqlens_q,
                                                   _SingleRank(), mscale=mscale)
+
+        def append_key_value_cache(self, layer_number: int, key, value) -> None:
+            """Megatron's append (each token's key and value ``[T, 1, Hk, D]`` into its
+            block and slot of the paged buffer) as one ``index_copy_`` per tensor into the
+            buffer's flat ``[blocks x block_size]`` slots, the step's slot index computed once
+            for every layer; Megatron indexes with two index tensors per write. The same
+            copies; Megatron's own path where its Triton kernel or an MLA latent cache is in
+            use."""
+            buf = self.memory_buffer
+            if (self.cache_mla_latent or triton_append is not None
+                    or not buf.is_contiguous()):
+                return super().append_key_value_cache(layer_number, key, value)
+            n = self.padded_active_token_count
+            slots = self.step_tables.get("kv_slots")
+            if slots is None:  # [n] flat slot of each token: block * block_size + position
+                slots = self.step_tables["kv_slots"] = (
+                    self.token_to_block_idx[:n] * self.block_size_tokens
+                    + self.token_to_local_position_within_kv_block[:n])
+            layer = self.layer_map[layer_number - 1]
+            heads, dim = buf.shape[-2:]
+            buf[0, layer].view(-1, heads, dim).index_copy_(0, slots, key[:n].squeeze(1))
+            buf[1, layer].view(-1, heads, dim).index_copy_(0, slots, value[:n].squeeze(1))
 
         def apply_rotary_emb_key(self, key, key_emb, config, cp_group, mscale=None):
             mscale = concentration(config) if mscale is None else mscale

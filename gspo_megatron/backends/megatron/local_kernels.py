@@ -104,8 +104,12 @@ class RopeOnceSelfAttention(SelfAttention):
       ~0.3 ms less per layer call on TRL's workload. Configurations that need any of those
       branches take Megatron's forward.
 
-    The dynamic engine (which already rotates before caching into its paged cache) takes
-    Megatron's path unchanged.
+    * With the dynamic engine's paged context (the rollout), a lean forward too
+      (:meth:`_paged_forward`): the projection, the context's key rotation, KV append and query
+      rotation, the paged attention and the output projection, the calls and order of
+      ``Attention.forward`` with its dynamic-batching branch taken, without its checks, NVTX
+      ranges, offloading context managers and ``einops`` rearrange. Bitwise Megatron's output
+      (``tests/unit/test_dynamic_rollout.py``); ~13 fewer tensor ops per layer and step.
     """
 
     def forward(self, hidden_states, attention_mask, key_value_states=None,
@@ -120,6 +124,15 @@ class RopeOnceSelfAttention(SelfAttention):
                 and (rotary_pos_emb is None or isinstance(rotary_pos_emb, torch.Tensor))):
             return self._lean_forward(hidden_states, attention_mask, rotary_pos_emb,
                                       packed_seq_params)
+        if (inference_context is not None and not inference_context.is_static_batching()
+                and self._lean and not self.training and key_value_states is None
+                and inference_params is None and packed_seq_params is None
+                and rotary_pos_cos is None and rotary_pos_sin is None
+                and rotary_pos_cos_sin is None and attention_bias is None
+                and not inference_context.use_flashinfer_fused_rope
+                and not (self.config.fp8 or self.config.fp4)
+                and (rotary_pos_emb is None or isinstance(rotary_pos_emb, torch.Tensor))):
+            return self._paged_forward(hidden_states, inference_context, rotary_pos_emb)
         return super().forward(
             hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb,
             rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params,
@@ -163,6 +176,33 @@ class RopeOnceSelfAttention(SelfAttention):
                                             attention_bias=None,
                                             packed_seq_params=packed_seq_params)
         return self.linear_proj(core_attn_out)
+
+    def _paged_forward(self, hidden_states, context, rotary_pos_emb):
+        """``Attention.forward`` under the dynamic engine's paged context, for the
+        configurations of :attr:`_lean`: ``hidden_states [T, 1, h]`` (the step's packed tokens)
+        -> ``([T, 1, h], bias)``. Keys are rotated and appended to the paged cache before the
+        queries are rotated, as Megatron does; the context's rotation and append functions are
+        the ones Megatron calls."""
+        query, key, value = self.get_query_key_value_tensors(hidden_states, None, split_qkv=True)
+        layer = self.layer_number - self._pp_layer_offset
+        if rotary_pos_emb is not None:
+            key = context.apply_rotary_emb_key(key, rotary_pos_emb, self.config,
+                                               self.pg_collection.cp)
+        context.append_key_value_cache(layer, key, value)
+        key_cache, value_cache, block_table = context.key_value_cache(layer)
+        if rotary_pos_emb is not None:
+            query = context.apply_rotary_emb_query(query, rotary_pos_emb, self.config, None,
+                                                   self.pg_collection.cp)
+        cu_query_lengths, max_seqlen_q = context.cu_query_lengths()
+        cu_kv_lengths, kv_lengths, max_seqlen_k = context.cu_kv_lengths()
+        out = self.flash_decode_and_prefill(
+            query, key_cache, value_cache, max_seqlen_q, max_seqlen_k, cu_query_lengths,
+            cu_kv_lengths, kv_lengths, block_table, context.is_decode_only())  # [T, 1, np, hn]
+        return self.linear_proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+    @functools.cached_property  # the pipeline layout is fixed once built
+    def _pp_layer_offset(self) -> int:
+        return self._get_pp_layer_offset_for_inference()
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                         *args, **kwargs):
