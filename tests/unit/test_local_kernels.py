@@ -50,7 +50,8 @@ def test_the_swap_happened(setup):
     _, _, fast, ref = setup
     kinds = {type(m) for m in fast.unwrapped().modules()}
     assert {lk.RopeOnceSelfAttention, lk.SDPADotProductAttention, lk.DirectColumnParallelLinear,
-            lk.DirectRowParallelLinear, lk.LoopedSequentialMLP, lk.DirectMoELayer} <= kinds
+            lk.DirectRowParallelLinear, lk.LoopedSequentialMLP, lk.DirectMoELayer,
+            lk.EagerBiasTopKRouter} <= kinds
     assert not any(type(m).__module__ == lk.__name__ for m in ref.unwrapped().modules())
     # Same parameters under the same names: checkpoints and converters see no difference.
     assert list(fast.unwrapped().state_dict()) == list(ref.unwrapped().state_dict())

@@ -70,6 +70,28 @@ def test_rmsnorm_matches_formula():
     assert norm.weight.sequence_parallel
 
 
+def test_rmsnorm_fp32_fast_path_is_the_formula_bitwise():
+    """In fp32 the norm is torch's ``rms_norm``: forward and both gradients bitwise the
+    written-out formula (the fp32 activations of the CPU path), on fresh random inputs."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.backends.megatron.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    for shape in ((5, 3, 16), (7, 1, 2, 8)):
+        norm = RMSNorm(SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False),
+                       shape[-1], eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.3 * torch.randn(shape[-1], generator=gen))
+        x = torch.randn(shape, generator=gen).requires_grad_()
+        g = torch.randn(shape, generator=gen)
+        y = norm(x)
+        gx, gw = torch.autograd.grad(y, (x, norm.weight), g)
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+        rx, rw = torch.autograd.grad(ref, (x, norm.weight), g)
+        assert torch.equal(y, ref) and torch.equal(gx, rx) and torch.equal(gw, rw)
+
+
 @pytest.mark.parametrize("kwargs, world, message", [
     (dict(expert_model_parallel_size=3), 3, "num_moe_experts .4. is not divisible by parallel.expert_model_parallel_size .3."),
     (dict(tensor_model_parallel_size=8), 8, "num_attention_heads .4. is not divisible by parallel.tensor_model_parallel_size .8."),

@@ -50,6 +50,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -541,6 +542,21 @@ def stacked_expert_weights(model):
             m.stacked = None
 
 
+class EagerBiasTopKRouter(TopKRouter):
+    """``TopKRouter`` whose ``_apply_expert_bias`` returns at once when expert bias is off.
+
+    Megatron's router calls ``_apply_expert_bias`` (the aux-loss-free balancing counts) in every
+    routing, and the method is under ``jit_fuser`` (``torch.compile``): even with the CPU compat's
+    eager stance each call passes dynamo's wrapper (~20 us; twice per decoding step and per
+    forward on the tiny model) to do nothing unless ``moe_router_enable_expert_bias``. With it on,
+    Megatron's method runs as before."""
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias:
+            return super()._apply_expert_bias(routing_map, padding_mask)
+        return None
+
+
 class DirectMoELayer(MoELayer):
     """``MoELayer`` whose forward on a single expert/tensor rank routes, permutes and combines
     with Megatron's own ``permute``/``unpermute`` directly (rollout, old-log-prob pass and the
@@ -560,6 +576,11 @@ class DirectMoELayer(MoELayer):
     capacity factors, fused permutes, shared experts, latent projections and MoE recompute take
     Megatron's path.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if type(self.router) is TopKRouter:  # the same module and state, a leaner method
+            self.router.__class__ = EagerBiasTopKRouter
 
     @functools.cached_property  # layout and config are fixed once built: decided on first call
     def _direct(self) -> bool:
