@@ -200,6 +200,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     def policy(**kwargs):
         return build_policy(cfg.model, parallel, cfg.precision, cfg.optim, groups,
                             micro_batch_size=cfg.trainer.micro_batch_size,
+                            logprob_micro_batch_size=cfg.trainer.logprob_micro_batch_size,
                             max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                             vocab_size=tokenizer.vocab_size, **kwargs)
 

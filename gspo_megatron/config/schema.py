@@ -339,6 +339,12 @@ class TrainerConfig(Section, name="trainer"):
     micro_batch_size: int = 16
     """Sequences per forward/backward (gradient accumulation inside a minibatch), each
     right-padded to the batch's longest sequence. Not used when packing."""
+    logprob_micro_batch_size: int | None = None
+    """Sequences per forward of the no-grad log-prob passes (old policy, reference model);
+    None: ``micro_batch_size``. They keep no activations for a backward, so larger microbatches
+    fit in the same memory and cost fewer per-call overheads (TRL's workload: 4 x 32 -> 1 x 128,
+    17 -> 13 ms). verl's ``log_prob_micro_batch_size_per_gpu``, NeMo-RL's
+    ``logprob_batch_size``. Not used when packing (``max_tokens_per_microbatch``)."""
     max_tokens_per_microbatch: int | None = None
     """Padding-free training: the sequences of every old-log-prob, update and SFT pass are packed
     (concatenated, Megatron's ``thd`` ``PackedSeqParams``: no attention across sequences, rotary
@@ -372,6 +378,8 @@ class TrainerConfig(Section, name="trainer"):
                                   "max_consecutive_faults")
         if self.max_tokens_per_microbatch is not None:
             yield from self._at_least(1, "max_tokens_per_microbatch")
+        if self.logprob_micro_batch_size is not None:
+            yield from self._at_least(1, "logprob_micro_batch_size")
 
 
 @dataclass

@@ -74,6 +74,7 @@ CONFIG_CASES = [
     # packing: a budget below the longest sequence the recipe allows, or none at all; an attention
     # kernel that cannot pack; routes of sequence-parallel shards of a packed row
     ("", ["--trainer.max_tokens_per_microbatch=0"], 1, r"trainer.max_tokens_per_microbatch: must be >= 1, got 0"),
+    ("", ["--trainer.logprob_micro_batch_size=0"], 1, r"trainer.logprob_micro_batch_size: must be >= 1, got 0"),
     ("", ["--trainer.max_tokens_per_microbatch=10"], 1, r"trainer.max_tokens_per_microbatch=10 cannot hold the longest sequence the recipe allows: data.max_prompt_length \+ rollout.max_new_tokens = \d+ \+ \d+ = \d+$"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--precision.transformer_impl=local", "--precision.local_kernels=false"], 1, r"trainer.max_tokens_per_microbatch=256 needs an attention kernel that packs: precision.local_kernels=false"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--routing.replay=r2", "--parallel.tensor_model_parallel_size=2"], 2, r"trainer.max_tokens_per_microbatch=256 with routing replay/diagnostics needs parallel.tensor_model_parallel_size=1, got 2"),

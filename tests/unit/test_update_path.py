@@ -1,6 +1,6 @@
-"""The update path's fast paths against Megatron's own: torch's multi-tensor (``foreach``)
-AdamW inside Megatron's optimizer is bitwise its default per-parameter loop on CPU, the lean step
-(norm and clipping with foreach ops) is bitwise Megatron's ``optimizer.step()``, the non-finite
+"""The update path's fast paths against Megatron's own: the lean step (norm and clipping with
+foreach ops) is bitwise Megatron's ``optimizer.step()``, torch's fused AdamW inside Megatron's
+optimizer follows its default per-parameter loop on CPU to float32 rounding, the non-finite
 check reads DDP's flat gradient buffers with the same answer as the per-parameter check, the
 single-rank ``finalize_model_grads`` leaves the gradients as Megatron's does, and the eval/train
 switch of the log-prob pass sets every module's flag as ``nn.Module.train`` does."""
@@ -59,33 +59,59 @@ def _steps(policy, groups, n=5):
     return norms
 
 
+def _adam_states(policy):
+    return [o.optimizer.state for o in getattr(policy.optimizer, "chained_optimizers",
+                                                [policy.optimizer])]
+
+
 @pytest.mark.parametrize("clip_grad", [0.05, 0.0, 1e9])
-def test_lean_step_and_foreach_adamw_are_megatrons_step_bitwise(groups, clip_grad):
-    """Against Megatron's own ``optimizer.step()`` with torch's per-parameter Adam loop: the
-    same gradient norms, weights and Adam state after 5 steps, with clipping active on every
-    step (0.05), disabled (0) and never triggered (1e9)."""
+def test_lean_step_is_megatrons_step_bitwise(groups, clip_grad):
+    """Against Megatron's own ``optimizer.step()`` (the same fused AdamW inside): the same
+    gradient norms, weights and Adam state after 5 steps, with clipping active on every step
+    (0.05), disabled (0) and never triggered (1e9)."""
     fast, slow = _policy(groups), _policy(groups)
     for pol in (fast, slow):
         for o in getattr(pol.optimizer, "chained_optimizers", [pol.optimizer]):
             o.config.clip_grad = clip_grad
     fast.copy_weights_to(slow)
     assert fast._lean_step
-    assert all(g["foreach"] is True for g in _inner_groups(fast))
     assert {g["weight_decay"] for g in _inner_groups(fast)} == {0.0, 0.1}
     slow.__dict__["_lean_step"] = False  # Megatron's step()
-    for g in _inner_groups(slow):
-        g["foreach"] = False  # torch's default on CPU: _single_tensor_adam
     norms_fast, norms_slow = _steps(fast, groups), _steps(slow, groups)
     assert norms_fast == norms_slow and max(norms_fast) > 0.05  # clipped steps at clip_grad 0.05
     slow_params = dict(slow.unwrapped().named_parameters())
     for name, p in fast.unwrapped().named_parameters():
         assert torch.equal(p, slow_params[name]), name
-    states = [[o.optimizer.state for o in getattr(pol.optimizer, "chained_optimizers",
-                                                   [pol.optimizer])] for pol in (fast, slow)]
-    for state_f, state_s in zip(*states):
+    for state_f, state_s in zip(_adam_states(fast), _adam_states(slow)):
         for (pf, sf), (ps, ss) in zip(state_f.items(), state_s.items(), strict=True):
             assert pf.shape == ps.shape and sorted(sf) == sorted(ss)
             assert all(torch.equal(sf[k], ss[k]) for k in sf)  # step, exp_avg, exp_avg_sq
+
+
+def test_fused_adamw_follows_the_per_parameter_loop(groups):
+    """CPU groups run torch's fused AdamW (TRL's / Hugging Face's default,
+    ``adamw_torch_fused``); after 5 clipped steps with weight decay its weights and Adam state
+    equal the per-parameter loop's (torch's CPU default) to float32 rounding, and the updates
+    themselves are far larger than the difference."""
+    fused, loop = _policy(groups), _policy(groups)
+    fused.copy_weights_to(loop)
+    start = {n: p.detach().clone() for n, p in fused.unwrapped().named_parameters()}
+    assert all(g["fused"] is True and not g["foreach"] for g in _inner_groups(fused))
+    for g in _inner_groups(loop):
+        g["fused"], g["foreach"] = False, False  # torch's default on CPU: _single_tensor_adam
+    norms_fused, norms_loop = _steps(fused, groups), _steps(loop, groups)
+    torch.testing.assert_close(norms_fused, norms_loop, rtol=1e-4, atol=0)
+    loop_params = dict(loop.unwrapped().named_parameters())
+    moved = 0.0
+    for name, p in fused.unwrapped().named_parameters():
+        torch.testing.assert_close(p, loop_params[name], rtol=1e-5, atol=1e-6)
+        moved = max(moved, float((p - start[name]).abs().max()))
+    assert moved > 1e-3  # 5 steps at lr 3e-3 moved the weights
+    for state_f, state_l in zip(_adam_states(fused), _adam_states(loop)):
+        for (_, sf), (_, sl) in zip(state_f.items(), state_l.items(), strict=True):
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(sf[k], sl[k], rtol=1e-4, atol=1e-9)
+            assert torch.equal(sf["step"], sl["step"])
 
 
 def test_nonfinite_check_reads_the_flat_buffers(groups):
@@ -200,3 +226,30 @@ def test_a_frozen_policy_keeps_no_gradient_buffer_and_scores_as_the_policy(group
         a, _ = compute_logprobs(policy.model, batch, 4, scoring, groups)
         b, _ = compute_logprobs(frozen.model, batch, 4, scoring, groups)
     assert torch.equal(a, b)
+
+
+def test_logprob_passes_take_their_own_microbatch_size(groups, monkeypatch):
+    """``trainer.logprob_micro_batch_size``: the no-grad log-prob pass cuts the batch into its
+    own microbatches (2 of 4 here, against 4 of 2 for the update's size) and scores every
+    sequence as the smaller microbatches do."""
+    from gspo_megatron.backends.megatron import schedule
+
+    model = model_config_from_preset("tiny")
+    pols = {mbs: build_policy(model, ParallelConfig(), PrecisionConfig(), OptimConfig(), groups,
+                              total_steps=1, with_optimizer=False, micro_batch_size=2,
+                              logprob_micro_batch_size=mbs) for mbs in (None, 4)}
+    pols[None].copy_weights_to(pols[4])
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
+            for k in torch.randint(5, 12, (8,), generator=gen)]
+    batch = make_policy_batch(seqs, [2] * 8, pad_id=0)
+    sizes = []
+    real = schedule.make_microbatches
+    monkeypatch.setattr(schedule, "make_microbatches",
+                        lambda b, batching, g: sizes.append(batching.micro_batch_size)
+                        or real(b, batching, g))
+    lp = {mbs: pol.logprobs(batch) for mbs, pol in pols.items()}
+    assert sizes == [2, 4]
+    mask = batch.response_mask.bool()
+    assert mask.sum() > 20
+    torch.testing.assert_close(lp[4][mask], lp[None][mask], rtol=1e-5, atol=1e-6)

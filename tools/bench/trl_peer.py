@@ -30,7 +30,16 @@ Every setting that changes the work is the same on both sides (:data:`EQUAL`, is
   runs its default ``adamw_torch_fused``, ours Megatron's fp32 optimizer over ``torch.optim.AdamW``.
 * GSPO clip eps 3e-4 / 4e-4; group-std advantage normalisation; entropy computed in every
   training microbatch on both sides (TRL logs it, ours too); old log-probs recomputed by one
-  forward over the 128 sequences in microbatches of 32 on both sides.
+  no-grad forward over the 128 sequences on both sides. How that pass is cut is not the work:
+  TRL runs it in microbatches of its ``per_device_train_batch_size`` (32; it has no separate
+  setting), ours in one of 128 (``trainer.logprob_micro_batch_size``, verl's
+  ``log_prob_micro_batch_size_per_gpu``: no activations are kept, so it fits);
+  ``--logprob-micro-batch 32`` runs ours cut as TRL's.
+* no router load-balancing loss: TRL's Hugging Face model computes none in training
+  (``Qwen3MoeConfig.output_router_logits`` defaults to False, so ``router_aux_loss_coef`` is never
+  applied); ours runs with ``model.moe_router_load_balancing_type=none``,
+  ``model.moe_aux_loss_coeff=0`` (the recipe's 1e-3 aux loss adds ~4 ms of router work to the 4
+  updates).
 * no activation recomputation: TRL's ``GRPOConfig`` turns gradient checkpointing on by default
   (an extra forward per update); it is off here, as ours has none.
 * prompts: the project's arithmetic problems (``+`` and ``-``, operands 0-20) on both sides.
@@ -57,6 +66,8 @@ SHAPE = dict(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4
              num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2,
              moe_ffn_hidden_size=32)
 PROMPTS, GROUP, NEW_TOKENS, UPDATES = 16, 8, 16, 4
+LOGPROB_MICRO_BATCH = PROMPTS * GROUP
+"""Ours: the old-log-prob pass in one microbatch (TRL's: 4 of 32, not settable there)."""
 LR = 1e-6
 TRL_VOCAB = ["<pad>", "<unk>", "<s>", "<eos>", *"0123456789+-=*"]
 """TRL's character tokenizer: as many ids as our tokenizer's real vocabulary (18), and TRL's model
@@ -66,7 +77,8 @@ EQUAL = {
     "max_new_tokens": NEW_TOKENS, "lr": LR, "lr_schedule": "constant, no warm-up",
     "weight_decay": 0.0, "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "grad_clip": 1.0,
     "clip_eps": [3e-4, 4e-4], "kl_coef": 0.0, "activation_recompute": False,
-    "entropy_in_updates": True, "old_logprobs": "recomputed, microbatches of 32",
+    "entropy_in_updates": True, "router_aux_loss": False,
+    "old_logprobs": "recomputed, one no-grad forward over the 128 sequences",
     "prompts": "arithmetic, + and -, operands 0-20"}
 """The settings that change the work, the same on both sides (module docstring)."""
 
@@ -103,6 +115,7 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
         moe_intermediate_size=SHAPE["moe_ffn_hidden_size"], num_experts=SHAPE["num_moe_experts"],
         num_experts_per_tok=SHAPE["moe_router_topk"], norm_topk_prob=True,
         max_position_embeddings=16 + new_tokens, tie_word_embeddings=False)).float()
+    assert not model.config.output_router_logits  # no aux loss in training (EQUAL)
     vocab = {t: i for i, t in enumerate(TRL_VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -162,7 +175,8 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
 
 
 def our_overrides(steps: int, smoke: bool = False, new_tokens: int = NEW_TOKENS,
-                  group: int = GROUP, full_length: bool = False) -> list[str]:
+                  group: int = GROUP, full_length: bool = False,
+                  logprob_micro_batch: int = LOGPROB_MICRO_BATCH) -> list[str]:
     """``tiny_gspo.yaml`` overrides for our side: TRL's shapes and :data:`EQUAL`'s settings."""
     prompts, group = (2, 2) if smoke else (PROMPTS, group)
     new_tokens = 2 if smoke else new_tokens
@@ -170,10 +184,12 @@ def our_overrides(steps: int, smoke: bool = False, new_tokens: int = NEW_TOKENS,
         "sft.steps=0", f"model.num_moe_experts={SHAPE['num_moe_experts']}",
         f"model.moe_ffn_hidden_size={SHAPE['moe_ffn_hidden_size']}",
         f"model.moe_router_topk={SHAPE['moe_router_topk']}",
+        "model.moe_router_load_balancing_type=none", "model.moe_aux_loss_coeff=0",
         f"rollout.max_new_tokens={new_tokens}", f"model.seq_length={16 + new_tokens}",
         f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
         f"trainer.num_minibatches={UPDATES}",
         f"trainer.micro_batch_size={prompts * group // UPDATES}",
+        f"trainer.logprob_micro_batch_size={min(logprob_micro_batch, prompts * group)}",
         "loss.clip_low=3e-4", "loss.clip_high=4e-4", "loss.kl_coef=0.0",
         f"optim.lr={LR}", "optim.min_lr=0.0", "optim.lr_warmup_steps=0",
         "optim.lr_decay_style=constant", "optim.weight_decay=0.0", "optim.adam_beta1=0.9",
@@ -184,14 +200,14 @@ def our_overrides(steps: int, smoke: bool = False, new_tokens: int = NEW_TOKENS,
 
 
 def _our_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
-              full_length: bool = False) -> dict:
+              full_length: bool = False, logprob_micro_batch: int = LOGPROB_MICRO_BATCH) -> dict:
     import torch
 
     from tools.bench.common import quiet_megatron, tiny_trainer
 
     quiet_megatron()
     torch.set_num_threads(1)
-    overrides = our_overrides(steps, smoke, new_tokens, group, full_length)
+    overrides = our_overrides(steps, smoke, new_tokens, group, full_length, logprob_micro_batch)
     with tiny_trainer(overrides) as (trainer, _):
         # The sampling support TRL's side is given (TRL_VOCAB) is our tokenizer's real vocabulary.
         assert trainer.task.tokenizer.vocab_size == len(TRL_VOCAB), trainer.task.tokenizer.vocab_size
@@ -211,7 +227,8 @@ MODES = {"eos": [], "full_length": ["--full-length"]}
 (TRL: ``min_new_tokens``; ours: ``rollout.ignore_eos``), the same work on both sides."""
 
 
-def run(smoke: bool = False, rounds: int = 3, steps: int = 3) -> dict:
+def run(smoke: bool = False, rounds: int = 3, steps: int = 3,
+        logprob_micro_batch: int = LOGPROB_MICRO_BATCH) -> dict:
     from tools.bench.common import make_result, median, row, run_child
 
     version = trl_available()
@@ -229,6 +246,8 @@ def run(smoke: bool = False, rounds: int = 3, steps: int = 3) -> dict:
         for mode, extra in MODES.items():
             for side in (("trl", "ours") if r % 2 == 0 else ("ours", "trl")):
                 args = ["--side", side, "--steps", str(steps), *extra]
+                if side == "ours":
+                    args += ["--logprob-micro-batch", str(logprob_micro_batch)]
                 sides[mode][side].append(run_child("tools.bench.trl_peer",
                                                    args + (["--smoke"] if smoke else [])))
 
@@ -272,10 +291,14 @@ def run(smoke: bool = False, rounds: int = 3, steps: int = 3) -> dict:
         "trl_peer", title, target, met, rows, ratios,
         config={"trl": version, "rounds": rounds, "steps": steps, "shape": SHAPE,
                 "prompts": PROMPTS, "group": GROUP, "new_tokens": NEW_TOKENS,
-                "updates": UPDATES, "equal": EQUAL, "per_round": sides},
+                "updates": UPDATES, "equal": EQUAL,
+                "old_logprob_microbatches": {"trl": 32, "ours": logprob_micro_batch},
+                "per_round": sides},
         notes=[f"median over {rounds} fresh processes per side and mode x {steps} generations "
                "(1 warm-up generation each), alternating which side runs first; fp32, 1 thread",
                "equal on both sides: " + ", ".join(f"{k} {v}" for k, v in EQUAL.items()),
+               f"old-log-prob pass cut into microbatches of 32 (TRL) and {logprob_micro_batch} "
+               "(ours, trainer.logprob_micro_batch_size): the same forward work",
                "eos: both sides sample over the same 18 ids (ours: the tokenizer's real ids of a "
                "vocabulary padded to 128, padded logits masked; TRL: an 18-entry model), so EOS "
                "ends a response equally often on both; a static batch still decodes until its "
@@ -295,15 +318,22 @@ def _side_main(argv: list[str]) -> None:
     ap.add_argument("--group", type=int, default=GROUP)
     ap.add_argument("--full-length", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--logprob-micro-batch", type=int, default=LOGPROB_MICRO_BATCH)
     args = ap.parse_args(argv)
-    side = _trl_side if args.side == "trl" else _our_side
-    print(json.dumps(side(args.steps, args.smoke, args.new_tokens, args.group, args.full_length)),
-          flush=True)
+    if args.side == "trl":
+        res = _trl_side(args.steps, args.smoke, args.new_tokens, args.group, args.full_length)
+    else:
+        res = _our_side(args.steps, args.smoke, args.new_tokens, args.group, args.full_length,
+                        args.logprob_micro_batch)
+    print(json.dumps(res), flush=True)
 
 
 def _args(ap) -> None:
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--logprob-micro-batch", type=int, dest="logprob_micro_batch",
+                    help=f"ours: sequences per old-log-prob microbatch (default "
+                         f"{LOGPROB_MICRO_BATCH}; 32 = TRL's)")
 
 
 if __name__ == "__main__":
