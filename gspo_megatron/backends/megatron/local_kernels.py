@@ -7,8 +7,6 @@ classes below are drop-in subclasses: same parameters, same ``state_dict`` and
 ``sharded_state_dict`` (checkpoints and the HF converters do not see them), same maths. Each takes
 its short path only where it is exactly equivalent and otherwise calls Megatron's own forward.
 
-* :class:`LeanTransformerLayer`: the layer's forward without the branches of features not in
-  use (recompute, offloading, fused TP inference, CUDA graphs), the same calls in order.
 * :class:`RopeOnceSelfAttention`: Megatron's static KV cache stores keys *before* RoPE and
   re-rotates the whole cache at every decoding step, O(context) per token per layer (at batch 128
   that was 30 % of a generate call). This rotates each key once, when it enters the cache, as
@@ -55,8 +53,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import make_viewless_tensor
 
 from gspo_megatron.backends.megatron.row_attention import (context_parallel_sdpa,
                                                            packed_context_parallel_sdpa,
@@ -73,68 +69,6 @@ def _linear(module, x: torch.Tensor):
     if module.skip_bias_add:
         return F.linear(x, module.weight), module.bias
     return F.linear(x, module.weight, module.bias), None
-
-
-class LeanTransformerLayer(TransformerLayer):
-    """``TransformerLayer`` whose forward is its arithmetic alone when nothing else applies.
-
-    ``TransformerLayer.forward`` is input norm -> self attention -> bias-dropout-add -> (cross
-    attention: identity modules in a GPT) -> pre-MLP norm -> MLP -> bias-dropout-add ->
-    ``make_viewless_tensor``, wrapped in branches for recompute, activation offloading (a context
-    manager object per norm), fused TP inference kernels, chunked prefill MLPs, CUDA-graph
-    capture and NVTX ranges. With none of those configured (:attr:`_lean`) this forward calls
-    the same modules and Megatron's bias-dropout-add function in the same order, so the output
-    and gradients are Megatron's bitwise (``tests/unit/test_local_kernels.py``); ~60 fewer
-    Python calls per layer (a decoding step runs every layer once). Anything else takes
-    Megatron's forward.
-    """
-
-    @functools.cached_property  # layout and config are fixed once built: decided on first call
-    def _lean(self) -> bool:
-        from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
-
-        c = self.config
-        return (not self.recompute_input_layernorm and not self.recompute_pre_mlp_layernorm
-                and not self.recompute_mlp and not self.offload_attn_norm
-                and not self.offload_mlp_norm and not c.inference_fuse_tp_communication
-                and c.mlp_chunks_for_prefill <= 1 and c.cuda_graph_impl == "none"
-                and type(self.pre_cross_attn_layernorm) is IdentityOp
-                and type(self.cross_attention) is IdentityOp
-                and type(self.cross_attn_bda) is IdentityFuncOp)
-
-    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
-                rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
-                packed_seq_params=None, sequence_len_offset=None, padding_mask=None,
-                **kwargs):
-        if kwargs.keys() - {"dynamic_inference_decode_only"} or context is not None \
-                or not self._lean:
-            kwargs.pop("dynamic_inference_decode_only", None)
-            return super().forward(
-                hidden_states, attention_mask=attention_mask, context=context,
-                context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
-                rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-                inference_context=inference_context, packed_seq_params=packed_seq_params,
-                sequence_len_offset=sequence_len_offset, padding_mask=padding_mask, **kwargs)
-        # [s, b, h] throughout
-        attention_output_with_bias = self.self_attention(
-            self.input_layernorm(hidden_states), attention_mask=attention_mask,
-            inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
-            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-            rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
-                attention_output_with_bias, hidden_states, self.hidden_dropout)
-        mlp_output_with_bias = self.mlp(self.pre_mlp_layernorm(hidden_states),
-                                        padding_mask=padding_mask)
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
-                mlp_output_with_bias, hidden_states, self.hidden_dropout)
-        output = make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad,
-                                      keep_graph=True)
-        return output, context
 
 
 class RopeOnceSelfAttention(SelfAttention):

@@ -199,7 +199,6 @@ def build_layer_spec(config, impl: str, pp_rank: int | None = None, local_kernel
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.moe.experts import SequentialMLP
         from megatron.core.transformer.moe.moe_layer import MoELayer
-        from megatron.core.transformer.transformer_layer import TransformerLayer
 
         from gspo_megatron.backends.megatron import local_kernels as lk
 
@@ -209,8 +208,7 @@ def build_layer_spec(config, impl: str, pp_rank: int | None = None, local_kernel
                          (ColumnParallelLinear, lk.DirectColumnParallelLinear),
                          (RowParallelLinear, lk.DirectRowParallelLinear),
                          (SequentialMLP, lk.LoopedSequentialMLP),
-                         (MoELayer, lk.DirectMoELayer),
-                         (TransformerLayer, lk.LeanTransformerLayer)):
+                         (MoELayer, lk.DirectMoELayer)):
             spec = _swap_modules(spec, old, new)
     return spec
 
