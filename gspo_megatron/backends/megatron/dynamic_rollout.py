@@ -59,6 +59,7 @@ import itertools
 
 import torch
 
+from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.distributed import ParallelGroups, any_rank
 from gspo_megatron.kv_cache import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
@@ -203,10 +204,11 @@ class DynamicRollout:
         held = self._claim_held(prompts, stop)
         self.resume()
         try:
-            if held:  # the context holds the continued requests: eval mode without its reset
-                self.wrapper.model.eval()
-            else:
-                self.wrapper.prep_model_for_inference()  # eval mode, reset the paged context
+            # eval mode (the module flags over a cached list: ``model.eval()`` without its
+            # recursive walk); the context keeps the held requests, else it starts empty
+            set_training([self.wrapper.model], False)
+            if not held:
+                self.context.reset()
             call = self.call = _Call(sp, self._device)
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:

@@ -79,6 +79,7 @@ import torch.distributed as dist
 
 from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
 from gspo_megatron.backends.megatron.sampling_copy import SamplingCopy, copy_dtype
+from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.policy import GroupStop, RolloutSample
@@ -353,7 +354,7 @@ class RolloutEngine:
                 else:
                     samples = self._generate_dynamic(prompts, sp, budgets, stop)
         finally:
-            model.train(was_training)
+            set_training([model], was_training)  # model.train(), over a cached module list
             self.wrapper.route_recorder = None
             if self._route_recorder is not None:  # the held requests' routes stay
                 self._route_recorder.reset(
