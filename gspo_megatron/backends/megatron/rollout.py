@@ -486,8 +486,13 @@ class RolloutEngine:
                     stop.add(group)
                     added.append((prompts[-1], b))
                 return added
-        with _sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1 else \
-                contextlib.nullcontext(), _context_parallel_off(self.sampling_model):
+        # Inference mode (as the static loop): no autograd bookkeeping on any op, ~1.2 ms of
+        # a 41 ms rollout on TRL's workload, whose parameters require grad. What leaves it is
+        # lists, and the R3 routes copied out below (inference tensors cannot be saved for the
+        # update's backward); the context's tensors are only touched in here.
+        sp_off = (_sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1
+                  else contextlib.nullcontext())
+        with torch.inference_mode(), sp_off, _context_parallel_off(self.sampling_model):
             written = self.dynamic.generate(prompts, budgets, sp, stop, refill)
         recorder = self._route_recorder
         samples = []
