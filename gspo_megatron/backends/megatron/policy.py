@@ -76,10 +76,15 @@ class MegatronPolicy:
                  ) -> torch.Tensor | None:
         """``[B, T]`` log-probs of ``batch.labels`` (no grad) on the last pipeline stage, else None."""
         scoring = dataclasses.replace(self.scoring, temperature=temperature)
-        with stacked_expert_weights(self.unwrapped()):  # weights fixed: CPU grouped expert GEMMs
+        # Without route hooks the pass runs in inference mode (no autograd bookkeeping per op;
+        # -0.5 ms of 12 on TRL's workload) and its result leaves as a copy (an inference tensor
+        # cannot be saved for the update's backward). Route hooks keep no_grad: the routes they
+        # record feed the update's replay.
+        grad_off = torch.inference_mode() if routing is None else contextlib.nullcontext()
+        with stacked_expert_weights(self.unwrapped()), grad_off:  # CPU grouped expert GEMMs
             lp, _ = compute_logprobs(self.model, batch, self.logprob_batching, scoring,
                                      self.groups, routing=routing)
-        return lp
+        return lp.clone() if lp is not None and lp.is_inference() else lp
 
     def train_minibatch(self, batch: PolicyBatch, objective, *, routing=None) -> dict[str, float]:
         """Forward + backward of ``objective`` over ``batch`` (gradients accumulate; call
