@@ -253,3 +253,30 @@ def test_logprob_passes_take_their_own_microbatch_size(groups, monkeypatch):
     mask = batch.response_mask.bool()
     assert mask.sum() > 20
     torch.testing.assert_close(lp[4][mask], lp[None][mask], rtol=1e-5, atol=1e-6)
+
+
+def test_an_update_after_a_first_pass_in_inference_mode(groups):
+    """A run without SFT: the first forward with a loss is the old-log-prob pass, in inference
+    mode. Megatron's MoE aux-loss scale holder (a class attribute that forward creates once,
+    then updates in place) must come out of it usable by the update's forward and backward."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    policy = _policy(groups)
+    gen = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
+            for k in torch.randint(6, 14, (8,), generator=gen)]
+    batch = make_policy_batch(seqs, [3] * 8, pad_id=0)
+    batch.advantages = torch.randn(8, generator=gen)
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as in a fresh process
+    try:
+        batch.old_logprobs = policy.logprobs(batch)
+        assert not batch.old_logprobs.is_inference()
+        assert not MoEAuxLossAutoScaler.main_loss_backward_scale.is_inference()
+        policy.zero_grad()
+        train_minibatch(policy.model, batch, 4, PolicyLossConfig(variant="gspo"),
+                        ScoringConfig(vocab_size=100), groups)
+        applied, _ = policy.optimizer_step()
+        assert applied
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved

@@ -81,6 +81,8 @@ class MegatronPolicy:
         # cannot be saved for the update's backward). Route hooks keep no_grad: the routes they
         # record feed the update's replay.
         grad_off = torch.inference_mode() if routing is None else contextlib.nullcontext()
+        if routing is None:
+            _aux_loss_scale_outside_inference_mode(self.model)
         with stacked_expert_weights(self.unwrapped()), grad_off:  # CPU grouped expert GEMMs
             lp, _ = compute_logprobs(self.model, batch, self.logprob_batching, scoring,
                                      self.groups, routing=routing)
@@ -511,6 +513,21 @@ def use_fused_adam(optimizer) -> None:
                     and all(p.device.type == "cpu" and p.dtype.is_floating_point
                             for p in group["params"])):
                 group["fused"], group["foreach"] = fused_on_cpu, not fused_on_cpu
+
+
+def _aux_loss_scale_outside_inference_mode(model: list) -> None:
+    """Megatron keeps the MoE aux-loss gradient scale in a class attribute that the first
+    forward with a loss creates from its scale tensor and later ones update in place
+    (``MoEAuxLossAutoScaler.set_loss_scale``). Made inside inference mode (a run whose first pass
+    is the old-log-prob pass: no SFT) it could not be updated by the update's forward. Creates it
+    first, as a normal tensor; its value is set by every forward that uses it."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    held = MoEAuxLossAutoScaler.main_loss_backward_scale
+    if held is None or held.is_inference():
+        device = next(model[0].parameters()).device
+        MoEAuxLossAutoScaler.main_loss_backward_scale = (
+            torch.ones(1, device=device) if held is None else held.clone())  # Megatron's [1]
 
 
 def pop_moe_aux_loss() -> float | None:
