@@ -54,6 +54,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from gspo_megatron.backends.megatron.model import module_list
 from gspo_megatron.backends.megatron.row_attention import (context_parallel_sdpa,
                                                            packed_context_parallel_sdpa,
                                                            packed_sdpa)
@@ -527,8 +528,10 @@ def stacked_expert_weights(model):
     layer on entry, ~10 us per layer on the tiny model); nothing on CUDA (TE's or Megatron's grouped
     GEMM runs there) or without ``torch._grouped_mm``.
     """
-    mlps = [m for m in model.modules() if isinstance(m, LoopedSequentialMLP) and m._direct
-            and m.local_experts and m.local_experts[0].linear_fc1.weight.device.type == "cpu"
+    mlps = [m for m in module_list(model, "looped_experts",
+                                   lambda m: [m] if isinstance(m, LoopedSequentialMLP) else [])
+            if m._direct and m.local_experts
+            and m.local_experts[0].linear_fc1.weight.device.type == "cpu"
             ] if hasattr(torch, "_grouped_mm") else []
     try:
         with torch.no_grad():

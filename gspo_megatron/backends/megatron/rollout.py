@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
+from gspo_megatron.backends.megatron.model import module_list
 from gspo_megatron.backends.megatron.sampling_copy import SamplingCopy, copy_dtype
 from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.config import RolloutConfig
@@ -104,13 +105,17 @@ def _sequence_parallel_off(model):
     step has one token, which cannot be split over TP). Turn it off for generation and restore
     every attribute exactly afterwards (the config object is shared with training)."""
     attrs = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
-    saved = [(m, a, getattr(m, a)) for m in model.modules() for a in attrs if hasattr(m, a)]
+    holders = module_list(model, "sequence_parallel_attrs",
+                          lambda m: [(m, a) for a in attrs if hasattr(m, a)])
+    saved = [(m, a, getattr(m, a)) for m, a in holders]
     cfg_sp = model.config.sequence_parallel
+    if not (cfg_sp or any(v for _, _, v in saved)):  # already off: nothing to switch
+        yield
+        return
     try:
-        if cfg_sp or any(v for _, _, v in saved):
-            model.config.sequence_parallel = False
-            for m, a, _ in saved:
-                setattr(m, a, False)
+        model.config.sequence_parallel = False
+        for m, a, _ in saved:
+            setattr(m, a, False)
         yield
     finally:
         model.config.sequence_parallel = cfg_sp
@@ -127,8 +132,9 @@ def _context_parallel_off(model):
     see a single rank (:func:`.dynamic_rollout._rollout_context`). Nothing to do at CP = 1."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)
-                and getattr(m, "cp_group", None) is not None and m.cp_group.size() > 1]
+    rotaries = [m for m in module_list(model, "rotary_embeddings",
+                                       lambda m: [m] if isinstance(m, RotaryEmbedding) else [])
+                if getattr(m, "cp_group", None) is not None and m.cp_group.size() > 1]
     if not rotaries:
         yield
         return
