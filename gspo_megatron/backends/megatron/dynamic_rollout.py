@@ -112,7 +112,10 @@ class DynamicRollout:
             max_requests=max_requests,
             max_tokens=max(max_requests, max_sequence_length, 2048),
             block_size_tokens=BLOCK_SIZE_TOKENS,
-            materialize_only_last_token_logits=False,  # log-probs read every token's logits
+            # The output layer on each request's last token only (a prefill's other tokens
+            # were a [prompt, V] GEMM each, thrown away: the loop reads the sampled tokens'
+            # log-probs only)
+            materialize_only_last_token_logits=True,
             use_flashinfer_fused_rope=None,
             unified_memory_level=0,
         )
@@ -262,8 +265,9 @@ class DynamicRollout:
         input_ids, position_ids = ctx.current_input_and_position_ids()  # [1, T_padded] each
         logits = self.controller._dynamic_step_forward_logits(input_ids, position_ids)
         first, last = ctx.paused_request_count, ctx.total_request_count
-        # [n, V_padded]: logits / T of each request, the padded vocabulary's columns -inf
-        last_logits = ctx.last_token_logits(logits)
+        # [n, V_padded]: logits / T of each request's last token (the model computed no other
+        # rows), the padded vocabulary's columns -inf
+        last_logits = logits.squeeze(0)
         sp = call.sp
         # Drawn over the real vocabulary only: the padded columns have probability 0, and
         # Megatron's filter + softmax + multinomial cost follows the columns (TRL's workload:
