@@ -54,10 +54,10 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from gspo_megatron.backends.megatron.model import module_list
 from gspo_megatron.backends.megatron.row_attention import (context_parallel_sdpa,
                                                            packed_context_parallel_sdpa,
                                                            packed_sdpa)
+from gspo_megatron.backends.megatron.schedule import module_list
 from gspo_megatron.layout import segment_positions
 
 

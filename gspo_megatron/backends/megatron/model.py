@@ -45,17 +45,6 @@ class RMSNorm(torch.nn.Module):
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def module_list(model: torch.nn.Module, key: str, pick) -> list:
-    """``[x for m in model.modules() for x in pick(m)]``, computed on the first call for ``key``
-    and kept in the model's ``__dict__`` (a plain attribute, not a submodule): the module tree
-    does not change once the model is built, and the walk costs ~0.1-0.3 ms on the tiny model
-    (the rollout's per-call context managers made three of them per generate)."""
-    lists = model.__dict__.setdefault("_gspo_module_lists", {})
-    if key not in lists:
-        lists[key] = [x for m in model.modules() for x in pick(m)]
-    return lists[key]
-
-
 def transformer_engine_available() -> bool:
     """True when TE imports and CUDA is present (the only case its spec can run)."""
     if not torch.cuda.is_available():

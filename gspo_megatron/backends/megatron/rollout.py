@@ -78,9 +78,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
-from gspo_megatron.backends.megatron.model import module_list
 from gspo_megatron.backends.megatron.sampling_copy import SamplingCopy, copy_dtype
-from gspo_megatron.backends.megatron.schedule import set_training
+from gspo_megatron.backends.megatron.schedule import module_list, set_training
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.policy import GroupStop, RolloutSample
