@@ -496,7 +496,7 @@ def use_fused_adam(optimizer) -> None:
     update in one vectorised pass (Hugging Face's default optimiser, ``adamw_torch_fused``, the
     one TRL runs): ~49 kernel calls per step instead of ~500 (the ``foreach`` variant still
     loops over the per-tensor kernels, ~12 per parameter). Same update rule; the last bits
-    differ from the loop's (a fused multiply-add order; ``tests/unit/test_update_path.py``
+    differ from the loop's (the kernel's own operation order; ``tests/unit/test_update_path.py``
     bounds the difference). -2.8 ms per RL step on TRL's workload (4 optimiser steps).
     CUDA groups are left alone (torch picks ``foreach`` there, or Megatron uses TE's / apex's
     fused Adam). Where torch has no fused CPU kernel, ``foreach``. Re-applied after a
