@@ -64,21 +64,9 @@ class _Plan:
 
     def __init__(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, max_kv: int, Lq: int,
                  block_table: torch.Tensor, block_size: int, causal: bool):
-        B, device = block_table.shape[0], block_table.device
-        nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
-        blocks = block_table[:, :nb].long().clamp(min=0)  # [B, nb]; -1 (unused) reads block 0
-        # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
-        # block is cut before the attention (a 256-token block holding 20 keys costs 20, not 256).
-        Lk = min(nb * block_size, max(max_kv, 1))
+        device = block_table.device
         kv_lens, q_lens = kv_lens.to(device).long(), q_lens.to(device).long()
-        j = torch.arange(Lk, device=device)
-        written = j[None, :] < kv_lens[:, None]  # [B, Lk]: the request's own keys
-        # Flat cache row of each key. Slots past a request's keys were never written (Megatron
-        # allocates the cache with torch.empty): they may hold NaN bit patterns, and a masked
-        # score or a zero weight does not cancel a NaN (NaN - inf, 0 * NaN), so they read the
-        # request's first key instead (written, finite, and masked).
-        rows = blocks[:, j // block_size] * block_size + j % block_size  # [B, Lk]
-        self.rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
+        j, written = self._keys(kv_lens, max_kv, block_table, block_size)
         i = torch.arange(Lq, device=device)
         mask = written[:, None, :] & (i[None, :, None] < q_lens[:, None, None])  # [B, Lq, Lk]
         if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i
@@ -88,7 +76,30 @@ class _Plan:
         self.all_live = bool(self.live.all())
         mask[..., 0] |= ~self.live  # a fully masked row would give NaN; it is zeroed below
         self.mask = mask[:, None]
-        self.B, self.Lk = B, Lk
+
+    def _keys(self, kv_lens: torch.Tensor, max_kv: int, block_table: torch.Tensor,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sets ``B``, ``Lk`` and ``rows``; returns the key positions ``j [Lk]`` and ``written
+        [B, Lk]`` (the request's own keys)."""
+        self.B, device = block_table.shape[0], block_table.device
+        nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
+        # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
+        # block is cut before the attention (a 256-token block holding 20 keys costs 20, not 256).
+        self.Lk = Lk = min(nb * block_size, max(max_kv, 1))
+        j = torch.arange(Lk, device=device)
+        written = j[None, :] < kv_lens[:, None]  # [B, Lk]
+        # Flat cache row of each key; -1 (unused) block slots read block 0. Slots past a
+        # request's keys were never written (Megatron allocates the cache with torch.empty):
+        # they may hold NaN bit patterns, and a masked score or a zero weight does not cancel a
+        # NaN (NaN - inf, 0 * NaN), so they read the request's first key instead (written,
+        # finite, and masked).
+        if nb == 1:  # every request's keys in its first block
+            rows = block_table[:, :1].long().clamp(min=0) * block_size + j[None, :]
+        else:
+            blocks = block_table[:, :nb].long().clamp(min=0)  # [B, nb]
+            rows = blocks[:, j // block_size] * block_size + j % block_size  # [B, Lk]
+        self.rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
+        return j, written
 
     @classmethod
     def single_query(cls, kv_lens: torch.Tensor, most: int, all_live: bool,
@@ -99,17 +110,7 @@ class _Plan:
         longest kv length; ``all_live``: every kv length > 0 (both read by the caller in one
         host sync)."""
         plan = cls.__new__(cls)
-        B, device = block_table.shape[0], block_table.device
-        nb = min(max(-(-most // block_size), 1), block_table.shape[1])
-        Lk = min(nb * block_size, max(most, 1))
-        j = torch.arange(Lk, device=device)
-        written = j[None, :] < kv_lens[:, None]  # [B, Lk]
-        if nb == 1:  # the keys of every request in its first block
-            rows = block_table[:, :1].long().clamp(min=0) * block_size + j[None, :]
-        else:
-            blocks = block_table[:, :nb].long().clamp(min=0)
-            rows = blocks[:, j // block_size] * block_size + j % block_size
-        plan.rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
+        _, written = plan._keys(kv_lens, most, block_table, block_size)
         plan.live = (kv_lens > 0)[:, None]  # [B, 1]
         plan.all_live = all_live
         mask = written[:, None, None, :]  # [B, 1, 1, Lk]
@@ -117,7 +118,6 @@ class _Plan:
             mask = mask.clone()
             mask[:, 0, :, 0] |= ~plan.live
         plan.mask = mask
-        plan.B, plan.Lk = B, Lk
         return plan
 
 

@@ -111,7 +111,7 @@ class RopeOnceSelfAttention(SelfAttention):
       rotation, the paged attention and the output projection, the calls and order of
       ``Attention.forward`` with its dynamic-batching branch taken, without its checks, NVTX
       ranges, offloading context managers and ``einops`` rearrange. Bitwise Megatron's output
-      (``tests/unit/test_dynamic_rollout.py``); ~13 fewer tensor ops per layer and step.
+      (``tests/unit/test_local_kernels.py``); ~13 fewer tensor ops per layer and step.
     """
 
     def forward(self, hidden_states, attention_mask, key_value_states=None,

@@ -80,9 +80,10 @@ class MegatronPolicy:
         # -0.5 ms of 12 on TRL's workload) and its result leaves as a copy (an inference tensor
         # cannot be saved for the update's backward). Route hooks keep no_grad: the routes they
         # record feed the update's replay.
-        grad_off = torch.inference_mode() if routing is None else contextlib.nullcontext()
+        grad_off = contextlib.nullcontext()
         if routing is None:
             _aux_loss_scale_outside_inference_mode(self.model)
+            grad_off = torch.inference_mode()
         with stacked_expert_weights(self.unwrapped()), grad_off:  # CPU grouped expert GEMMs
             lp, _ = compute_logprobs(self.model, batch, self.logprob_batching, scoring,
                                      self.groups, routing=routing)

@@ -225,18 +225,13 @@ def set_training(policy_model: list, mode: bool) -> None:
     straight into each module's ``__dict__`` over a module list cached per chunk, which is what
     ``nn.Module.train`` ends up doing, without its recursive ``children()`` walk and the
     ``nn.Module.__setattr__`` checks per module (~0.3 ms per call on the tiny model, twice per
-    old-log-prob pass). The list is kept on the chunk, made once (the module tree does not
-    change after the model is built); a plain attribute in its ``__dict__``, not a submodule."""
+    old-log-prob pass). Both lists come from :func:`module_list` (made once per chunk)."""
     for chunk in policy_model:
-        if "_train_flag_modules" not in chunk.__dict__:
-            mods = list(chunk.modules())
-            chunk.__dict__["_train_flag_modules"] = (
-                mods if all(type(m).train is torch.nn.Module.train for m in mods) else None)
-        mods = chunk.__dict__["_train_flag_modules"]
-        if mods is None:
+        if module_list(chunk, "custom_train", lambda m: [m] if type(m).train
+                       is not torch.nn.Module.train else []):
             chunk.train(mode)
         else:
-            for m in mods:
+            for m in module_list(chunk, "all", lambda m: [m]):
                 m.__dict__["training"] = mode
 
 
