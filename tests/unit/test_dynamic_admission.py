@@ -37,20 +37,26 @@ def dynamic(setup, max_tokens=None):  # noqa: F811
     return eng
 
 
-def queue(eng, lengths, seed):
+def queue(eng, lengths, seed, megatrons=False):
     """A deque of requests of ``lengths`` random tokens (several longer than a 256-token block),
-    as ``DynamicRollout.generate`` queues them."""
+    as ``DynamicRollout.generate`` queues them (``megatrons``: as Megatron's engine does, each a
+    ``DynamicInferenceRequest`` with its own copy of the sampling parameters)."""
     import collections
+    import copy
+
+    from megatron.core.inference.inference_request import DynamicInferenceRequest
 
     from gspo_megatron.backends.megatron.dynamic_admission import RolloutRequest
 
     sp = eng._sampling()[0]
     sp.num_tokens_to_generate = 4
     gen = torch.Generator().manual_seed(seed)
-    return collections.deque(
-        RolloutRequest(request_id=100 + i, sampling_params=sp,
-                       prompt_tokens=torch.randint(3, VOCAB, (n,), generator=gen))
-        for i, n in enumerate(lengths))
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+    if megatrons:
+        return collections.deque(
+            DynamicInferenceRequest(request_id=100 + i, sampling_params=copy.deepcopy(sp),
+                                    prompt_tokens=p) for i, p in enumerate(prompts))
+    return collections.deque(RolloutRequest(100 + i, sp, p.tolist()) for i, p in enumerate(prompts))
 
 
 def megatron_admits(ctx, waiting) -> None:
@@ -84,8 +90,8 @@ def test_a_batch_leaves_what_one_by_one_admission_leaves(setup, lengths, max_tok
     from gspo_megatron.backends.megatron.dynamic_admission import admit_waiting
 
     ours, megatrons = dynamic(setup, max_tokens), dynamic(setup, max_tokens)
-    mine, theirs = queue(ours, lengths, seed=len(lengths)), queue(megatrons, lengths,
-                                                                 seed=len(lengths))
+    mine = queue(ours, lengths, seed=len(lengths))
+    theirs = queue(megatrons, lengths, seed=len(lengths), megatrons=True)
     admitted = admit_waiting(ours.dynamic.context, mine)
     megatron_admits(megatrons.dynamic.context, theirs)
     a, b = state(ours.dynamic.context, mine), state(megatrons.dynamic.context, theirs)

@@ -16,11 +16,13 @@ thread, no KL term.
 
 Every setting that changes the work is the same on both sides (:data:`EQUAL`, issue 34 item 4):
 
-* sampling support: the same 18 ids. Our engine samples over the tokenizer's 18 real ids (the
-  model's vocabulary is padded to 128 and the padded logits are masked); TRL's character
-  tokenizer has 18 entries too (pad, unk, bos, EOS, ``0-9+-=*``) and its model's vocabulary is
-  those 18 (HF ``generate`` samples over every logit, so a 128-entry model would give EOS 1/128
-  of the mass instead of 1/18 and write longer answers). Temperature 1, top-p 1, top-k off.
+* vocabulary: 18 entries on both sides, in the model and in sampling. Our tokenizer has 18 real
+  ids and our model's vocabulary is exactly those (``model.vocab_size=18``,
+  ``model.make_vocab_size_divisible_by=1``: Megatron's padding to a multiple of 128 would make
+  our output layer, log-softmax and entropy 7x TRL's); TRL's character tokenizer has 18 entries
+  too (pad, unk, bos, EOS, ``0-9+-=*``) and its model's vocabulary is those 18 (HF ``generate``
+  samples over every logit, so a 128-entry model would give EOS 1/128 of the mass instead of
+  1/18 and write longer answers). Temperature 1, top-p 1, top-k off.
 * stopping rule: ``eos`` mode, a response ends at EOS or after 16 tokens; ``full_length`` mode,
   every response is 16 tokens (TRL ``min_new_tokens=16``, which masks EOS until then; ours
   ``rollout.ignore_eos``, which samples EOS and goes on: the same 2,048 tokens, the support
@@ -62,7 +64,7 @@ import json
 import sys
 import time
 
-SHAPE = dict(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
+SHAPE = dict(vocab_size=18, hidden_size=64, num_layers=2, num_attention_heads=4,
              num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2,
              moe_ffn_hidden_size=32)
 PROMPTS, GROUP, NEW_TOKENS, UPDATES = 16, 8, 16, 4
@@ -70,10 +72,11 @@ LOGPROB_MICRO_BATCH = PROMPTS * GROUP
 """Ours: the old-log-prob pass in one microbatch (TRL's: 4 of 32, not settable there)."""
 LR = 1e-6
 TRL_VOCAB = ["<pad>", "<unk>", "<s>", "<eos>", *"0123456789+-=*"]
-"""TRL's character tokenizer: as many ids as our tokenizer's real vocabulary (18), and TRL's model
-has exactly these (``SHAPE['vocab_size']`` is our model's padded vocabulary)."""
+assert len(TRL_VOCAB) == SHAPE["vocab_size"]
+"""TRL's character tokenizer: as many ids as our tokenizer's real vocabulary (18); both models'
+vocabularies are exactly these (``SHAPE['vocab_size']``)."""
 EQUAL = {
-    "sampling_support_ids": len(TRL_VOCAB), "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+    "sampling_support_ids": len(TRL_VOCAB), "model_vocab_size": SHAPE["vocab_size"], "temperature": 1.0, "top_p": 1.0, "top_k": 0,
     "max_new_tokens": NEW_TOKENS, "lr": LR, "lr_schedule": "constant, no warm-up",
     "weight_decay": 0.0, "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "grad_clip": 1.0,
     "clip_eps": [3e-4, 4e-4], "kl_coef": 0.0, "activation_recompute": False,
@@ -109,7 +112,7 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=len(TRL_VOCAB), hidden_size=SHAPE["hidden_size"], intermediate_size=128,
+        vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"], intermediate_size=128,
         num_hidden_layers=SHAPE["num_layers"], num_attention_heads=SHAPE["num_attention_heads"],
         num_key_value_heads=SHAPE["num_query_groups"], head_dim=SHAPE["kv_channels"],
         moe_intermediate_size=SHAPE["moe_ffn_hidden_size"], num_experts=SHAPE["num_moe_experts"],
@@ -182,6 +185,7 @@ def our_overrides(steps: int, smoke: bool = False, new_tokens: int = NEW_TOKENS,
     new_tokens = 2 if smoke else new_tokens
     return [
         "sft.steps=0", f"model.num_moe_experts={SHAPE['num_moe_experts']}",
+        f"model.vocab_size={SHAPE['vocab_size']}", "model.make_vocab_size_divisible_by=1",
         f"model.moe_ffn_hidden_size={SHAPE['moe_ffn_hidden_size']}",
         f"model.moe_router_topk={SHAPE['moe_router_topk']}",
         "model.moe_router_load_balancing_type=none", "model.moe_aux_loss_coeff=0",
@@ -211,6 +215,8 @@ def _our_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
     with tiny_trainer(overrides) as (trainer, _):
         # The sampling support TRL's side is given (TRL_VOCAB) is our tokenizer's real vocabulary.
         assert trainer.task.tokenizer.vocab_size == len(TRL_VOCAB), trainer.task.tokenizer.vocab_size
+        # ... and our model's whole vocabulary, as TRL's model's (no padded columns)
+        assert trainer.policy.unwrapped().vocab_size == SHAPE["vocab_size"]
         records = [trainer.rl_step() for _ in range(1 + steps)][1:]
     return {"step_s": [r["perf/step_s"] for r in records],
             "rollout_s": [r["perf/rollout_s"] for r in records],
@@ -299,9 +305,8 @@ def run(smoke: bool = False, rounds: int = 3, steps: int = 3,
                "equal on both sides: " + ", ".join(f"{k} {v}" for k, v in EQUAL.items()),
                f"old-log-prob pass cut into microbatches of 32 (TRL) and {logprob_micro_batch} "
                "(ours, trainer.logprob_micro_batch_size): the same forward work",
-               "eos: both sides sample over the same 18 ids (ours: the tokenizer's real ids of a "
-               "vocabulary padded to 128, padded logits masked; TRL: an 18-entry model), so EOS "
-               "ends a response equally often on both; a static batch still decodes until its "
+               "eos: both models have the same 18-entry vocabulary and sample over all of it, so "
+               "EOS ends a response equally often on both; a static batch still decodes until its "
                "longest response ends",
                "full_length: every response is 16 tokens on both sides (TRL min_new_tokens, ours "
                "rollout.ignore_eos): 2,048 tokens per generation, the same work"])

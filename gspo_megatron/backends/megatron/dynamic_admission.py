@@ -8,7 +8,7 @@ That is ~0.18 ms of host time per request: 23 ms of an 83 ms rollout of 128 shor
 
 Here (:func:`admit_waiting`, :class:`AdmittingContext`) the waiting requests that fit whole are
 admitted together, with one block allocation and one write per context tensor, and
-:class:`RolloutRequest` is built with shallow copies. A prompt that does not fit waits for a
+:class:`RolloutRequest` is a slotted record of what admission reads. A prompt that does not fit waits for a
 later step (the rollout loop, :mod:`.dynamic_rollout`, has no chunked prefill). The context after
 a batch holds exactly what admitting the requests one by one with Megatron's ``add_request``
 leaves, block ids included (``tests/unit/test_dynamic_admission.py`` compares every tensor).
@@ -16,7 +16,7 @@ leaves, block ids included (``tests/unit/test_dynamic_admission.py`` compares ev
 
 from __future__ import annotations
 
-import copy
+import itertools
 
 import torch
 from megatron.core.inference.contexts.dynamic_context import (
@@ -28,17 +28,32 @@ from megatron.core.inference.contexts.dynamic_context import (
 from megatron.core.inference.inference_request import DynamicInferenceRequest
 
 
-class RolloutRequest(DynamicInferenceRequest):
-    """A ``DynamicInferenceRequest`` built without deep copies. Its ``SamplingParams`` are a
-    shallow copy (their fields are scalars; the engine sets ``num_tokens_to_generate`` and
-    ``termination_id`` on this copy only); the prompt tensor is the caller's, made for this
-    request and never written in place (the scheduler slices and rebinds
-    ``remaining_prompt_tokens``)."""
+class RolloutRequest:
+    """A request waiting for a slot: what :meth:`AdmittingContext.add_requests` reads of
+    Megatron's ``DynamicInferenceRequest`` (its id, ``remaining_prompt_tokens``,
+    ``sampling_params``, ``tracked_metadata``) and nothing else. Megatron's dataclass builds ~25
+    fields and copies its sampling parameters per request, ~7 us each (1 ms of host work per
+    rollout of 128 requests), for an object the rollout loop reads four times. The
+    ``SamplingParams`` are shared, not copied: the loop keeps one per budget and never writes
+    them. ``remaining_prompt_tokens``: the prompt ids (a list; a tensor is read into one)."""
 
-    def __post_init__(self):
-        self.sampling_params = copy.copy(self.sampling_params)
-        if self.prompt_tokens is not None:
-            self.remaining_prompt_tokens = self.prompt_tokens
+    __slots__ = ("request_id", "sampling_params", "remaining_prompt_tokens")
+
+    def __init__(self, request_id: int, sampling_params, prompt_tokens):
+        self.request_id, self.sampling_params = request_id, sampling_params
+        self.remaining_prompt_tokens = (prompt_tokens.tolist() if torch.is_tensor(prompt_tokens)
+                                        else list(prompt_tokens))
+
+    @property
+    def tracked_metadata(self) -> list:
+        """Megatron's per-request metadata (``DynamicInferenceRequest.tracked_metadata``: the
+        sampling fields of ``get_metadata_types()``, in order; no termination id reads -1)."""
+        sp = self.sampling_params
+        return [(-1 if sp.termination_id is None else sp.termination_id) if name == "termination_id"
+                else getattr(sp, name) for name, _, _ in _METADATA_TYPES]
+
+
+_METADATA_TYPES = DynamicInferenceRequest.get_metadata_types()
 
 
 class AdmittingContext(DynamicInferenceContext):
@@ -75,8 +90,12 @@ class AdmittingContext(DynamicInferenceContext):
             self.request_to_kv_block_ids.dtype)
         self.request_ids[first:first + n] = torch.tensor([r.request_id for r in requests],
                                                          device=device)
+        metadata: dict[int, list] = {}  # per SamplingParams object: requests share them
+        for r in requests:
+            if id(r.sampling_params) not in metadata:
+                metadata[id(r.sampling_params)] = r.tracked_metadata
         for label, values in zip((t[0] for t in self.request_metadata_types),
-                                 zip(*(r.tracked_metadata for r in requests))):
+                                 zip(*(metadata[id(r.sampling_params)] for r in requests))):
             target = self.request_metadata[label]
             # sampling-parameter scalars (one tensor for all, not one per request)
             target[first:first + n] = torch.tensor(
@@ -96,8 +115,9 @@ class AdmittingContext(DynamicInferenceContext):
             request_of]
         end = start + pos.numel()
         self.token_to_pos_ids[start:end] = pos
-        self.token_to_input_ids[start:end] = torch.cat(
-            [r.remaining_prompt_tokens for r in requests]).to(self.token_to_input_ids.device)
+        self.token_to_input_ids[start:end] = torch.tensor(
+            list(itertools.chain.from_iterable(r.remaining_prompt_tokens for r in requests)),
+            dtype=self.token_to_input_ids.dtype).to(self.token_to_input_ids.device)
         self.token_to_request_idx[start:end] = first + request_of
         self.token_to_position_in_request[start:end] = pos
         self.token_to_block_idx[start:end] = self.request_to_kv_block_ids[

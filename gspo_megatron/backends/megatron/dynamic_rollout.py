@@ -212,7 +212,7 @@ class DynamicRollout:
             set_training([self.wrapper.model], False)
             if not held:
                 self.context.reset()
-            call = self.call = _Call(sp, self._device)
+            call = self.call = _Call(sp)
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
                     call.join(held[i], prompt, budget)
@@ -309,8 +309,8 @@ class _Call:
     queue waiting for a slot, and every step's ``(ids, tokens, log-probs)`` (joined per request
     once, at the end, instead of a Python append per request and step)."""
 
-    def __init__(self, sp, device):
-        self.sp, self.device = sp, device
+    def __init__(self, sp):
+        self.sp = sp
         self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}
         """One ``SamplingParams`` per budget (the requests' own copies are shallow)."""
         self.row: dict[int, int] = {}
@@ -346,8 +346,7 @@ class _Call:
         if sp is None:
             sp = self._sp_of_budget[budget] = copy.copy(self.sp)
             sp.num_tokens_to_generate = budget
-        return RolloutRequest(request_id=request_id, sampling_params=sp, prompt_tokens=torch.tensor(
-            prompt, dtype=torch.int64, device=self.device))
+        return RolloutRequest(request_id, sp, prompt)
 
     def record(self, ids: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """One step: request ``ids[i]`` sampled ``tokens[i]`` with ``logprobs[i]``."""
