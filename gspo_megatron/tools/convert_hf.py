@@ -429,11 +429,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="checkpoint dtype (default: the safetensors dtype)")
     ap.add_argument("--seq-length", type=int, default=None,
                     help="ModelConfig.seq_length (default: max_position_embeddings)")
+    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                    help="ModelConfig.make_vocab_size_divisible_by, Megatron-LM's flag (default "
+                         "128: the vocabulary is padded to a multiple of it, padded rows zero; "
+                         "1 keeps the HF vocabulary as it is)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     release_freed_memory_eagerly()
     overrides = {"seq_length": args.seq_length} if args.seq_length else {}
+    if args.make_vocab_size_divisible_by is not None:
+        overrides["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
 
     def convert():
         cfg = convert_hf_to_mcore(args.hf_dir, args.out, expert_model_parallel_size=args.ep,

@@ -757,3 +757,33 @@ def test_cli_export_shape_mismatch_and_missing_key(converted, tmp_path, capsys):
     _cli_fails(capsys, "export", ["--mcore-dir", mcore_dir, "--out", str(dst),
                                   "--hf-config", str(tmp_path / "deeper.json")],
                rf"{mcore_dir}: model tensor .*layers\.3.* is missing", dst)
+
+
+def test_cli_convert_keeps_the_vocabulary_unpadded_on_request(tmp_path, capsys):
+    """``--make-vocab-size-divisible-by 1`` (Megatron-LM's flag): the converted model has the
+    HF vocabulary exactly (300 entries, not 384), its logits are transformers' and it exports back
+    bitwise; a value below 1 is refused in one line before anything is written."""
+    from gspo_megatron.tools.convert_hf import main
+    from gspo_megatron.tools.export_hf import convert_mcore_to_hf
+
+    name = "gqa4_hd8_sparsestep2"  # vocabulary 300: padded to 384 by default
+    hf_dir, mcore_dir = str(tmp_path / "hf"), str(tmp_path / "mcore")
+    model = save_hf_model(name, hf_dir)
+    _cli_fails(capsys, "convert", ["--hf-dir", hf_dir, "--out", mcore_dir,
+                                   "--make-vocab-size-divisible-by", "0"],
+               "make_vocab_size_divisible_by.*0", tmp_path / "mcore")
+    # real stdio: Megatron's checkpoint writer starts a multiprocessing manager
+    with capsys.disabled():
+        assert main(["--hf-dir", hf_dir, "--out", mcore_dir,
+                     "--make-vocab-size-divisible-by", "1"]) == 0
+    with open(os.path.join(mcore_dir, "model_config.json")) as f:
+        meta = json.load(f)
+    assert meta["make_vocab_size_divisible_by"] == 1 and meta["vocab_size"] == 300
+    ids = input_ids(300)
+    out = megatron_logits(mcore_dir, ids)
+    assert out.shape[-1] == 300
+    assert (out - hf_logits(model, ids)).abs().max().item() < HF_LOGIT_TOL
+    back = str(tmp_path / "back")
+    convert_mcore_to_hf(mcore_dir, back)
+    a, b = read_safetensors(hf_dir), read_safetensors(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

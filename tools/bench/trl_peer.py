@@ -10,19 +10,20 @@ thread, no KL term.
 
 * TRL 1.16.0: ``GRPOTrainer`` with ``importance_sampling_level="sequence"``, ``beta=0``,
   ``loss_type="grpo"``, ``steps_per_generation=4``, Hugging Face ``generate``, on the arithmetic
-  prompts (character tokenizer) with an exact-match reward.
-* Ours: ``gspo-train``'s trainer on ``examples/configs/tiny_gspo.yaml`` with the same shapes (8
-  experts, expert width 32, 16 new tokens, no SFT), one :meth:`Trainer.rl_step` per generation.
+  prompts with an exact-match reward.
+* Ours: ``gspo-train``'s trainer on ``examples/configs/tiny_gspo.yaml`` (16 new tokens, no SFT),
+  one :meth:`Trainer.rl_step` per generation.
 
 Every setting that changes the work is the same on both sides (:data:`EQUAL`, issue 34 item 4):
 
-* vocabulary: 18 entries on both sides, in the model and in sampling. Our tokenizer has 18 real
-  ids and our model's vocabulary is exactly those (``model.vocab_size=18``,
-  ``model.make_vocab_size_divisible_by=1``: Megatron's padding to a multiple of 128 would make
-  our output layer, log-softmax and entropy 7x TRL's); TRL's character tokenizer has 18 entries
-  too (pad, unk, bos, EOS, ``0-9+-=*``) and its model's vocabulary is those 18 (HF ``generate``
-  samples over every logit, so a 128-entry model would give EOS 1/128 of the mass instead of
-  1/18 and write longer answers). Temperature 1, top-p 1, top-k off.
+* the same model and tokenizer (:func:`hf_start`): one random ``Qwen3MoeForCausalLM`` (seed 0)
+  and an 18-entry character tokenizer (pad, unk, bos, EOS, ``0-9+-=*``). TRL trains them as they
+  are; ours converts the model with ``gspo-convert-hf``'s function, its vocabulary unpadded
+  (``make_vocab_size_divisible_by=1``: Megatron's padding to 128 would make our output layer,
+  log-softmax and entropy 7x TRL's), and reads the tokenizer with ``tokenizer.kind=hf``. Both
+  start from the same distribution, so with EOS both write the same expected number of tokens
+  (until session 18 each side initialised a random model of its own, and ours wrote ~6 % more).
+  Sampling over all 18 ids, temperature 1, top-p 1, top-k off.
 * stopping rule: ``eos`` mode, a response ends at EOS or after 16 tokens; ``full_length`` mode,
   every response is 16 tokens (TRL ``min_new_tokens=16``, which masks EOS until then; ours
   ``rollout.ignore_eos``, which samples EOS and goes on: the same 2,048 tokens, the support
@@ -46,9 +47,9 @@ Every setting that changes the work is the same on both sides (:data:`EQUAL`, is
   (an extra forward per update); it is off here, as ours has none.
 * prompts: the project's arithmetic problems (``+`` and ``-``, operands 0-20) on both sides.
 
-The lr (1e-6, both libraries' default for RL fine-tuning) keeps the random models near their
-initial, nearly uniform distributions for the whole run, so with EOS both sides write about the
-same number of tokens (EOS at 1/18 per token: ~10.8 tokens per response, ~1,380 per generation).
+The lr (1e-6, both libraries' default for RL fine-tuning) keeps the random model near its
+initial, nearly uniform distribution for the whole run (EOS at ~1/18 per token: ~10.8 tokens per
+response, ~1,350 per generation).
 
 Two modes (:data:`MODES`): ``eos`` (responses end at EOS, as in training) and ``full_length``.
 Each side runs in a fresh process per round and mode (alternating which goes first); in each, the
@@ -72,11 +73,13 @@ LOGPROB_MICRO_BATCH = PROMPTS * GROUP
 """Ours: the old-log-prob pass in one microbatch (TRL's: 4 of 32, not settable there)."""
 LR = 1e-6
 TRL_VOCAB = ["<pad>", "<unk>", "<s>", "<eos>", *"0123456789+-=*"]
+"""The character tokenizer both sides use (:func:`hf_start`); the model's vocabulary is exactly
+these 18 ids (``SHAPE['vocab_size']``)."""
 assert len(TRL_VOCAB) == SHAPE["vocab_size"]
-"""TRL's character tokenizer: as many ids as our tokenizer's real vocabulary (18); both models'
-vocabularies are exactly these (``SHAPE['vocab_size']``)."""
 EQUAL = {
-    "sampling_support_ids": len(TRL_VOCAB), "model_vocab_size": SHAPE["vocab_size"], "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+    "model_and_tokenizer": "the same random Qwen3-MoE (seed 0) and 18-entry tokenizer",
+    "sampling_support_ids": len(TRL_VOCAB), "model_vocab_size": SHAPE["vocab_size"],
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0,
     "max_new_tokens": NEW_TOKENS, "lr": LR, "lr_schedule": "constant, no warm-up",
     "weight_decay": 0.0, "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "grad_clip": 1.0,
     "clip_eps": [3e-4, 4e-4], "kl_coef": 0.0, "activation_recompute": False,
@@ -96,20 +99,15 @@ def trl_available() -> str | None:
         return None
 
 
-def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
-              full_length: bool = False) -> dict:
-    import tempfile
-
+def hf_start(new_tokens: int = NEW_TOKENS):
+    """``(model, tokenizer)`` both sides start from: a random ``Qwen3MoeForCausalLM`` of
+    :data:`SHAPE` (fp32, ``torch.manual_seed(0)``, so every process builds the same weights) and
+    the 18-entry character tokenizer of :data:`TRL_VOCAB`. TRL trains them as they are; ours
+    converts them (:func:`_our_start`)."""
     import torch
-    from datasets import Dataset
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import (PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                              TrainerCallback)
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from gspo_megatron.data.arithmetic import make_arithmetic_dataset
-
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"], intermediate_size=128,
@@ -124,6 +122,39 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
                                         eos_token="<eos>", unk_token="<unk>")
+    return model, tokenizer
+
+
+def _our_start(directory: str, new_tokens: int = NEW_TOKENS) -> str:
+    """:func:`hf_start` saved under ``directory/trl_peer_start`` and converted with
+    ``gspo-convert-hf``'s function (the vocabulary unpadded, as TRL's model's) into
+    ``directory/mcore``: what ``checkpoint.init_weights`` and ``tokenizer.path`` name. Returns
+    ``directory``."""
+    import os
+
+    from gspo_megatron.tools.convert_hf import convert_hf_to_mcore
+
+    model, tokenizer = hf_start(new_tokens)
+    hf_dir = os.path.join(directory, "trl_peer_start")
+    model.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    convert_hf_to_mcore(hf_dir, os.path.join(directory, "mcore"), make_vocab_size_divisible_by=1)
+    return directory
+
+
+def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
+              full_length: bool = False) -> dict:
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gspo_megatron.data.arithmetic import make_arithmetic_dataset
+
+    torch.set_num_threads(1)
+    model, tokenizer = hf_start(new_tokens)
     prompts_per_gen = 2 if smoke else PROMPTS
     group = 2 if smoke else group
     generations = 1 + steps
@@ -177,17 +208,20 @@ def _trl_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int 
             "updates_s": [s - g for s, g in zip(step_s, gen_s)][1:]}
 
 
-def our_overrides(steps: int, smoke: bool = False, new_tokens: int = NEW_TOKENS,
+def our_overrides(start: str, steps: int, smoke: bool = False, new_tokens: int = NEW_TOKENS,
                   group: int = GROUP, full_length: bool = False,
                   logprob_micro_batch: int = LOGPROB_MICRO_BATCH) -> list[str]:
-    """``tiny_gspo.yaml`` overrides for our side: TRL's shapes and :data:`EQUAL`'s settings."""
+    """``tiny_gspo.yaml`` overrides for our side: TRL's model and tokenizer (``start``, made by
+    :func:`_our_start`: the model's architecture comes from its ``model_config.json``) and
+    :data:`EQUAL`'s settings."""
+    import os
+
     prompts, group = (2, 2) if smoke else (PROMPTS, group)
     new_tokens = 2 if smoke else new_tokens
     return [
-        "sft.steps=0", f"model.num_moe_experts={SHAPE['num_moe_experts']}",
-        f"model.vocab_size={SHAPE['vocab_size']}", "model.make_vocab_size_divisible_by=1",
-        f"model.moe_ffn_hidden_size={SHAPE['moe_ffn_hidden_size']}",
-        f"model.moe_router_topk={SHAPE['moe_router_topk']}",
+        "sft.steps=0", f"checkpoint.init_weights={os.path.join(start, 'mcore')}",
+        "model.preset=trl_peer_start", "tokenizer.kind=hf",
+        f"tokenizer.path={os.path.join(start, 'trl_peer_start')}",
         "model.moe_router_load_balancing_type=none", "model.moe_aux_loss_coeff=0",
         f"rollout.max_new_tokens={new_tokens}", f"model.seq_length={16 + new_tokens}",
         f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
@@ -205,19 +239,22 @@ def our_overrides(steps: int, smoke: bool = False, new_tokens: int = NEW_TOKENS,
 
 def _our_side(steps: int, smoke: bool, new_tokens: int = NEW_TOKENS, group: int = GROUP,
               full_length: bool = False, logprob_micro_batch: int = LOGPROB_MICRO_BATCH) -> dict:
+    import tempfile
+
     import torch
 
     from tools.bench.common import quiet_megatron, tiny_trainer
 
     quiet_megatron()
     torch.set_num_threads(1)
-    overrides = our_overrides(steps, smoke, new_tokens, group, full_length, logprob_micro_batch)
-    with tiny_trainer(overrides) as (trainer, _):
-        # The sampling support TRL's side is given (TRL_VOCAB) is our tokenizer's real vocabulary.
-        assert trainer.task.tokenizer.vocab_size == len(TRL_VOCAB), trainer.task.tokenizer.vocab_size
-        # ... and our model's whole vocabulary, as TRL's model's (no padded columns)
-        assert trainer.policy.unwrapped().vocab_size == SHAPE["vocab_size"]
-        records = [trainer.rl_step() for _ in range(1 + steps)][1:]
+    with tempfile.TemporaryDirectory(prefix="gspo_bench_start_") as start:
+        overrides = our_overrides(_our_start(start, new_tokens), steps, smoke, new_tokens, group,
+                                  full_length, logprob_micro_batch)
+        with tiny_trainer(overrides) as (trainer, _):
+            # TRL's tokenizer, and a model with TRL's whole vocabulary (no padded columns)
+            assert trainer.task.tokenizer.vocab_size == len(TRL_VOCAB)
+            assert trainer.policy.unwrapped().vocab_size == SHAPE["vocab_size"]
+            records = [trainer.rl_step() for _ in range(1 + steps)][1:]
     return {"step_s": [r["perf/step_s"] for r in records],
             "rollout_s": [r["perf/rollout_s"] for r in records],
             "rollout_tokens": [r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"]
@@ -305,9 +342,9 @@ def run(smoke: bool = False, rounds: int = 3, steps: int = 3,
                "equal on both sides: " + ", ".join(f"{k} {v}" for k, v in EQUAL.items()),
                f"old-log-prob pass cut into microbatches of 32 (TRL) and {logprob_micro_batch} "
                "(ours, trainer.logprob_micro_batch_size): the same forward work",
-               "eos: both models have the same 18-entry vocabulary and sample over all of it, so "
-               "EOS ends a response equally often on both; a static batch still decodes until its "
-               "longest response ends",
+               "eos: both sides start from the same model and tokenizer (18 ids, all sampled), so "
+               "EOS ends a response equally often in expectation; a static batch still decodes "
+               "until its longest response ends",
                "full_length: every response is 16 tokens on both sides (TRL min_new_tokens, ours "
                "rollout.ignore_eos): 2,048 tokens per generation, the same work"])
 
