@@ -286,6 +286,46 @@ def test_dynamic_engine_matches_the_static_engine_greedy_with_routes(setup):
         assert torch.equal(a.extra["routes"], b.extra["routes"])
 
 
+def test_a_decoding_step_forwards_the_running_requests_and_no_padding(setup):
+    """With EOS the decoding batch shrinks as requests finish, and each step forwards exactly
+    the running requests' tokens: Megatron pads a step to a multiple of 64 tokens for its
+    CUDA-graph shapes, which this loop does not use (``RolloutContext.TOKEN_ROUNDER``). Its
+    rounding rule is kept (any rounder, rounded up to a multiple of TP)."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    policy, groups = setup
+    eng = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                        config=RolloutConfig(max_new_tokens=8, max_batch_size=32,
+                                             temperature=1.0))
+    seen = []  # (tokens forwarded, running requests) of every decoding step
+    forward = eng.wrapper.run_one_forward_step
+
+    def counted(*args, **kwargs):
+        ctx = eng.dynamic.context
+        if ctx.is_decode_only():
+            seen.append((ctx.padded_active_token_count,
+                         ctx.total_request_count - ctx.paused_request_count))
+        return forward(*args, **kwargs)
+
+    eng.wrapper.run_one_forward_step = counted
+    samples = eng.generate(make_prompts(24, seed=5), seed=0)
+    assert any(s.finish_reason == "eos" for s in samples)
+    assert all(tokens == running for tokens, running in seen), seen
+    assert len({running for _, running in seen}) > 1  # the batch shrank
+
+    rollout_context = type(eng.dynamic.context)
+
+    class Megatrons(DynamicInferenceContext):
+        TOKEN_ROUNDER = 1
+
+    for rounder in (1, 3, 64):
+        rollout_context.TOKEN_ROUNDER = Megatrons.TOKEN_ROUNDER = rounder
+        for tp in (1, 2, 8):
+            assert [rollout_context.round_up_tokens(v, tp) for v in range(300)] == \
+                [Megatrons.round_up_tokens(v, tp) for v in range(300)]
+    rollout_context.TOKEN_ROUNDER = 1
+
+
 def test_dynamic_engine_refills_slots_and_releases_its_kv_cache(setup):
     """More prompts than slots: a finished request hands its slot to a waiting prompt before the
     next forward (no forward runs with a free slot while prompts wait); the paged KV cache exists

@@ -423,6 +423,8 @@ def _rollout_context(context_class):
     from megatron.core.inference.contexts.dynamic_context import (
         triton_append_key_value_cache as triton_append)
 
+    from megatron.core import parallel_state
+
     from gspo_megatron.backends.megatron.local_kernels import _rotate
 
     def plain(config) -> bool:
@@ -430,6 +432,24 @@ def _rollout_context(context_class):
                     or config.rotary_interleaved)
 
     class RolloutContext(context_class):
+        TOKEN_ROUNDER = 1
+        """A step's tokens are padded to a multiple of this (times TP, for sequence
+        parallelism), not Megatron's 64: the padding exists to match CUDA-graph batch shapes,
+        which this loop does not use, and every padded token runs through every layer (its
+        attention, its routing, its experts). With EOS the decoding batch shrinks as requests
+        finish (TRL's workload: ~86 of 128 still running on average) while a multiple of 64
+        kept it at 128 until 64 were left: -3 ms of a 46 ms rollout there."""
+
+        @classmethod
+        def round_up_tokens(cls, value, tp_size=None):
+            """Megatron's rounding (>= 0.13: a multiple of ``TOKEN_ROUNDER`` rounded up to one of
+            TP) without parsing its version strings at every call (~4 per step)."""
+            if tp_size is None:
+                tp_size = (parallel_state.get_tensor_model_parallel_world_size()
+                           if parallel_state.is_initialized() else 1)
+            rounder = -(-cls.TOKEN_ROUNDER // tp_size) * tp_size
+            return rounder * -(-int(value) // rounder)
+
         def initialize_attention_state(self, **kwargs):
             super().initialize_attention_state(**kwargs)
             self.step_tables = {}
