@@ -46,6 +46,7 @@ ALG = "gspo_megatron/algorithms/"
 PL, ADV, RC = ALG + "policy_loss.py", ALG + "advantages.py", ALG + "rollout_correction.py"
 STATS = "gspo_megatron/routing/stats.py"
 LK = "gspo_megatron/backends/megatron/local_kernels.py"
+MOE = "gspo_megatron/backends/megatron/local_moe.py"
 T = "tests/unit/"
 LOSS_TESTS = (T + "test_policy_loss.py", T + "test_clip_rule.py")
 
@@ -118,7 +119,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("local kernel: cached keys rotated from position 0", LK,
            "return table[start:end]", "return table[:end - start]",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "greedy_generation")),
-    Mutant("grouped experts: rows handed to the wrong experts", LK,
+    Mutant("grouped experts: rows handed to the wrong experts", MOE,
            "offs = tokens_per_expert.cumsum(0).to(torch.int32)",
            "offs = tokens_per_expert.flip(0).cumsum(0).to(torch.int32)",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "grouped")),

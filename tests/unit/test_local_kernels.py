@@ -46,13 +46,15 @@ def setup():
 
 def test_the_swap_happened(setup):
     from gspo_megatron.backends.megatron import local_kernels as lk
+    from gspo_megatron.backends.megatron import local_moe
 
     _, _, fast, ref = setup
     kinds = {type(m) for m in fast.unwrapped().modules()}
     assert {lk.RopeOnceSelfAttention, lk.SDPADotProductAttention, lk.DirectColumnParallelLinear,
-            lk.DirectRowParallelLinear, lk.LoopedSequentialMLP, lk.DirectMoELayer,
-            lk.EagerBiasTopKRouter} <= kinds
-    assert not any(type(m).__module__ == lk.__name__ for m in ref.unwrapped().modules())
+            lk.DirectRowParallelLinear, local_moe.LoopedSequentialMLP, local_moe.DirectMoELayer,
+            local_moe.EagerBiasTopKRouter} <= kinds
+    assert not any(type(m).__module__ in (lk.__name__, local_moe.__name__)
+                   for m in ref.unwrapped().modules())
     # Same parameters under the same names: checkpoints and converters see no difference.
     assert list(fast.unwrapped().state_dict()) == list(ref.unwrapped().state_dict())
 
@@ -182,7 +184,7 @@ def test_direct_moe_layer_is_the_dispatchers_result_bitwise(setup):
     forward hooks fire: R2/R3 record and replay there)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from gspo_megatron.backends.megatron.local_kernels import DirectMoELayer
+    from gspo_megatron.backends.megatron.local_moe import DirectMoELayer
 
     fast = setup[2]
     layer = next(m for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer))
@@ -204,7 +206,7 @@ def test_grouped_experts_inside_the_rollout_scope_equal_the_loop(setup):
     """Inside ``stacked_expert_weights`` (one generate) a CPU MoE layer's experts run as two
     ``torch._grouped_mm`` calls: bitwise the per-expert loop's output, including an expert that
     gets no token; with autograd on, or after the scope, the loop runs (weights may change)."""
-    from gspo_megatron.backends.megatron.local_kernels import LoopedSequentialMLP, stacked_expert_weights
+    from gspo_megatron.backends.megatron.local_moe import LoopedSequentialMLP, stacked_expert_weights
 
     fast = setup[2]
     mlps = [m for m in fast.unwrapped().modules() if isinstance(m, LoopedSequentialMLP)]
@@ -244,7 +246,7 @@ def test_grouped_training_experts_are_the_loop_bitwise(setup):
     over weights stacked inside autograd: output, input/probs gradients and every expert's weight
     gradient (DDP's ``main_grad``) are bitwise the per-expert loop's, an empty expert included
     (its weights get an exact zero gradient, as in the loop)."""
-    from gspo_megatron.backends.megatron.local_kernels import LoopedSequentialMLP
+    from gspo_megatron.backends.megatron.local_moe import LoopedSequentialMLP
 
     fast = setup[2]
     mlp = next(m for m in fast.unwrapped().modules() if isinstance(m, LoopedSequentialMLP))
@@ -285,7 +287,7 @@ def test_direct_moe_layer_with_autograd_is_the_dispatchers_bitwise(setup):
     pass values and gradients through unchanged."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from gspo_megatron.backends.megatron.local_kernels import DirectMoELayer
+    from gspo_megatron.backends.megatron.local_moe import DirectMoELayer
 
     fast = setup[2]
     layer = next(m for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer))
@@ -399,8 +401,8 @@ def test_training_short_paths_are_bitwise_megatrons(setup):
     grouped experts and the lean attention gives bitwise the loss and every ``main_grad`` of the
     same model through Megatron's dispatcher, the per-expert loop and ``Attention.forward``; the
     no-grad log-prob pass too."""
-    from gspo_megatron.backends.megatron.local_kernels import (DirectMoELayer, LoopedSequentialMLP,
-                                                               RopeOnceSelfAttention)
+    from gspo_megatron.backends.megatron.local_kernels import RopeOnceSelfAttention
+    from gspo_megatron.backends.megatron.local_moe import DirectMoELayer, LoopedSequentialMLP
     from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
     from tests.helpers.megatron import train_sft_minibatch
 
@@ -484,12 +486,13 @@ def test_each_kernel_bf16_forward_matches_its_fp32_forward(setup):
     the kernel's own bf16 error only (a few bf16 steps relative to the output's scale)."""
     from gspo_megatron.backends.megatron.rollout import SamplingCopy
     from gspo_megatron.backends.megatron import local_kernels as lk
+    from gspo_megatron.backends.megatron.local_moe import LoopedSequentialMLP
 
     model, _, fast, _ = setup
     live = fast.unwrapped()
     bf16 = SamplingCopy(live, torch.bfloat16)
     kinds = (lk.SDPADotProductAttention, lk.DirectColumnParallelLinear, lk.DirectRowParallelLinear,
-             lk.LoopedSequentialMLP, lk.RopeOnceSelfAttention)
+             LoopedSequentialMLP, lk.RopeOnceSelfAttention)
     seen, handles = {}, []
 
     def keep(name):

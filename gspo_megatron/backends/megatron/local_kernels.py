@@ -18,24 +18,13 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
 * :class:`DirectColumnParallelLinear` / :class:`DirectRowParallelLinear`: at tensor-parallel size 1
   there is nothing to communicate, so ``F.linear`` replaces the custom ``autograd.Function`` (whose
   backward is the same two matmuls) and the per-call process-group queries.
-* :class:`LoopedSequentialMLP`: Megatron's ``SequentialMLP`` calls one ``MLP`` module (two linear
-  modules, an activation closure) per expert; this runs the same per-expert GEMM pair as plain
-  ``F.linear`` calls and, without autograd, skips experts that received no token. Inside
-  :func:`stacked_expert_weights` (the rollout engine's generate) the experts of a CPU model run as
-  two ``torch._grouped_mm`` calls instead, bitwise equal to the loop (the HF model's path). With
-  autograd (the update's forward) a CPU model's experts are grouped GEMMs too, over weights
-  stacked inside autograd each forward: forward and backward bitwise the loop's (-6 % of an
-  update's forward + backward on TRL's workload, ``docs/benchmarks.md`` section 10).
-* :class:`DirectMoELayer`: on one expert and one tensor rank the token dispatch is Megatron's
-  ``permute``/``unpermute`` pair alone, with or without autograd; the all-to-all dispatcher's
-  single-rank collectives and its chunk sorts (identity permutations at EP=1, ~40 tensor ops per
-  layer and decoding step, as many again in backward) are skipped. Bitwise the dispatcher's
-  output and gradients.
+* The MoE layer's modules (:class:`~.local_moe.LoopedSequentialMLP`,
+  :class:`~.local_moe.DirectMoELayer`, :class:`~.local_moe.EagerBiasTopKRouter`) are in
+  :mod:`.local_moe`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 
@@ -48,16 +37,10 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.moe_utils import permute, unpermute
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from gspo_megatron.backends.megatron.row_attention import (context_parallel_sdpa,
                                                            packed_context_parallel_sdpa,
                                                            packed_sdpa)
-from gspo_megatron.backends.megatron.schedule import module_list
 from gspo_megatron.layout import segment_positions
 
 
@@ -429,184 +412,3 @@ class DirectRowParallelLinear(RowParallelLinear):
         if not self._direct:
             return super().forward(input_)
         return _linear(self, input_)
-
-
-class LoopedSequentialMLP(SequentialMLP):
-    """``SequentialMLP`` whose expert loop calls ``F.linear`` directly (expert-TP size 1).
-
-    Per local expert ``e`` with ``n_e`` tokens ``x_e [n_e, H]`` and router probs ``p_e [n_e]``:
-    ``out_e = W2_e (p_e * silu(a) * b)`` with ``[a, b] = W1_e x_e`` (SwiGLU; plain activation
-    when the config is not gated), exactly :class:`megatron.core.transformer.mlp.MLP`'s maths with
-    ``per_token_scale``. Output rows stay in the dispatcher's permuted order.
-    """
-
-    @functools.cached_property  # layout and config are fixed once built: decided on first call
-    def _direct(self) -> bool:
-        c = self.config
-        return (_single_rank(self.tp_group) and not (c.fp8 or c.fp4) and not c.add_bias_linear
-                and not c.moe_apply_probs_on_input and not c.use_te_activation_func
-                and c.activation_func_clamp_value is None and not c.bias_activation_fusion
-                and not c.gradient_accumulation_fusion)
-
-    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
-    """``(W1 [E, H, (2)F], W2 [E, F, H])``: the local experts' weights stacked, as transposed views
-    (the memory layout ``F.linear`` reads), while :func:`stacked_expert_weights` is active."""
-
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        if not self._direct:
-            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        if self.stacked is not None and not torch.is_grad_enabled():
-            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                                 self.stacked)
-        if torch.is_grad_enabled() and self._grouped_training:
-            # Stacked inside autograd (the weights change every step): the stack's backward
-            # hands each expert its own slice of the grouped GEMM's weight gradient (an exact
-            # zero for an expert without tokens, as the loop's empty GEMMs give). Cost: a copy
-            # of this layer's expert weights per forward, held until backward (the grouped GEMM
-            # saves it), and its gradient; ~0.2 MB per layer on TRL's workload.
-            stacked = (
-                torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2),
-                torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2))
-            return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                                 stacked)
-        counts = tokens_per_expert.tolist()
-        # Without autograd an empty expert is skipped; with it, the empty GEMMs still run so every
-        # weight gets a (zero) gradient, as Megatron's DDP bucketing expects.
-        skip_empty = not torch.is_grad_enabled()
-        outputs = []
-        for expert, x, p in zip(self.local_experts,
-                                torch.split(permuted_local_hidden_states, counts),
-                                torch.split(permuted_probs, counts)):
-            if skip_empty and x.shape[0] == 0:
-                continue
-            h = F.linear(x, expert.linear_fc1.weight)  # [n_e, H] -> [n_e, (2) F]
-            outputs.append(F.linear(self._activate(h, p, x.dtype),  # [n_e, F] -> [n_e, H]
-                                    expert.linear_fc2.weight))
-        if not outputs:  # no expert got a token on this rank
-            return permuted_local_hidden_states.new_zeros(permuted_local_hidden_states.shape), None
-        return torch.cat(outputs, dim=0), None
-
-    def _activate(self, h: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``p_e * act(h)`` (SwiGLU when gated): ``[n, (2)F] -> [n, F]``."""
-        c = self.config
-        if c.gated_linear_unit:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            h = c.activation_func(gate) * (up + c.glu_linear_offset)
-        else:
-            h = c.activation_func(h)
-        return (h * probs.unsqueeze(-1)).to(dtype)
-
-    @functools.cached_property  # layout and device are fixed once built: decided on first call
-    def _grouped_training(self) -> bool:
-        """Whether the training (autograd) forward runs the experts as grouped GEMMs too: CPU
-        weights and ``torch._grouped_mm`` (whose CPU forward and backward are bitwise the
-        per-expert ``F.linear`` loop's: ``tests/unit/test_local_kernels.py``)."""
-        return (hasattr(torch, "_grouped_mm") and bool(self.local_experts)
-                and self.local_experts[0].linear_fc1.weight.device.type == "cpu")
-
-    def _grouped(self, x, tokens_per_expert, probs, stacked):
-        """All local experts in two grouped GEMMs over the rows ``x [N, H]`` sorted by expert:
-        ``offs`` are the cumulative row counts (int32), an empty expert is an empty group. One
-        kernel call per GEMM instead of ``2 E`` (the loop's Python and dispatch cost per expert is
-        most of a decoding step's MoE time at small widths). ``stacked``: ``(W1 [E, H, (2)F],
-        W2 [E, F, H])`` as in :attr:`stacked`."""
-        w1, w2 = stacked
-        offs = tokens_per_expert.cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(x, w1, offs=offs)  # [N, H] x [E, H, (2)F] -> [N, (2)F]
-        return torch._grouped_mm(self._activate(h, probs, x.dtype), w2, offs=offs), None
-
-
-@contextlib.contextmanager
-def stacked_expert_weights(model):
-    """While active, every CPU :class:`LoopedSequentialMLP` of ``model`` that takes its short path
-    runs its experts without autograd as two ``torch._grouped_mm`` calls over weights stacked on
-    entry (bitwise equal to the per-expert loop: the stacked weights are transposed views with
-    ``F.linear``'s memory layout).
-
-    Valid only while the weights do not change: the rollout engine wraps one ``generate`` in it.
-    Cost: one extra copy of this rank's expert weights for the duration (a ``torch.stack`` per
-    layer on entry, ~10 us per layer on the tiny model); nothing on CUDA (TE's or Megatron's grouped
-    GEMM runs there) or without ``torch._grouped_mm``.
-    """
-    mlps = [m for m in module_list(model, "looped_experts",
-                                   lambda m: [m] if isinstance(m, LoopedSequentialMLP) else [])
-            if m._direct and m.local_experts
-            and m.local_experts[0].linear_fc1.weight.device.type == "cpu"
-            ] if hasattr(torch, "_grouped_mm") else []
-    try:
-        with torch.no_grad():
-            for m in mlps:
-                m.stacked = (
-                    torch.stack([e.linear_fc1.weight for e in m.local_experts]).transpose(1, 2),
-                    torch.stack([e.linear_fc2.weight for e in m.local_experts]).transpose(1, 2))
-        yield
-    finally:
-        for m in mlps:
-            m.stacked = None
-
-
-class EagerBiasTopKRouter(TopKRouter):
-    """``TopKRouter`` whose ``_apply_expert_bias`` returns at once when expert bias is off.
-
-    Megatron's router calls ``_apply_expert_bias`` (the aux-loss-free balancing counts) in every
-    routing, and the method is under ``jit_fuser`` (``torch.compile``): even with the CPU compat's
-    eager stance each call passes dynamo's wrapper (~20 us; twice per decoding step and per
-    forward on the tiny model) to do nothing unless ``moe_router_enable_expert_bias``. With it on,
-    Megatron's method runs as before."""
-
-    def _apply_expert_bias(self, routing_map, padding_mask=None):
-        if self.enable_expert_bias:
-            return super()._apply_expert_bias(routing_map, padding_mask)
-        return None
-
-
-class DirectMoELayer(MoELayer):
-    """``MoELayer`` whose forward on a single expert/tensor rank routes, permutes and combines
-    with Megatron's own ``permute``/``unpermute`` directly (rollout, old-log-prob pass and the
-    update's forward alike).
-
-    At EP = TP = 1 the all-to-all dispatcher's work reduces to: ``permute`` the tokens ``[T, H]``
-    into expert-major order (with their router probs), run the experts, ``unpermute`` (scatter-add
-    the ``k`` expert outputs of each token back). Its all-to-alls are then copies to a group of one
-    and its ``sort_chunks_by_idxs`` calls identity permutations (host syncs, a split and a cat
-    each), which this path leaves out; the arithmetic, and so the result, is the dispatcher's.
-    Under autograd too: the single-rank all-to-alls return their input and the identity sorts a
-    ``cat`` of the chunks in order, so their backward hands the gradient through unchanged, and
-    ``permute``/``unpermute`` (the only ops left) are the ones the dispatcher runs (tested
-    bitwise, gradients included). Saves ~1 ms of an update minibatch's forward + backward on
-    TRL's workload (~7 %). The router is still called as a module (forward hooks, R2/R3 route
-    recording and replay see it; its aux loss attaches to the probs as before). EP/TP > 1,
-    capacity factors, fused permutes, shared experts, latent projections and MoE recompute take
-    Megatron's path.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if type(self.router) is TopKRouter:  # the same module and state, a leaner method
-            self.router.__class__ = EagerBiasTopKRouter
-
-    @functools.cached_property  # layout and config are fixed once built: decided on first call
-    def _direct(self) -> bool:
-        c, d = self.config, self.token_dispatcher
-        return (isinstance(d, MoEAlltoAllTokenDispatcher) and d.ep_size == 1 and d.tp_size == 1
-                and not d.drop_and_pad and c.moe_expert_capacity_factor is None
-                and not c.moe_permute_fusion and not c.moe_router_padding_for_quantization
-                and not c.moe_latent_size and not self.use_shared_expert
-                and not self.moe_layer_recompute
-                and self.fwd_execution_map == ["route", "expert_compute", "postprocess"])
-
-    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if intermediate_tensors is not None or not self._direct:
-            return super().forward(hidden_states, intermediate_tensors, padding_mask)
-        if padding_mask is not None:
-            padding_mask = padding_mask.transpose(0, 1).bool()
-        probs, routing_map = self.route(hidden_states, padding_mask)  # [T, E] each
-        tokens = hidden_states.view(-1, hidden_states.shape[-1])  # [T, H]
-        # A padded token (packed row's tail) gets no expert: k routes per real token.
-        routed = (routing_map.size(0) if padding_mask is None
-                  else int((~padding_mask).sum())) * self.config.moe_router_topk
-        permuted, permuted_probs, mapping = permute(
-            tokens, routing_map, probs=probs, num_out_tokens=routed)  # [T k, H]
-        out, bias = self.experts(permuted, routing_map.sum(dim=0).long(), permuted_probs)
-        out = unpermute(out, mapping, restore_shape=tokens.shape, routing_map=routing_map)
-        return out.view(hidden_states.shape), bias

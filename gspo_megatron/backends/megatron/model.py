@@ -201,14 +201,15 @@ def build_layer_spec(config, impl: str, pp_rank: int | None = None, local_kernel
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
         from gspo_megatron.backends.megatron import local_kernels as lk
+        from gspo_megatron.backends.megatron import local_moe
 
         # Same parameters and checkpoints, less Python per call (see local_kernels' docstring).
         for old, new in ((SelfAttention, lk.RopeOnceSelfAttention),
                          (DotProductAttention, lk.SDPADotProductAttention),
                          (ColumnParallelLinear, lk.DirectColumnParallelLinear),
                          (RowParallelLinear, lk.DirectRowParallelLinear),
-                         (SequentialMLP, lk.LoopedSequentialMLP),
-                         (MoELayer, lk.DirectMoELayer)):
+                         (SequentialMLP, local_moe.LoopedSequentialMLP),
+                         (MoELayer, local_moe.DirectMoELayer)):
             spec = _swap_modules(spec, old, new)
     return spec
 

@@ -22,7 +22,7 @@ from gspo_megatron.backends.megatron.routing_session import PolicyRouting
 from gspo_megatron.backends.megatron.schedule import (Microbatching, ScoringConfig,
                                                       compute_logprobs, make_microbatches,
                                                       run_objective)
-from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
+from gspo_megatron.backends.megatron.local_moe import stacked_expert_weights
 from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                                   RoutingConfig)
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank

@@ -16,7 +16,7 @@ trainer updates; nothing is copied, unless ``rollout.precision`` asks for other 
   prompts are left-padded to one length (:meth:`RolloutEngine._left_pad`).
 
 On CPU the experts run as grouped GEMMs over weights stacked once per generate
-(:func:`~gspo_megatron.backends.megatron.local_kernels.stacked_expert_weights`).
+(:func:`~gspo_megatron.backends.megatron.local_moe.stacked_expert_weights`).
 
 :meth:`RolloutEngine.with_sampling` gives a second sampling configuration (the greedy evaluator)
 over the same engine and KV cache.
@@ -77,7 +77,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.backends.megatron.local_kernels import stacked_expert_weights
+from gspo_megatron.backends.megatron.local_moe import stacked_expert_weights
 from gspo_megatron.backends.megatron.sampling_copy import SamplingCopy, copy_dtype
 from gspo_megatron.backends.megatron.schedule import module_list, set_training
 from gspo_megatron.config import RolloutConfig
