@@ -143,6 +143,13 @@ def _paged_sdpa(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: to
     return out if plan.all_live else out.masked_fill(~plan.live[:, :, None, None], 0.0)
 
 
+def _worth_splitting(n: int, most: int, total: int) -> bool:
+    """Whether ``n`` requests of ``total`` keys (or queries), the longest ``most``, should be
+    split (:func:`_length_groups`): padding them to the longest would more than double their
+    work, and there are enough of them (>= 8) for a second attention call to pay."""
+    return n >= 8 and n * most > 2 * total
+
+
 def _length_groups(lengths: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
     """Row indices of ``lengths`` ``[B]``, split in two at the median (up to ``depth`` times)
     while padding a group to its longest would more than double its work: a long tail (a few
@@ -153,7 +160,8 @@ def _length_groups(lengths: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
         split = []
         for rows in groups:
             sub = lengths[rows]
-            if rows.numel() >= 8 and rows.numel() * int(sub.max()) > 2 * int(sub.sum()):
+            if rows.numel() >= 8 and _worth_splitting(rows.numel(), int(sub.max()),
+                                                      int(sub.sum())):  # (no host read < 8)
                 short = sub <= sub.median()
                 if not bool(short.all()):
                     split += [rows[short], rows[~short]]
@@ -288,7 +296,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if Sq == 1:  # a decoding step: one host read decides the grouping and the key count
             most, total, least = torch.stack(
                 (kv_lens.max(), kv_lens.sum(), kv_lens.min())).tolist()
-            if B < 8 or B * most <= 2 * total:  # one group (what _length_groups decides)
+            if not _worth_splitting(B, most, total):  # one group, as _length_groups decides
                 return [(None, _Plan.single_query(kv_lens, most, least > 0, block_table,
                                                   k_cache.shape[1]))]
         q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)

@@ -8,8 +8,8 @@ That is ~0.18 ms of host time per request: 23 ms of an 83 ms rollout of 128 shor
 
 Here (:func:`admit_waiting`, :class:`AdmittingContext`) the waiting requests that fit whole are
 admitted together, with one block allocation and one write per context tensor, and
-:class:`RolloutRequest` is a slotted record of what admission reads. A prompt that does not fit waits for a
-later step (the rollout loop, :mod:`.dynamic_rollout`, has no chunked prefill). The context after
+:class:`RolloutRequest` is a slotted record of what admission reads. A prompt that does not
+fit waits for a later step (the rollout loop, :mod:`.dynamic_rollout`, has no chunked prefill). The context after
 a batch holds exactly what admitting the requests one by one with Megatron's ``add_request``
 leaves, block ids included (``tests/unit/test_dynamic_admission.py`` compares every tensor).
 """
@@ -35,25 +35,17 @@ class RolloutRequest:
     fields and copies its sampling parameters per request, ~7 us each (1 ms of host work per
     rollout of 128 requests), for an object the rollout loop reads four times. The
     ``SamplingParams`` are shared, not copied: the loop keeps one per budget and never writes
-    them. ``remaining_prompt_tokens``: the prompt ids (a list; a tensor is read into one)."""
+    them. ``prompt_tokens``: the prompt ids, a list."""
 
     __slots__ = ("request_id", "sampling_params", "remaining_prompt_tokens")
 
-    def __init__(self, request_id: int, sampling_params, prompt_tokens):
+    # Megatron's own rule for the per-request metadata (sampling fields, in order)
+    get_metadata_types = staticmethod(DynamicInferenceRequest.get_metadata_types)
+    tracked_metadata = property(DynamicInferenceRequest.tracked_metadata.fget)
+
+    def __init__(self, request_id: int, sampling_params, prompt_tokens: list[int]):
         self.request_id, self.sampling_params = request_id, sampling_params
-        self.remaining_prompt_tokens = (prompt_tokens.tolist() if torch.is_tensor(prompt_tokens)
-                                        else list(prompt_tokens))
-
-    @property
-    def tracked_metadata(self) -> list:
-        """Megatron's per-request metadata (``DynamicInferenceRequest.tracked_metadata``: the
-        sampling fields of ``get_metadata_types()``, in order; no termination id reads -1)."""
-        sp = self.sampling_params
-        return [(-1 if sp.termination_id is None else sp.termination_id) if name == "termination_id"
-                else getattr(sp, name) for name, _, _ in _METADATA_TYPES]
-
-
-_METADATA_TYPES = DynamicInferenceRequest.get_metadata_types()
+        self.remaining_prompt_tokens = prompt_tokens
 
 
 class AdmittingContext(DynamicInferenceContext):

@@ -199,8 +199,8 @@ class DynamicRollout:
         this call (:class:`Generated`; ``finished`` False for a request ``stop``, a
         :class:`~gspo_megatron.policy.GroupStop`, aborted). ``budgets``: each prompt's new-token
         budget; ``sp``: the call's Megatron ``SamplingParams`` (at temperature 1: the wrapper
-        divides the logits by the temperature first); ``refill(running)``: asked before every step until ``stop`` is done, the requests
-        ``(prompt, budget)`` to add. With ``stop.hold_cut`` the aborted requests stay in the
+        divides the logits by the temperature first); ``refill(running)``: asked before every
+        step until ``stop`` is done, the requests ``(prompt, budget)`` to add. With ``stop.hold_cut`` the aborted requests stay in the
         context (and the KV buffer allocated) for the next call to continue
         (``stop.continue_held``). Collective over the world under EP > 1 (lock-step), over the
         model-parallel group otherwise."""
@@ -312,7 +312,7 @@ class _Call:
     def __init__(self, sp):
         self.sp = sp
         self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}
-        """One ``SamplingParams`` per budget (the requests' own copies are shallow)."""
+        """One ``SamplingParams`` per budget, shared by the requests of that budget."""
         self.row: dict[int, int] = {}
         """Request id -> its place in the call."""
         self.prompts: list[list[int]] = []
