@@ -14,8 +14,10 @@ alignment: query ``i`` of a request with ``q_len`` queries and ``kv_len`` keys s
 ``kv_len - q_len + i`` and sees keys ``j <= kv_len - q_len + i``. Queries with no visible key
 (padded requests / tokens) yield zeros.
 
-Cost versus flash-attn: every call gathers the used KV blocks densely (``2 * B * Lk * Hk * D``
-elements, ``Lk`` = the longest kv length; SDPA groups the query heads itself), pads the
+Cost versus flash-attn: every call gathers the used KV blocks densely, block by block
+(``2 * B * Lk * Hk * D`` elements, ``Lk`` = the longest kv length; SDPA groups the query heads
+itself; reading the blocks in place instead was measured slower on CPU, the strided reads
+cold), pads the
 queries to ``[B, Lq, H, D]`` (``Lq`` = longest query; decode requests in a mixed batch are padded
 to it too) and builds a ``[B, Lq, Lk]`` boolean mask; then SDPA (memory-efficient or math kernel,
 as a mask rules out the flash backend). Reading the max lengths syncs the host once per call, so
@@ -55,18 +57,20 @@ def _reject_unsupported(fn: str, unused: dict[str, Any]) -> None:
 
 class _Plan:
     """What a paged attention call needs besides the queries and the caches, for requests of
-    ``q_lens`` / ``kv_lens`` over ``block_table``: the flat cache row of each key it reads
-    (``rows [B * Lk]``), the mask (``[B, 1, Lq, Lk]``, True = attend) and which queries see a
-    key (``live [B, Lq]``). It depends on the step's lengths and block table only, so every
-    layer of a step shares one (:func:`_step_plans`)."""
+    ``q_lens`` / ``kv_lens`` over ``block_table``: the blocks each request reads (``blocks [B,
+    nb]``), the rows of the gathered keys no request wrote (``unwritten``, flat, or None), the
+    mask (``[B, 1, Lq, Lk]``, True = attend) and which queries see a key (``live [B, Lq]``). It
+    depends on the step's lengths and block table only, so every layer of a step shares one
+    (:func:`_step_plans`)."""
 
-    __slots__ = ("rows", "mask", "live", "all_live", "B", "Lk")
+    __slots__ = ("blocks", "unwritten", "mask", "live", "all_live", "B", "Lk")
 
     def __init__(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, max_kv: int, Lq: int,
                  block_table: torch.Tensor, block_size: int, causal: bool):
         device = block_table.device
         kv_lens, q_lens = kv_lens.to(device).long(), q_lens.to(device).long()
         j, written = self._keys(kv_lens, max_kv, block_table, block_size)
+        self._unwritten(written, None)
         i = torch.arange(Lq, device=device)
         mask = written[:, None, :] & (i[None, :, None] < q_lens[:, None, None])  # [B, Lq, Lk]
         if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i
@@ -79,46 +83,64 @@ class _Plan:
 
     def _keys(self, kv_lens: torch.Tensor, max_kv: int, block_table: torch.Tensor,
               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sets ``B``, ``Lk`` and ``rows``; returns the key positions ``j [Lk]`` and ``written
+        """Sets ``B``, ``Lk`` and ``blocks``; returns the key positions ``j [Lk]`` and ``written
         [B, Lk]`` (the request's own keys)."""
         self.B, device = block_table.shape[0], block_table.device
         nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
         # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
         # block is cut before the attention (a 256-token block holding 20 keys costs 20, not 256).
         self.Lk = Lk = min(nb * block_size, max(max_kv, 1))
+        self.blocks = block_table[:, :nb].long().clamp(min=0)  # -1 (unused) reads block 0
         j = torch.arange(Lk, device=device)
-        written = j[None, :] < kv_lens[:, None]  # [B, Lk]
-        # Flat cache row of each key; -1 (unused) block slots read block 0. Slots past a
-        # request's keys were never written (Megatron allocates the cache with torch.empty):
-        # they may hold NaN bit patterns, and a masked score or a zero weight does not cancel a
-        # NaN (NaN - inf, 0 * NaN), so they read the request's first key instead (written,
-        # finite, and masked).
-        if nb == 1:  # every request's keys in its first block
-            rows = block_table[:, :1].long().clamp(min=0) * block_size + j[None, :]
-        else:
-            blocks = block_table[:, :nb].long().clamp(min=0)  # [B, nb]
-            rows = blocks[:, j // block_size] * block_size + j % block_size  # [B, Lk]
-        self.rows = torch.where(written, rows, rows[:, :1]).reshape(-1)
-        return j, written
+        return j, j[None, :] < kv_lens[:, None]
+
+    def _unwritten(self, written: torch.Tensor, none_unwritten: bool | None) -> None:
+        """Sets ``unwritten``: the flat ``[B * Lk]`` rows of the gathered keys past each
+        request's own (None if there are none; ``none_unwritten``: known by the caller)."""
+        if none_unwritten:
+            self.unwritten = None
+            return
+        rows = torch.nonzero(~written.reshape(-1)).squeeze(1)  # one host sync (its size)
+        self.unwritten = rows if rows.numel() else None
 
     @classmethod
-    def single_query(cls, kv_lens: torch.Tensor, most: int, all_live: bool,
+    def single_query(cls, kv_lens: torch.Tensor, most: int, least: int,
                      block_table: torch.Tensor, block_size: int) -> "_Plan":
         """The plan of a decoding step (one query per request, at its last key, so causal
         masking is the kv length's): what ``_Plan(ones, kv_lens, most, 1, ...)`` builds, bitwise,
-        in about half the tensor ops (~70 us less per step on TRL's workload). ``most``: the
-        longest kv length; ``all_live``: every kv length > 0 (both read by the caller in one
-        host sync)."""
+        in about half the tensor ops (~70 us less per step on TRL's workload). ``most`` /
+        ``least``: the longest / shortest kv length (read by the caller in one host sync)."""
         plan = cls.__new__(cls)
         _, written = plan._keys(kv_lens, most, block_table, block_size)
+        plan._unwritten(written, least == most)
         plan.live = (kv_lens > 0)[:, None]  # [B, 1]
-        plan.all_live = all_live
+        plan.all_live = least > 0
         mask = written[:, None, None, :]  # [B, 1, 1, Lk]
-        if not all_live:  # a fully masked row would give NaN; it is zeroed after the attention
+        if not plan.all_live:  # a fully masked row would give NaN; it is zeroed after the attention
             mask = mask.clone()
             mask[:, 0, :, 0] |= ~plan.live
         plan.mask = mask
         return plan
+
+
+def _gather(cache: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """``[B, Lk, Hk, D]``: each request's first ``Lk`` keys (or values) of ``cache [num_blocks,
+    block_size, Hk, D]``, copied block by block (a request's keys are contiguous within a
+    block: one ``Lk x Hk x D`` run per request and block, ~1.5-2x the speed of a row-by-row
+    gather on CPU), and the slots past a request's keys zeroed. Those were never written
+    (Megatron allocates the cache with ``torch.empty``) and may hold NaN bit patterns; a masked
+    score does not cancel a NaN key, nor a zero weight a NaN value, and a zero weighs exactly
+    what the mask leaves of any finite key: nothing."""
+    B, nb = plan.blocks.shape
+    Hk, D = cache.shape[2:]
+    if nb == 1:
+        out = cache[:, :plan.Lk].index_select(0, plan.blocks[:, 0])  # [B, Lk, Hk, D]
+    else:  # whole blocks (at most one block of keys per request read in vain), then cut
+        full = cache.index_select(0, plan.blocks.reshape(-1)).view(B, nb * cache.shape[1], Hk, D)
+        out = full[:, :plan.Lk].contiguous()
+    if plan.unwritten is not None:
+        out.view(-1, Hk, D).index_fill_(0, plan.unwritten, 0)
+    return out
 
 
 def _paged_sdpa(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -129,12 +151,9 @@ def _paged_sdpa(q: torch.Tensor, plan: _Plan, k_cache: torch.Tensor, v_cache: to
     k_cache, v_cache ``[num_blocks, block_size, Hk, D]``.
     Returns ``[B, Lq, H, D]`` in q's dtype, zero where a query is padding or sees no key.
     """
-    B, Lq, H, D = q.shape
-    Hk, Lk = k_cache.shape[2], plan.Lk
-    # index_select, not cache[rows]: the same copy, ~4x faster on CPU (advanced indexing's
-    # generic kernel moved ~5 GB/s, a third of a decoding step's attention at 80 keys)
-    k = k_cache.reshape(-1, Hk, D).index_select(0, plan.rows).view(B, Lk, Hk, D).transpose(1, 2)
-    v = v_cache.reshape(-1, Hk, D).index_select(0, plan.rows).view(B, Lk, Hk, D).transpose(1, 2)
+    H, D = q.shape[2:]
+    Hk = k_cache.shape[2]
+    k, v = _gather(k_cache, plan).transpose(1, 2), _gather(v_cache, plan).transpose(1, 2)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     # GQA: query head h reads kv head h // (H // Hk), SDPA's own grouping (no expanded copy).
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=plan.mask,
@@ -297,7 +316,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             most, total, least = torch.stack(
                 (kv_lens.max(), kv_lens.sum(), kv_lens.min())).tolist()
             if not _worth_splitting(B, most, total):  # one group, as _length_groups decides
-                return [(None, _Plan.single_query(kv_lens, most, least > 0, block_table,
+                return [(None, _Plan.single_query(kv_lens, most, least, block_table,
                                                   k_cache.shape[1]))]
         q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)
         return _decode_plans(q_lens, kv_lens, Sq, block_table, k_cache.shape[1], causal)

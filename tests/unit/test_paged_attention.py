@@ -110,9 +110,12 @@ def test_single_query_plan_is_the_general_plan():
         table = torch.randint(-1, 30, (B, max_blocks), generator=gen).int()
         most = int(kv.max())
         general = pa._Plan(torch.ones(B, dtype=torch.long), kv, most, 1, table, BLOCK, True)
-        fast = pa._Plan.single_query(kv, most, bool((kv > 0).all()), table, BLOCK)
-        for name in ("rows", "mask", "live"):
+        fast = pa._Plan.single_query(kv, most, int(kv.min()), table, BLOCK)
+        for name in ("blocks", "mask", "live"):
             assert torch.equal(getattr(general, name), getattr(fast, name)), (trial, name)
+        assert (general.unwritten is None) == (fast.unwritten is None), trial
+        if general.unwritten is not None:
+            assert torch.equal(general.unwritten, fast.unwritten), trial
         assert (general.all_live, general.Lk, general.B) == (fast.all_live, fast.Lk, fast.B)
 
 
@@ -198,13 +201,14 @@ def test_install_into_megatron_attention(monkeypatch, caplog):
     assert pa.installed() and attention.is_fa_min_version is wrapped
 
 
-def test_unwritten_cache_slots_never_reach_the_output():
+@pytest.mark.parametrize("kv_lens", [[5, 9, 0, 2], [3, 1, 0, 4], [2, 3, 1, 4]])
+def test_unwritten_cache_slots_never_reach_the_output(kv_lens):
     """Megatron allocates the paged cache with torch.empty: slots past a request's keys (the rest
     of its last block, unused table entries reading block 0) can hold NaN bit patterns. A masked
     score does not cancel a NaN key, nor a zero weight a NaN value: the output must still equal
-    the reference computed on clean caches."""
+    the reference computed on clean caches. Several blocks per request, and one (the keys read
+    block by block: each request's first Lk slots, past its own keys too)."""
     gen = torch.Generator().manual_seed(7)
-    kv_lens = [5, 9, 0, 2]
     k_cache, v_cache = _caches(num_blocks=12, gen=gen)
     table = _block_table(kv_lens, num_blocks=12, max_blocks=4, gen=gen)
     dirty_k, dirty_v = k_cache.clone(), v_cache.clone()
