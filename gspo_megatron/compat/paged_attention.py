@@ -14,10 +14,9 @@ alignment: query ``i`` of a request with ``q_len`` queries and ``kv_len`` keys s
 ``kv_len - q_len + i`` and sees keys ``j <= kv_len - q_len + i``. Queries with no visible key
 (padded requests / tokens) yield zeros.
 
-Cost versus flash-attn: every call gathers the used KV blocks densely, block by block
-(``2 * B * Lk * Hk * D`` elements, ``Lk`` = the longest kv length; SDPA groups the query heads
-itself; reading the blocks in place instead was measured slower on CPU, the strided reads
-cold), pads the
+Cost versus flash-attn: every call copies the used keys and values densely (``2 * B * Lk * Hk *
+D`` elements, ``Lk`` = the longest kv length; SDPA groups the query heads itself; reading the
+blocks in place instead was measured slower on CPU, the strided reads cold), pads the
 queries to ``[B, Lq, H, D]`` (``Lq`` = longest query; decode requests in a mixed batch are padded
 to it too) and builds a ``[B, Lq, Lk]`` boolean mask; then SDPA (memory-efficient or math kernel,
 as a mask rules out the flash backend). Reading the max lengths syncs the host once per call, so
@@ -71,7 +70,7 @@ class _Plan:
         device = block_table.device
         kv_lens, q_lens = kv_lens.to(device).long(), q_lens.to(device).long()
         j, written = self._keys(kv_lens, max_kv, block_table, block_size)
-        self._unwritten(written, None)
+        self._unwritten(written)
         i = torch.arange(Lq, device=device)
         mask = written[:, None, :] & (i[None, :, None] < q_lens[:, None, None])  # [B, Lq, Lk]
         if causal:  # bottom-right aligned: query i sits at kv_len - q_len + i
@@ -84,8 +83,8 @@ class _Plan:
 
     def _keys(self, kv_lens: torch.Tensor, max_kv: int, block_table: torch.Tensor,
               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sets ``B``, ``Lk`` and ``blocks``; returns the key positions ``j [Lk]`` and ``written
-        [B, Lk]`` (the request's own keys)."""
+        """Sets ``B``, ``Lk`` and ``blocks`` or ``rows``; returns the key positions ``j [Lk]`` and
+        ``written [B, Lk]`` (the request's own keys)."""
         self.B, device = block_table.shape[0], block_table.device
         nb = min(max(-(-max_kv // block_size), 1), block_table.shape[1])
         # Only the first max_kv keys of the gathered blocks can be visible: the rest of the last
@@ -100,10 +99,11 @@ class _Plan:
             self.rows = (blocks[:, j // block_size] * block_size + j % block_size).reshape(-1)
         return j, j[None, :] < kv_lens[:, None]
 
-    def _unwritten(self, written: torch.Tensor, none_unwritten: bool | None) -> None:
+    def _unwritten(self, written: torch.Tensor, known_none: bool = False) -> None:
         """Sets ``unwritten``: the flat ``[B * Lk]`` rows of the gathered keys past each
-        request's own (None if there are none; ``none_unwritten``: known by the caller)."""
-        if none_unwritten:
+        request's own, or None if there are none (``known_none``: the caller knows every
+        request has ``Lk`` keys)."""
+        if known_none:
             self.unwritten = None
             return
         rows = torch.nonzero(~written.reshape(-1)).squeeze(1)  # one host sync (its size)
