@@ -40,12 +40,11 @@ def prompt_ids(tokenizer, prompt) -> list[int]:
 def rollout_stage(generator: Generator, tokenizer, prompts: list, group_size: int,
                   seed: int) -> list[RolloutSample]:
     """Sample ``group_size`` responses for every prompt. Returns the samples, prompt-major:
-    sample ``i * G + g`` is response ``g`` to prompt ``i``. Each prompt is tokenized once (a
-    chat template and an encode: ~30 us, 3.8 ms of TRL's 128-request rollout when done per
-    response)."""
+    sample ``i * G + g`` is response ``g`` to prompt ``i``. Each prompt is tokenized once, its
+    ``G`` requests sharing the id list (a chat template and an encode per response were 1.7 ms
+    of TRL's 128-request rollout; 0.2 ms per prompt)."""
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
-    return generator.generate([list(ids) for ids in encoded for _ in range(group_size)],
-                              seed=seed)
+    return generator.generate([ids for ids in encoded for _ in range(group_size)], seed=seed)
 
 
 def reward_stage(reward_fn, tokenizer, prompts: list, samples: list[RolloutSample],
@@ -173,8 +172,9 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
                  minibatch_sizes: list[int] | None = None) -> dict[str, float]:
     """Split the rollout batch into ``num_minibatches`` (shuffled by :func:`minibatch_order`), one
     optimiser step each; ``minibatch_sizes``: the batch is dealt already (:func:`balance_stage`),
-    minibatch ``i`` is the next ``minibatch_sizes[i]`` rows. Returns metrics averaged over the minibatches, and
-    ``optim/grad_norm_max``: the largest gradient norm of the step's optimiser steps.
+    minibatch ``i`` is the next ``minibatch_sizes[i]`` rows. Returns metrics averaged over the
+    minibatches, and ``optim/grad_norm_max``: the largest gradient norm of the step's optimiser
+    steps.
 
     ``routing`` (the step's :class:`~gspo_megatron.policy.StepRouting`, or None): hooks for each
     minibatch's update forward (routing replay, or recording the routes free routing takes) and,

@@ -13,12 +13,12 @@ and bookkeeping (``initialize_attention_state``, the controller's forward with i
 appends per request per token (``post_process_requests``), per-step bucketing of the sampling
 parameters and a log-softmax over every prompt token. Here the requests of a call share one
 sampling rule (one draw for the whole batch from the controller's generator, over the real
-vocabulary's columns only), each step's ``(request ids, tokens, log-probs)`` are kept as three tensors and
-joined per request once at the end (:class:`_Call`), and only the sampled tokens' log-probs are
-taken. On TRL's workload (128 requests x 16 tokens, CPU) a rollout went from 70 to 50 ms
-(``docs/benchmarks.md``, section 10; the static engine: 41 ms). The loop alone kept Megatron's
-engine's tokens and log-probs bitwise (the demo's metrics did not move); drawing over the real
-vocabulary's columns only draws other samples from the same distribution.
+vocabulary's columns only), each step's ``(request ids, tokens, log-probs)`` are kept as three
+tensors and joined per request once at the end (:class:`_Call`), and only the sampled tokens'
+log-probs are taken. On TRL's workload (128 requests x 16 tokens, CPU) a rollout went from 70
+to 50 ms (``docs/benchmarks.md``, section 10; the static engine: 41 ms). The loop alone kept
+Megatron's engine's tokens and log-probs bitwise (the demo's metrics did not move); drawing over
+the real vocabulary's columns only draws other samples from the same distribution.
 
 What else it adds (:class:`DynamicRollout`):
 
@@ -200,8 +200,9 @@ class DynamicRollout:
         :class:`~gspo_megatron.policy.GroupStop`, aborted). ``budgets``: each prompt's new-token
         budget; ``sp``: the call's Megatron ``SamplingParams`` (at temperature 1: the wrapper
         divides the logits by the temperature first); ``refill(running)``: asked before every
-        step until ``stop`` is done, the requests ``(prompt, budget)`` to add. With ``stop.hold_cut`` the aborted requests stay in the
-        context (and the KV buffer allocated) for the next call to continue
+        step until ``stop`` is done, the requests ``(prompt, budget)`` to add. With
+        ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
+        allocated) for the next call to continue
         (``stop.continue_held``). Collective over the world under EP > 1 (lock-step), over the
         model-parallel group otherwise."""
         held = self._claim_held(prompts, stop)
