@@ -1,6 +1,7 @@
 """All the GPU work of the project in one invocation: ``tools/gpu_check.sh`` runs this module.
 
-    PYTHONPATH=. python -m tools.gpu_check --out DIR [--only STAGE,...] [--quick]
+    PYTHONPATH=. python -m tools.gpu_check --out DIR [--only STAGE,...] [--size smoke|quick|full]
+        [--parallel N] [--deadline SECONDS]
 
 Each stage is a subprocess with its own time limit, so a failure or a hang is recorded (exit code,
 last lines of output) and the next stage still runs. Results go to ``DIR/gpu_check.json`` (one
@@ -36,12 +37,14 @@ by ``--deadline`` still answers most):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,82 +61,136 @@ def digit_share(response: str, answer: str, example=None) -> float:
 
 
 # ----------------------------------------------------------------------------- stage commands
-def _tiny(run_dir: str, *extra: str) -> list[str]:
-    """The demo recipe on the GPU: bf16, dynamic engine, R2, short."""
+SIZES = ("smoke", "quick", "full")
+"""``smoke``: every stage at its smallest (does the path run at all; ~2 minutes with ``--parallel``),
+``quick``: a first look with figures, ``full``: the figures the docs report."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    commands: list[list[str]]
+    """Run one after the other; the stage stops at the first that fails."""
+    limit: int
+    """Seconds for all of its commands together."""
+    timed: bool = False
+    """Its figures are timings or memory peaks: with ``--parallel`` it runs alone on the GPU,
+    after the untimed stages (which share the GPU with each other)."""
+
+
+def _tiny(run_dir: str, *extra: str, size: str = "full") -> list[str]:
+    """The demo recipe on the GPU: bf16, dynamic engine, R2, short (``smoke``: 2 RL steps)."""
+    steps = (["--sft.steps=5", "--trainer.steps=2", "--trainer.eval_interval=2",
+              "--checkpoint.save_interval=2"] if size == "smoke" else
+             ["--sft.steps=100", "--trainer.steps=8", "--trainer.eval_interval=4",
+              "--checkpoint.save_interval=4"])
     return TRAIN + [
         "--precision.bf16=true", "--rollout.engine=dynamic", "--rollout.dynamic_buffer_size_gb=1",
-        "--routing.replay=r2", "--sft.steps=100", "--trainer.steps=8", "--trainer.eval_interval=4",
-        "--checkpoint.save_interval=4", "--checkpoint.keep_last=2", "--logging.progress=false",
+        "--routing.replay=r2", *steps, "--checkpoint.keep_last=2", "--logging.progress=false",
         f"--logging.run_dir={run_dir}", *extra]
 
 
-def stages(work: str, quick: bool) -> list[tuple[str, list[list[str]], int]]:
-    """(name, commands run one after the other, time limit in seconds for all of them)."""
+def stages(work: str, size: str = "full") -> list[Stage]:
+    """Every stage of the check, the most informative first, at ``size`` (one of SIZES)."""
+    assert size in SIZES, size
     w = lambda name: os.path.join(work, name)  # noqa: E731
-    slice_steps = ["--trainer.steps=2"] if quick else []
+    smoke, full = size == "smoke", size == "full"
+    tiny = lambda name, *extra: _tiny(w(name), *extra, size=size)  # noqa: E731
+    # The two-rank CPU stages' own sizes (they run the same code at any size).
+    cpu_steps = (["--sft.steps=5", "--trainer.steps=2"] if smoke
+                 else ["--sft.steps=20", "--trainer.steps=3"])
+    slice_cmd = TRAIN + ["--config", SLICE_RECIPE, f"--logging.run_dir={w('slice_rl')}"]
+    if smoke:  # one small step, one checkpoint of 1.87B parameters and Adam, one resumed step
+        slice_rl = [slice_cmd + ["--trainer.steps=1", "--rollout.prompts_per_step=2",
+                                 "--rollout.max_new_tokens=16", "--trainer.num_minibatches=1"],
+                    slice_cmd + ["--trainer.steps=2", "--rollout.prompts_per_step=2",
+                                 "--rollout.max_new_tokens=16", "--trainer.num_minibatches=1"]]
+    else:
+        slice_rl = [slice_cmd + ["--trainer.steps=2" if full else "--trainer.steps=1"],
+                    slice_cmd + ["--trainer.steps=3" if full else "--trainer.steps=2"]]
+    mfu_size = {"smoke": ["--layers", "1", "--seq", "1024", "--iters", "1"],
+                "quick": ["--layers", "2", "--seq", "2048", "--iters", "2"],
+                "full": ["--layers", "4", "--seq", "4096", "--iters", "3"]}[size]
+    # --standalone: a free rendezvous port of its own (two such stages may run at once)
+    torchrun2 = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "2"]
+    on_cpu = ["env", "CUDA_VISIBLE_DEVICES="]
     return [
-        ("env", [[sys.executable, "-m", "tools.gpu_check", "env"]], 120),
-        ("tiny_dynamic", [_tiny(w("tiny_dynamic"))], 300),
-        ("slice_plan", [[sys.executable, "-m", "gspo_megatron.tools.plan", "--recipe",
-                         SLICE_RECIPE, "--gpus", "1"]], 120),
-        ("slice_rl", [TRAIN + ["--config", SLICE_RECIPE, f"--logging.run_dir={w('slice_rl')}",
-                               *slice_steps],
-                      TRAIN + ["--config", SLICE_RECIPE, f"--logging.run_dir={w('slice_rl')}",
-                               "--trainer.steps=4" if not quick else "--trainer.steps=3"]], 600),
-        ("rollout_bench", [[sys.executable, "-m", "tools.gpu_check", "rollout-bench"]
-                           + (["--quick"] if quick else [])], 420),
-        ("slice_mfu", [[sys.executable, "-m", "tools.bench.gpu_qwen3_slice"]
-                       + (["--layers", "2", "--seq", "2048", "--iters", "2"] if quick
-                          else ["--layers", "4", "--seq", "4096", "--iters", "3"])], 480),
-        ("tiny_resume", [_tiny(w("tiny_resume"), "--trainer.steps=4"),
-                         _tiny(w("tiny_resume"))], 300),
-        ("tiny_r3", [_tiny(w("tiny_r3"), "--routing.replay=r3")], 300),
-        ("tiny_r3_bf16_rollout", [_tiny(w("tiny_r3_bf16_rollout"), "--precision.bf16=false",
-                                        "--rollout.precision=bf16", "--routing.replay=r3")], 300),
+        Stage("env", [[sys.executable, "-m", "tools.gpu_check", "env"]], 120),
+        Stage("tiny_dynamic", [tiny("tiny_dynamic")], 300),
+        Stage("slice_plan", [[sys.executable, "-m", "gspo_megatron.tools.plan", "--recipe",
+                              SLICE_RECIPE, "--gpus", "1"]], 120),
+        Stage("slice_mfu", [[sys.executable, "-m", "tools.bench.gpu_qwen3_slice", *mfu_size]],
+              480, timed=True),
+        Stage("rollout_bench", [[sys.executable, "-m", "tools.gpu_check", "rollout-bench",
+                                 "--size", size]], 420, timed=True),
+        Stage("slice_rl", slice_rl, 600, timed=True),
+        # The slice's RL steps with our local kernels (SDPA attention, grouped expert GEMMs via
+        # torch._grouped_mm): 7.0x Megatron's local spec in forward + backward on the H200, not
+        # yet measured in rollouts.
+        Stage("slice_rl_local_kernels",
+              [TRAIN + ["--config", SLICE_RECIPE, "--precision.local_kernels=true",
+                        f"--logging.run_dir={w('slice_rl_local_kernels')}",
+                        "--trainer.steps=1" if smoke else "--trainer.steps=2"]], 400, timed=True),
+        Stage("tiny_resume", [tiny("tiny_resume", "--trainer.steps=1" if smoke
+                                   else "--trainer.steps=4"), tiny("tiny_resume")], 300),
+        # tiny_dynamic again, uninterrupted: whether two plain runs agree on this GPU (CUDA's
+        # atomics in MoE un-permutation and embedding backward need not), so that a resumed
+        # run's differences are read against the run-to-run ones.
+        Stage("tiny_repeat", [tiny("tiny_repeat")], 300),
+        # tiny_resume with a synchronous checkpoint write: on the H200 (2026-11-26) the resumed
+        # run differed from the uninterrupted one from its first step while two plain runs were
+        # bitwise equal; this separates the background writer from the rest of the resume.
+        Stage("tiny_resume_sync", [tiny("tiny_resume_sync", "--checkpoint.async_save=false",
+                                        "--trainer.steps=1" if smoke else "--trainer.steps=4"),
+                                   tiny("tiny_resume_sync", "--checkpoint.async_save=false")], 300),
+        Stage("tiny_r3", [tiny("tiny_r3", "--routing.replay=r3")], 300),
+        Stage("tiny_r3_bf16_rollout", [tiny("tiny_r3_bf16_rollout", "--precision.bf16=false",
+                                            "--rollout.precision=bf16",
+                                            "--routing.replay=r3")], 300),
         # The dynamic engine under expert parallelism with R3 (ranks in lock-step): two ranks on
         # one GPU cannot share NCCL, so this stage runs the same path on two gloo CPU ranks.
-        ("ep2_dynamic_r3_cpu", [["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-m",
-                                 "torch.distributed.run",
-                                 "--nproc-per-node", "2", "-m", "gspo_megatron.cli",
-                                 "--parallel.expert_model_parallel_size=2", "--routing.replay=r3",
-                                 "--precision.bf16=false", "--sft.steps=20", "--trainer.steps=3",
-                                 "--trainer.eval_interval=0", "--logging.progress=false",
-                                 f"--logging.run_dir={w('ep2_dynamic_r3_cpu')}"]], 300),
+        Stage("ep2_dynamic_r3_cpu", [[*on_cpu, *torchrun2, "-m", "gspo_megatron.cli",
+                                      "--parallel.expert_model_parallel_size=2",
+                                      "--routing.replay=r3", "--precision.bf16=false", *cpu_steps,
+                                      "--trainer.eval_interval=0", "--logging.progress=false",
+                                      f"--logging.run_dir={w('ep2_dynamic_r3_cpu')}"]], 300),
         # Packed training (trainer.max_tokens_per_microbatch): Transformer Engine's thd attention
         # where TE is installed, our packing SDPA kernel on the local spec otherwise.
-        ("tiny_packed", [_tiny(w("tiny_packed"), "--trainer.max_tokens_per_microbatch=256")], 300),
+        Stage("tiny_packed", [tiny("tiny_packed", "--trainer.max_tokens_per_microbatch=256")],
+              300),
         # Context parallelism (one GPU holds one rank): two gloo CPU ranks, the local kernel's
         # CP attention on packed rows with R3; TE's CP attention needs two GPUs. YaRN on the
         # GPU's dynamic engine.
-        ("cp2_cpu", [["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-m",
-                      "torch.distributed.run", "--nproc-per-node", "2", "-m", "gspo_megatron.cli",
-                      "--parallel.context_parallel_size=2", "--precision.bf16=false",
-                      "--trainer.max_tokens_per_microbatch=256", "--routing.replay=r3",
-                      "--sft.steps=20", "--trainer.steps=3", "--trainer.eval_interval=0",
-                      "--logging.progress=false", f"--logging.run_dir={w('cp2_cpu')}"]], 300),
-        ("tiny_yarn", [_tiny(w("tiny_yarn"), "--model.position_embedding_type=yarn",
-                             "--model.yarn_rotary_scaling_factor=4",
-                             "--model.yarn_original_max_position_embeddings=16")], 300),
+        Stage("cp2_cpu", [[*on_cpu, *torchrun2, "-m", "gspo_megatron.cli",
+                           "--parallel.context_parallel_size=2", "--precision.bf16=false",
+                           "--trainer.max_tokens_per_microbatch=256", "--routing.replay=r3",
+                           *cpu_steps, "--trainer.eval_interval=0", "--logging.progress=false",
+                           f"--logging.run_dir={w('cp2_cpu')}"]], 300),
+        Stage("tiny_yarn", [tiny("tiny_yarn", "--model.position_embedding_type=yarn",
+                                 "--model.yarn_rotary_scaling_factor=4",
+                                 "--model.yarn_original_max_position_embeddings=16")], 300),
         # Rollouts on their own rank (rollout.placement: separate, staleness 1) with R3: the
         # trainer and the rollout rank share the one GPU (each side a 1-rank NCCL world, the
         # gloo bridge between them carrying samples and CUDA weights).
-        ("tiny_separate_r3", [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                               "2", *TRAIN[1:], *_tiny(w("tiny_separate_r3"))[len(TRAIN):],
-                               "--routing.replay=r3", "--rollout.placement=separate",
-                               "--rollout.ranks=1", "--rollout.max_staleness=1"]], 300),
+        Stage("tiny_separate_r3", [[*torchrun2, *TRAIN[1:],
+                                    *tiny("tiny_separate_r3")[len(TRAIN):],
+                                    "--routing.replay=r3", "--rollout.placement=separate",
+                                    "--rollout.ranks=1", "--rollout.max_staleness=1"]], 300),
         # Partial rollouts with R3: the dynamic engine's early stop, refills mid-rollout and
         # continued requests on CUDA (flash-attn's paged kernels where installed); then with the
         # cut requests' KV cache held through training (rollout.partial_keep_kv).
-        ("tiny_partial_r3", [_tiny(w("tiny_partial_r3"), "--rollout.partial_rollouts=true",
-                                   "--routing.replay=r3", "--rollout.max_new_tokens=24",
-                                   "--model.seq_length=64")], 300),
-        ("tiny_partial_keep_kv_r3", [_tiny(w("tiny_partial_keep_kv_r3"),
-                                           "--rollout.partial_rollouts=true",
-                                           "--rollout.partial_keep_kv=true",
-                                           "--routing.replay=r3", "--rollout.max_new_tokens=24",
-                                           "--model.seq_length=64")], 300),
-        ("tiny_static", [_tiny(w("tiny_static"), "--rollout.engine=static")], 300),
-        ("tiny_fp32", [_tiny(w("tiny_fp32"), "--precision.bf16=false")], 300),
+        Stage("tiny_partial_r3", [tiny("tiny_partial_r3", "--rollout.partial_rollouts=true",
+                                       "--routing.replay=r3", "--rollout.max_new_tokens=24",
+                                       "--model.seq_length=64")], 300),
+        Stage("tiny_partial_keep_kv_r3", [tiny("tiny_partial_keep_kv_r3",
+                                               "--rollout.partial_rollouts=true",
+                                               "--rollout.partial_keep_kv=true",
+                                               "--routing.replay=r3",
+                                               "--rollout.max_new_tokens=24",
+                                               "--model.seq_length=64")], 300),
+        Stage("tiny_static", [tiny("tiny_static", "--rollout.engine=static")], 300),
+        Stage("tiny_fp32", [tiny("tiny_fp32", "--precision.bf16=false")], 300),
     ]
 
 
@@ -165,7 +222,7 @@ def env_report() -> dict:
     return out
 
 
-def rollout_bench(quick: bool) -> dict:
+def rollout_bench(size: str) -> dict:
     """Dynamic vs static engine on the slice recipe's model (random bf16 weights): ``batch``
     prompts of 16 random ids, ``new`` tokens each, temperature 1 over a 1000-id vocabulary; the
     two engines alternate, one warm-up call each, then ``rounds`` timed calls each."""
@@ -178,8 +235,9 @@ def rollout_bench(quick: bool) -> dict:
     from gspo_megatron.config.loader import load_config
 
     cfg = load_config(SLICE_RECIPE)
-    batch, new, rounds, vocab = (32, 64, 1, 1000) if quick else (128, 256, 2, 1000)
-    model_cfg = cfg.model
+    batch, new, rounds, vocab = {"smoke": (8, 16, 1, 1000), "quick": (32, 64, 1, 1000),
+                                 "full": (128, 256, 2, 1000)}[size]
+    model_cfg = dataclasses.replace(cfg.model, seq_length=max(cfg.model.seq_length, 16 + new))
     groups = initialize_distributed(cfg.parallel, model_cfg, seed=0)
     results: dict = {"batch": batch, "new_tokens": new, "prompt_tokens": 16, "rounds": rounds}
     try:
@@ -272,14 +330,18 @@ def compare_metrics(run_a: str, run_b: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_stage(name: str, commands: list[list[str]], limit: int, log) -> dict:
+def run_stage(stage: Stage, limit: int, threads: int | None = None) -> tuple[dict, str]:
+    """Run ``stage``'s commands within ``limit`` seconds (``threads``: its OMP_NUM_THREADS, when
+    it shares the machine): its record and its whole output."""
     start = time.perf_counter()
-    rec: dict = {"stage": name, "commands": [" ".join(c) for c in commands]}
+    rec: dict = {"stage": stage.name, "commands": [" ".join(c) for c in stage.commands]}
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
-    for cmd in commands:
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    log, out = [], ""
+    for cmd in stage.commands:
         left = limit - (time.perf_counter() - start)
-        log.write(f"\n===== {name}: {' '.join(cmd)}\n")
-        log.flush()
+        log.append(f"\n===== {stage.name}: {' '.join(cmd)}\n")
         try:
             proc = subprocess.run(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=max(left, 1))
@@ -287,8 +349,7 @@ def run_stage(name: str, commands: list[list[str]], limit: int, log) -> dict:
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             rc = "timeout"
-        log.write(out)
-        log.flush()
+        log.append(out)
         rec["rc"] = rc
         rec["tail"] = out[-2500:]
         if rc != 0:
@@ -300,7 +361,7 @@ def run_stage(name: str, commands: list[list[str]], limit: int, log) -> dict:
             rec["result"] = json.loads(last)
         except json.JSONDecodeError:
             pass
-    return rec
+    return rec, "".join(log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,7 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/gpu_check")
     ap.add_argument("--work", default=None, help="run directories (default OUT/work)")
     ap.add_argument("--only", default=None, help="comma-separated stage names")
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (a first look)")
+    ap.add_argument("--size", choices=SIZES, default="full",
+                    help="smoke: every path at its smallest; quick: a first look; full: the docs'")
+    ap.add_argument("--quick", action="store_const", const="quick", dest="size",
+                    help="the same as --size quick")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="untimed stages run this many at a time (they share the GPU), then the "
+                         "timed ones one by one")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds for the whole check: no stage starts or runs past it")
     args = ap.parse_args(argv)
@@ -317,38 +384,65 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(env_report()))
         return 0
     if args.what == "rollout-bench":
-        print(json.dumps(rollout_bench(args.quick)))
+        print(json.dumps(rollout_bench(args.size)))
         return 0
 
     os.makedirs(args.out, exist_ok=True)
     work = args.work or os.path.join(args.out, "work")
     os.makedirs(work, exist_ok=True)
     only = set(args.only.split(",")) if args.only else None
-    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "stages": []}
+    todo = [s for s in stages(work, args.size) if not only or s.name in only]
+    if args.parallel > 1:  # the untimed stages together first, then the timed ones alone
+        waves = [[s for s in todo if not s.timed]] + [[s] for s in todo if s.timed]
+    else:
+        waves = [[s] for s in todo]
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "size": args.size,
+               "parallel": args.parallel, "stages": []}
     json_path = os.path.join(args.out, "gpu_check.json")
+    lock = threading.Lock()
+    t0 = time.perf_counter()
     with open(os.path.join(args.out, "gpu_check.log"), "a") as log:
-        t0 = time.perf_counter()
-        for name, commands, limit in stages(work, args.quick):
-            if only and name not in only:
-                continue
+
+        def one(stage: Stage, threads: int | None = None) -> None:
+            limit = stage.limit
             if args.deadline is not None:
                 limit = min(limit, args.deadline - (time.perf_counter() - t0))
                 if limit < 20:
-                    results["stages"].append({"stage": name, "rc": "not run: deadline"})
-                    continue
-            rec = run_stage(name, commands, int(limit), log)
-            run_dir = os.path.join(work, name)
+                    with lock:
+                        results["stages"].append({"stage": stage.name, "rc": "not run: deadline"})
+                    return
+            rec, text = run_stage(stage, int(limit), threads)
+            run_dir = os.path.join(work, stage.name)
             if os.path.isdir(run_dir):
                 rec["figures"] = run_figures(run_dir)
-            if name == "tiny_resume" and rec.get("rc") == 0:
-                rec["vs_tiny_dynamic"] = compare_metrics(os.path.join(work, "tiny_dynamic"),
-                                                         run_dir)
-            if name == "slice_rl":  # ~50 GB of checkpoints: free the disk for what follows
+            if stage.name.startswith("slice_rl"):  # ~30 GB a checkpoint: free the disk
                 shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
-            results["stages"].append(rec)
-            print(f"[gpu_check] {name}: rc={rec.get('rc')} in {rec['seconds']} s", flush=True)
-            with open(json_path, "w") as f:  # after every stage: a cut-off run keeps its results
-                json.dump(results, f, indent=1)
+            with lock:
+                log.write(text)
+                log.flush()
+                results["stages"].append(rec)
+                print(f"[gpu_check] {stage.name}: rc={rec.get('rc')} in {rec['seconds']} s "
+                      f"(at {time.perf_counter() - t0:.0f} s)", flush=True)
+                if rec.get("rc") != 0:  # the failure's last lines, for a reader of stdout alone
+                    print("    | " + rec.get("tail", "")[-900:].replace("\n", "\n    | "),
+                          flush=True)
+                with open(json_path, "w") as f:  # after every stage: a cut-off run keeps its results
+                    json.dump(results, f, indent=1)
+
+        for wave in waves:
+            workers = max(1, min(args.parallel, len(wave)))
+            threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+            with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+                list(ex.map(lambda s: one(s, threads), wave))
+        # The resumed run and a repeat against the uninterrupted one, once all have finished.
+        recs = {r["stage"]: r for r in results["stages"]}
+        for name in ("tiny_resume", "tiny_resume_sync", "tiny_repeat"):
+            if recs.get(name, {}).get("rc") == 0 and recs.get("tiny_dynamic", {}).get("rc") == 0:
+                recs[name]["vs_tiny_dynamic"] = compare_metrics(
+                    os.path.join(work, "tiny_dynamic"), os.path.join(work, name))
+        results["seconds"] = round(time.perf_counter() - t0, 1)
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 

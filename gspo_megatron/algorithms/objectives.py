@@ -109,10 +109,13 @@ class PolicyGradientObjective:
         metrics.update(correction_metrics)
         if nonfinite:
             loss = loss * 0.0
-        metrics = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v)))
+        # Every metric on the loss's device: the schedule stacks them into one tensor (a CPU
+        # scalar beside CUDA ones fails there).
+        metrics = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v),
+                                                                          device=loss.device))
                    for k, v in metrics.items()}
         metrics["loss/total"] = loss.detach()
-        metrics["faults/nonfinite_loss"] = torch.tensor(float(nonfinite))
+        metrics["faults/nonfinite_loss"] = torch.tensor(float(nonfinite), device=loss.device)
         return loss, metrics
 
 

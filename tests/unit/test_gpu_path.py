@@ -101,7 +101,7 @@ def test_gpu_check_reward_and_comparison(tmp_path):
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     cmp = compare_metrics(str(tmp_path / "a"), str(tmp_path / "b"))
     assert cmp["differ"] == 1 and cmp["max_abs_diff"] == pytest.approx(0.5)
-    names = [n for n, _, _ in stages(str(tmp_path), quick=True)]
+    names = [s.name for s in stages(str(tmp_path), "quick")]
     assert names[:2] == ["env", "tiny_dynamic"] and "slice_mfu" in names
     assert {"tiny_r3", "tiny_r3_bf16_rollout", "tiny_packed", "cp2_cpu", "tiny_yarn",
             "tiny_separate_r3", "tiny_partial_r3"} <= set(names)
@@ -131,9 +131,10 @@ def test_every_training_stage_of_gpu_check_is_a_valid_config(tmp_path):
     from tools.gpu_check import stages
 
     checked = []
-    for quick in (True, False):
-        for name, commands, _ in stages(str(tmp_path), quick=quick):
-            for command in commands:
+    for size in ("smoke", "quick", "full"):
+        for stage in stages(str(tmp_path), size):
+            name = stage.name
+            for command in stage.commands:
                 if "gspo_megatron.cli" not in command:
                     continue
                 args = parse_command_line(command[command.index("gspo_megatron.cli") + 1:])

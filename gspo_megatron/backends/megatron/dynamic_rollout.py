@@ -491,10 +491,11 @@ def _rollout_context(context_class):
             block and slot of the paged buffer) as one ``index_copy_`` per tensor into the
             buffer's flat ``[blocks x block_size]`` slots, the step's slot index computed once
             for every layer; Megatron indexes with two index tensors per write. The same
-            copies; Megatron's own path where its Triton kernel or an MLA latent cache is in
-            use."""
+            copies; Megatron's own path where its Triton kernel runs (a CUDA buffer; Megatron
+            calls it whenever Triton imports, and it asserts CUDA tensors) or an MLA latent cache
+            is in use."""
             buf = self.memory_buffer
-            if (self.cache_mla_latent or triton_append is not None
+            if (self.cache_mla_latent or (triton_append is not None and buf.is_cuda)
                     or not buf.is_contiguous()):
                 return super().append_key_value_cache(layer_number, key, value)
             n = self.padded_active_token_count

@@ -149,13 +149,15 @@ class RolloutTextGenerationController(TextGenerationController):
             raise ValueError(f"prompt + generated tokens ({total}) exceed the inference max "
                              f"sequence length {wrapper.inference_wrapper_config.inference_max_seq_length}")
         eod = self.tokenizer.eod
+        device = next(wrapper.model.parameters()).device  # the model's (CUDA on a GPU)
         tokens = torch.tensor([list(r.prompt_tokens) + [eod] * (total - n)
-                               for r, n in zip(requests, lengths)])
-        logprobs = torch.zeros(tokens.shape)  # [B, total]: log-prob of the token sampled there
-        prompt_lengths = torch.tensor(lengths)
+                               for r, n in zip(requests, lengths)], device=device)
+        # [B, total]: log-prob of the token sampled there
+        logprobs = torch.zeros(tokens.shape, device=device)
+        prompt_lengths = torch.tensor(lengths, device=device)
         stop_id = -1 if getattr(sp, "no_early_termination", False) else eod
-        done = torch.zeros(len(requests), dtype=torch.bool)
-        generated = torch.zeros(len(requests), dtype=torch.long)  # EOS not counted (Megatron's)
+        done = torch.zeros(len(requests), dtype=torch.bool, device=device)
+        generated = torch.zeros(len(requests), dtype=torch.long, device=device)  # EOS not counted
         vocab = wrapper.inference_wrapper_config.padded_vocab_size
 
         wrapper.prep_model_for_inference()  # eval mode, fresh KV cache

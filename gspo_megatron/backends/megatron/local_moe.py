@@ -9,7 +9,8 @@ maths; each takes its short path only where it is exactly equivalent, otherwise 
   two ``torch._grouped_mm`` calls instead, bitwise equal to the loop (the HF model's path). With
   autograd (the update's forward) a CPU model's experts are grouped GEMMs too, over weights
   stacked inside autograd each forward: forward and backward bitwise the loop's (-6 % of an
-  update's forward + backward on TRL's workload, ``docs/benchmarks.md`` section 10).
+  update's forward + backward on TRL's workload, ``docs/benchmarks.md`` section 10). The same
+  grouped GEMMs run on a Hopper GPU in bf16 (:func:`grouped_mm_runs_on`).
 * :class:`DirectMoELayer`: on one expert and one tensor rank the token dispatch is Megatron's
   ``permute``/``unpermute`` pair alone, with or without autograd; the all-to-all dispatcher's
   single-rank collectives and its chunk sorts (identity permutations at EP=1, ~40 tensor ops per
@@ -101,11 +102,11 @@ class LoopedSequentialMLP(SequentialMLP):
 
     @functools.cached_property  # layout and device are fixed once built: decided on first call
     def _grouped_training(self) -> bool:
-        """Whether the training (autograd) forward runs the experts as grouped GEMMs too: CPU
-        weights and ``torch._grouped_mm`` (whose CPU forward and backward are bitwise the
-        per-expert ``F.linear`` loop's: ``tests/unit/test_local_kernels.py``)."""
-        return (hasattr(torch, "_grouped_mm") and bool(self.local_experts)
-                and self.local_experts[0].linear_fc1.weight.device.type == "cpu")
+        """Whether the training (autograd) forward runs the experts as grouped GEMMs too: where
+        ``torch._grouped_mm`` runs (:func:`grouped_mm_runs_on`; on CPU its forward and backward
+        are bitwise the per-expert ``F.linear`` loop's: ``tests/unit/test_local_kernels.py``)."""
+        return bool(self.local_experts) and grouped_mm_runs_on(
+            self.local_experts[0].linear_fc1.weight)
 
     def _grouped(self, x, tokens_per_expert, probs, stacked):
         """All local experts in two grouped GEMMs over the rows ``x [N, H]`` sorted by expert:
@@ -114,28 +115,41 @@ class LoopedSequentialMLP(SequentialMLP):
         most of a decoding step's MoE time at small widths). ``stacked``: ``(W1 [E, H, (2)F],
         W2 [E, F, H])`` as in :attr:`stacked`."""
         w1, w2 = stacked
-        offs = tokens_per_expert.cumsum(0).to(torch.int32)
+        # (Megatron's dispatcher may hand the counts over on the host; the kernel wants them
+        # beside the rows.)
+        offs = tokens_per_expert.cumsum(0).to(device=x.device, dtype=torch.int32)
         h = torch._grouped_mm(x, w1, offs=offs)  # [N, H] x [E, H, (2)F] -> [N, (2)F]
         return torch._grouped_mm(self._activate(h, probs, x.dtype), w2, offs=offs), None
 
 
+def grouped_mm_runs_on(weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes experts shaped and placed like ``weight``: any dtype on
+    CPU; bf16 on a Hopper or newer GPU (its CUTLASS kernel: one launch for all experts instead of
+    two GEMM launches and a host sync per expert in Megatron's ``SequentialMLP``)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if weight.device.type == "cpu":
+        return True
+    return (weight.device.type == "cuda" and weight.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(weight.device) >= (9, 0))
+
+
 @contextlib.contextmanager
 def stacked_expert_weights(model):
-    """While active, every CPU :class:`LoopedSequentialMLP` of ``model`` that takes its short path
-    runs its experts without autograd as two ``torch._grouped_mm`` calls over weights stacked on
-    entry (bitwise equal to the per-expert loop: the stacked weights are transposed views with
-    ``F.linear``'s memory layout).
+    """While active, every :class:`LoopedSequentialMLP` of ``model`` that takes its short path,
+    on a device where :func:`grouped_mm_runs_on`, runs its experts without autograd as two
+    ``torch._grouped_mm`` calls over weights stacked on entry (on CPU bitwise equal to the
+    per-expert loop: the stacked weights are transposed views with ``F.linear``'s memory layout).
 
     Valid only while the weights do not change: the rollout engine wraps one ``generate`` in it.
     Cost: one extra copy of this rank's expert weights for the duration (a ``torch.stack`` per
-    layer on entry, ~10 us per layer on the tiny model); nothing on CUDA (TE's or Megatron's grouped
-    GEMM runs there) or without ``torch._grouped_mm``.
+    layer on entry, ~10 us per layer on the tiny model; 1.2 GB per layer of Qwen3-30B-A3B's
+    shape, bf16); nothing without ``torch._grouped_mm``.
     """
     mlps = [m for m in module_list(model, "looped_experts",
                                    lambda m: [m] if isinstance(m, LoopedSequentialMLP) else [])
             if m._direct and m.local_experts
-            and m.local_experts[0].linear_fc1.weight.device.type == "cpu"
-            ] if hasattr(torch, "_grouped_mm") else []
+            and grouped_mm_runs_on(m.local_experts[0].linear_fc1.weight)]
     try:
         with torch.no_grad():
             for m in mlps:

@@ -8,6 +8,7 @@ refuses sequence parallel). One log line says which.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from typing import Any
 
@@ -146,7 +147,10 @@ def build_transformer_config(
         # CPU: fused kernels from apex/TE are absent; Megatron's own fusions are kept.
         bias_activation_fusion=False,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # Megatron's fused masked softmax needs its compiled extension (apex / Megatron-LM's
+        # build); without it the check for the kernel raises ModuleNotFoundError mid-forward.
+        masked_softmax_fusion=on_gpu and importlib.util.find_spec("scaled_masked_softmax_cuda")
+        is not None,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,

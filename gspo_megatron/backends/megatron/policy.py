@@ -188,6 +188,18 @@ class MegatronPolicy:
             yield
         finally:
             self.optimizer, self.scheduler = saved
+            self._weights_changed()  # the block trained them: the RL optimizer's copy is stale
+
+    def _weights_changed(self) -> None:
+        """Call after the weights changed outside this policy's optimizer (a warm-up with another
+        optimizer, weights loaded or imported). Under bf16 Megatron's optimizer steps fp32 main
+        copies of the weights and writes them back into the model: without this, its next step
+        would overwrite the change with the copies it took at build time (on an H200 the SFT
+        warm-up of the demo recipe was undone by the first RL step: held-out accuracy 0.108 ->
+        0.008, docs/benchmarks.md section 6). A no-op for the fp32 optimizer, which steps the
+        model's own parameters."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     @torch.no_grad()
     def copy_weights_to(self, other: "MegatronPolicy") -> None:
@@ -195,6 +207,7 @@ class MegatronPolicy:
         for s, d in zip(self.model, other.model):
             for ps, pd in zip(s.module.parameters(), d.module.parameters()):
                 pd.copy_(ps)
+        other._weights_changed()
 
     # -- MoE routing (replay, drift, diagnostics)
     @property
@@ -246,6 +259,7 @@ class MegatronPolicy:
 
     def load_weights(self, directory: str) -> None:
         ckpt.load_model_weights(self.unwrapped(), directory)
+        self._weights_changed()
 
     def export_weights(self) -> FlatWeights | None:
         """Every parameter whole, in its dtype, as flat buffers on rank 0 (None elsewhere;
@@ -259,6 +273,7 @@ class MegatronPolicy:
         from gspo_megatron.backends.megatron.weight_sync import load_full_state
 
         load_full_state(self._weight_shards(), weights.tensors())
+        self._weights_changed()
 
     def _weight_shards(self) -> list:
         """This rank's shards of the model, indexed once (:class:`weight_sync.ShardIndex`)."""
