@@ -111,14 +111,34 @@ def _wait_for_device() -> None:
         torch.cuda.synchronize()
 
 
-def device_memory_metrics() -> dict[str, float]:
-    """``perf/peak_mem_gib``: this rank's peak CUDA memory allocated by torch so far (GiB);
-    empty without CUDA."""
-    import torch
+class MemoryPeaks:
+    """This rank's peak CUDA memory allocated by torch (GiB) per phase of a step, the figures
+    ``gspo-plan`` predicts one by one: ``phase(key)`` records the peak since the previous phase
+    (or construction) under ``key`` and starts a new one; :meth:`metrics` adds
+    ``perf/peak_mem_gib``, the step's peak (the largest phase). Per step, not per process: the
+    first step after a resume used to report the checkpoint load's peak (+3.5 GiB on the
+    Qwen3-30B-A3B slice, docs/benchmarks.md section 6). Empty without CUDA."""
 
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return {}
-    return {"perf/peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    def __init__(self):
+        import torch
+
+        self.on = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.peaks: dict[str, float] = {}
+        if self.on:
+            torch.cuda.reset_peak_memory_stats()
+
+    def phase(self, key: str) -> None:
+        if not self.on:
+            return
+        import torch
+
+        self.peaks[key] = max(self.peaks.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+
+    def metrics(self) -> dict[str, float]:
+        if not self.peaks:
+            return {}
+        return {**self.peaks, "perf/peak_mem_gib": max(self.peaks.values())}
 
 
 class Stopwatch:

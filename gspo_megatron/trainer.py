@@ -27,7 +27,7 @@ from gspo_megatron.config import TrainConfig
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
-from gspo_megatron.metrics import MetricsLogger, Stopwatch, device_memory_metrics
+from gspo_megatron.metrics import MemoryPeaks, MetricsLogger, Stopwatch
 from gspo_megatron.overlap import RemoteRollouts
 from gspo_megatron.partial_rollouts import PartialRollouts
 from gspo_megatron.policy import (RANK_STATE_KEY, Generator, Policy, PolicyBatch,
@@ -274,6 +274,7 @@ class Trainer:
         faults.step = self.step
         faults.maybe_fail("step_start")
         watch = Stopwatch()
+        memory = MemoryPeaks()
 
         rollout_perf: dict[str, float] = {}
         try:
@@ -283,6 +284,7 @@ class Trainer:
                 sampled, rollout_perf = self._take_rollouts(watch)
         except SkipStep as skip:
             return self._skip_step(skip.fault, skip.metrics, watch)
+        memory.phase("perf/rollout_peak_mem_gib")  # gspo-plan's "rollout peak" (KV cache in)
         samples, advantages, minibatch_sizes, extra = sampled.samples, sampled.advantages, None, {}
         if self.balances_ranks:
             samples, advantages, minibatch_sizes, extra = balance_stage(
@@ -319,6 +321,7 @@ class Trainer:
         update_metrics = update_stage(self.policy, batch, cfg, seed, self.step, routing=routing,
                                       faults=faults, minibatch_sizes=minibatch_sizes)
         watch.lap("perf/update_s")
+        memory.phase("perf/train_peak_mem_gib")  # gspo-plan's "training peak"
         self._count_faults(update_metrics.get("faults/skipped_updates", 0.0) > 0)
         self.step += 1
 
@@ -326,7 +329,7 @@ class Trainer:
         timings["perf/rollout_tokens_per_s"] = (sampled.generated_tokens
                                                 / max(timings["perf/rollout_s"], 1e-9))
         metrics = {**sampled.metrics, **extra, **update_metrics, **timings,
-                   **device_memory_metrics(), **response_metrics(samples, g)}
+                   **memory.metrics(), **response_metrics(samples, g)}
         return gather_on_logging_rank(metrics, g)
 
     def _sampling_seed(self, step: int) -> int:

@@ -6,20 +6,26 @@
 Each stage is a subprocess with its own time limit, so a failure or a hang is recorded (exit code,
 last lines of output) and the next stage still runs. Results go to ``DIR/gpu_check.json`` (one
 record per stage, with the figures read from the runs' ``metrics.jsonl``) and every stage's output
-to ``DIR/gpu_check.log``. Stages, in order (the most informative first, so that a run cut off
-by ``--deadline`` still answers most):
+to ``DIR/gpu_check.log``. ``--parallel N`` runs the untimed stages N at a time (they share the
+GPU; the first H200 run took 115 s for all of them at N = 8), then the timed ones alone.
+``--size smoke`` runs every path at its smallest (2.5 minutes at N = 6). Stages:
 
 ``env``            device, torch / megatron-core versions, which optional kernels import, disk.
 ``tiny_dynamic``   the demo recipe in bf16 with the dynamic engine and R2: SFT warm-up, 8 RL steps,
-                   checkpoints at 4 and 8.
-``slice_rl``       examples/configs/gpu_qwen3_slice_rl.yaml: a 1.87B-parameter Qwen3-30B-A3B-shaped
-                   slice, bf16, dynamic engine, R2, 3 RL steps + checkpoint, then resumed for one
-                   more; step breakdown and peak memory vs ``gspo-plan``'s estimate.
-``rollout_bench``  dynamic vs static engine tokens/s on that slice (random prompts, sampling).
+                   checkpoints at 4 and 8; ``tiny_repeat`` the same again (run-to-run equality).
+``slice_plan``     ``gspo-plan``'s memory prediction for the slice recipe (compared at the end
+                   with ``slice_rl``'s measured peaks: ``plan_vs_measured``).
 ``slice_mfu``      tools.bench.gpu_qwen3_slice: forward+backward MFU of a 4-layer slice at 4096
                    tokens against the measured bf16 matmul peak; log-prob memory at full vocabulary.
-``tiny_resume``    the same run stopped at step 4 and resumed to 8: metrics compared with
-                   ``tiny_dynamic`` field by field.
+``rollout_bench``  tools.bench.gpu_rollout: dynamic vs static engine on the slice, Megatron's
+                   modules vs our local kernels, tokens/s and a profile of a few decoding steps.
+``slice_rl``       examples/configs/gpu_qwen3_slice_rl.yaml: a 1.87B-parameter Qwen3-30B-A3B-shaped
+                   slice, bf16, dynamic engine, R2, 2 RL steps + checkpoint, then resumed for one
+                   more; step breakdown and peak memory per phase. ``slice_rl_local_kernels``: the
+                   same with our local kernels.
+``tiny_resume``    the tiny run stopped at step 4 and resumed to 8: metrics compared with
+                   ``tiny_dynamic`` field by field (``tiny_resume_sync``: checkpoints written
+                   synchronously).
 ``tiny_r3``        ``tiny_dynamic`` with R3 (routes recorded by the dynamic engine from its packed
                    buffer and replayed by the trainer), and ``tiny_r3_bf16_rollout``: an fp32
                    trainer sampling from a bf16 copy (``rollout.precision=bf16``) with R3, the
@@ -30,6 +36,8 @@ by ``--deadline`` still answers most):
 ``cp2_cpu``        context parallelism 2 on two gloo CPU ranks, packed rows and R3 (the local
                    kernel's CP attention; TE's needs two GPUs).
 ``tiny_yarn``      ``tiny_dynamic`` with YaRN rope scaling (factor 4) on the GPU's dynamic engine.
+``tiny_separate_r3`` rollouts on their own rank (NCCL weight broadcast on one GPU), R3.
+``tiny_partial_r3`` partial rollouts with R3, and with the cut requests' KV cache kept.
 ``tiny_static``    ``tiny_dynamic`` with the static engine (the A/B reference), and ``tiny_fp32``:
                    ``kl/rollout_vs_train`` and rollout speed per engine and precision.
 """
@@ -41,6 +49,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -122,8 +131,8 @@ def stages(work: str, size: str = "full") -> list[Stage]:
                               SLICE_RECIPE, "--gpus", "1"]], 120),
         Stage("slice_mfu", [[sys.executable, "-m", "tools.bench.gpu_qwen3_slice", *mfu_size]],
               480, timed=True),
-        Stage("rollout_bench", [[sys.executable, "-m", "tools.gpu_check", "rollout-bench",
-                                 "--size", size]], 420, timed=True),
+        Stage("rollout_bench", [[sys.executable, "-m", "tools.bench.gpu_rollout", "--size", size]],
+              480, timed=True),
         Stage("slice_rl", slice_rl, 600, timed=True),
         # The slice's RL steps with our local kernels (SDPA attention, grouped expert GEMMs via
         # torch._grouped_mm): 7.0x Megatron's local spec in forward + backward on the H200, not
@@ -222,65 +231,6 @@ def env_report() -> dict:
     return out
 
 
-def rollout_bench(size: str) -> dict:
-    """Dynamic vs static engine on the slice recipe's model (random bf16 weights): ``batch``
-    prompts of 16 random ids, ``new`` tokens each, temperature 1 over a 1000-id vocabulary; the
-    two engines alternate, one warm-up call each, then ``rounds`` timed calls each."""
-    import torch
-
-    from gspo_megatron.backends.megatron.model import build_gpt_model
-    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
-    from gspo_megatron.config import RolloutConfig
-    from gspo_megatron.config.loader import load_config
-
-    cfg = load_config(SLICE_RECIPE)
-    batch, new, rounds, vocab = {"smoke": (8, 16, 1, 1000), "quick": (32, 64, 1, 1000),
-                                 "full": (128, 256, 2, 1000)}[size]
-    model_cfg = dataclasses.replace(cfg.model, seq_length=max(cfg.model.seq_length, 16 + new))
-    groups = initialize_distributed(cfg.parallel, model_cfg, seed=0)
-    results: dict = {"batch": batch, "new_tokens": new, "prompt_tokens": 16, "rounds": rounds}
-    try:
-        gpt = build_gpt_model(model_cfg, cfg.parallel, cfg.precision, pre_process=True,
-                              post_process=True)
-        rc = RolloutConfig(group_size=2, prompts_per_step=1, max_new_tokens=new,
-                           max_batch_size=batch, temperature=1.0, dynamic_buffer_size_gb=4.0)
-        gen = torch.Generator().manual_seed(0)
-        prompts = torch.randint(1, vocab, (batch, 16), generator=gen).tolist()
-        engines = {}
-        for name in ("dynamic", "static"):
-            try:
-                engines[name] = RolloutEngine(gpt, groups, eos_id=0, pad_id=0, vocab_size=vocab,
-                                              config=dataclasses.replace(rc, engine=name))
-            except Exception as exc:  # noqa: BLE001 - record and measure the other one
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-        for r in range(rounds + 1):
-            for name, eng in engines.items():
-                if "error" in results.get(name, {}):
-                    continue
-                try:
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    samples = eng.generate(prompts, seed=r)
-                    torch.cuda.synchronize()
-                    sec = time.perf_counter() - t
-                except Exception as exc:  # noqa: BLE001
-                    import traceback
-
-                    results[name] = {"error": traceback.format_exc()[-1500:]}
-                    continue
-                tokens = sum(len(s.response_ids) for s in samples)
-                if r > 0:  # round 0 is the warm-up
-                    rec = results.setdefault(name, {"tokens_per_s": [], "seconds": []})
-                    rec["tokens_per_s"].append(tokens / sec)
-                    rec["seconds"].append(sec)
-                    rec["tokens"] = tokens
-        results["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    finally:
-        destroy_distributed()
-    return results
-
-
 # ----------------------------------------------------------------------------- summaries
 def run_figures(run_dir: str) -> dict:
     """The figures the report needs from a run directory's metrics.jsonl and summary.json."""
@@ -291,7 +241,8 @@ def run_figures(run_dir: str) -> dict:
     keys = ("kl/rollout_vs_train", "loss/policy", "clip/fraction", "optim/grad_norm",
             "reward/mean", "eval/accuracy", "perf/step_s", "perf/rollout_s", "perf/reward_s",
             "perf/old_logprobs_s", "perf/update_s", "perf/checkpoint_s",
-            "perf/rollout_tokens_per_s", "perf/peak_mem_gib", "response/mean_length",
+            "perf/rollout_tokens_per_s", "perf/peak_mem_gib", "perf/rollout_peak_mem_gib",
+            "perf/train_peak_mem_gib", "response/mean_length",
             "routing/drift/after_1_updates", "routing/drift/after_3_updates",
             "routing/rollout/change_rate", "routing/rollout/token_change_rate")
     out: dict = {"steps": [r.get("step") for r in rows]}
@@ -327,6 +278,21 @@ def compare_metrics(run_a: str, run_b: str) -> dict:
                         worst, worst_key = d, f"step {ra.get('step')} {k}"
     return {"records": [len(a), len(b)], "fields": n, "differ": differ,
             "max_abs_diff": worst, "max_abs_diff_at": worst_key}
+
+
+def plan_vs_measured(plan_output: str, figures: dict) -> dict:
+    """``gspo-plan``'s ``training peak`` / ``rollout peak`` lines (GiB) against a run's largest
+    ``perf/train_peak_mem_gib`` / ``perf/rollout_peak_mem_gib``: each pair and measured / planned
+    (the issue's bar: within 15 %)."""
+    out: dict = {}
+    for phase in ("training", "rollout"):
+        match = re.search(rf"^\s*{phase} peak\s+([\d.]+) GiB", plan_output, re.MULTILINE)
+        key = f"perf/{'train' if phase == 'training' else phase}_peak_mem_gib"
+        if match and figures.get(key):
+            planned, measured = float(match.group(1)), max(figures[key])
+            out[phase] = {"planned_gib": planned, "measured_gib": measured,
+                          "measured_over_planned": measured / planned}
+    return out
 
 
 # ----------------------------------------------------------------------------- driver
@@ -366,7 +332,7 @@ def run_stage(stage: Stage, limit: int, threads: int | None = None) -> tuple[dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "env", "rollout-bench"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "env"])
     ap.add_argument("--out", default="runs/gpu_check")
     ap.add_argument("--work", default=None, help="run directories (default OUT/work)")
     ap.add_argument("--only", default=None, help="comma-separated stage names")
@@ -382,9 +348,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.what == "env":
         print(json.dumps(env_report()))
-        return 0
-    if args.what == "rollout-bench":
-        print(json.dumps(rollout_bench(args.size)))
         return 0
 
     os.makedirs(args.out, exist_ok=True)
@@ -440,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
             if recs.get(name, {}).get("rc") == 0 and recs.get("tiny_dynamic", {}).get("rc") == 0:
                 recs[name]["vs_tiny_dynamic"] = compare_metrics(
                     os.path.join(work, "tiny_dynamic"), os.path.join(work, name))
+        if "slice_plan" in recs:
+            for name in ("slice_rl", "slice_rl_local_kernels"):
+                if recs.get(name, {}).get("figures"):
+                    recs[name]["plan_vs_measured"] = plan_vs_measured(
+                        recs["slice_plan"].get("tail", ""), recs[name]["figures"])
         results["seconds"] = round(time.perf_counter() - t0, 1)
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)

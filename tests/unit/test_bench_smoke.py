@@ -130,3 +130,20 @@ def test_gpu_slice_flop_count_matches_the_parameter_count(preset):
     q = cfg.num_attention_heads * cfg.head_dim()
     per_position = 3 * cfg.num_layers * 2 * q
     assert model_flops_per_token(cfg, 100) - model_flops_per_token(cfg, 0) == 100 * per_position
+
+
+def test_gpu_rollout_bench_runs_its_gpu_code_on_cpu():
+    """``tools/gpu_check``'s rollout stage at toy size on CPU (the tiny preset, fp32): both model
+    variants x both engines are timed and profiled, and the decoding steps counted agree with
+    what was generated."""
+    from tools.bench.gpu_rollout import PROFILE_TOKENS, run
+
+    res = run("smoke", tiny=True)
+    for variant in ("megatron_modules", "our_kernels"):
+        for engine in ("dynamic", "static"):
+            rec = res[f"{variant}/{engine}"]
+            assert "error" not in rec, rec
+            assert rec["tokens"] > 0 and rec["tokens_per_s"][0] > 0
+            prof = rec["profile"]
+            assert 1 <= prof["decode_steps"] <= PROFILE_TOKENS
+            assert prof["ops_per_step"] > 0 and prof["top_host"], prof

@@ -80,11 +80,40 @@ def test_rollout_engine_fields_are_checked():
 
 
 def test_stage_timer_and_memory_metrics_on_cpu():
-    from gspo_megatron.metrics import Stopwatch, device_memory_metrics
+    from gspo_megatron.metrics import MemoryPeaks, Stopwatch
 
     watch = Stopwatch()
     assert watch.lap("perf/a") >= 0 and set(watch.total("perf/step_s")) == {"perf/a", "perf/step_s"}
-    assert device_memory_metrics() == {}
+    memory = MemoryPeaks()
+    memory.phase("perf/rollout_peak_mem_gib")
+    assert memory.metrics() == {}
+
+
+def test_memory_peaks_are_per_phase_and_per_step(monkeypatch):
+    """Each phase reports the peak since the previous one (the allocator's peak is reset at every
+    boundary), the step's peak is the largest phase, and what came before the step (a checkpoint
+    load) is in none of them. The CUDA allocator is stood in for by a counter."""
+    from gspo_megatron.metrics import MemoryPeaks
+
+    allocator = {"now": 0.0, "peak": 0.0}
+
+    def allocate(gib):
+        allocator["now"] += gib
+        allocator["peak"] = max(allocator["peak"], allocator["now"])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocator["peak"] * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda: allocator.update(peak=allocator["now"]))
+    allocate(30.0), allocate(5.0), allocate(-5.0)  # the load's transient 5 GiB, before the step
+    memory = MemoryPeaks()
+    allocate(4.0), allocate(-4.0)  # KV cache during the rollout
+    memory.phase("perf/rollout_peak_mem_gib")
+    allocate(2.0), allocate(-2.0)  # activations during the updates
+    memory.phase("perf/train_peak_mem_gib")
+    assert memory.metrics() == {"perf/rollout_peak_mem_gib": 34.0,
+                                "perf/train_peak_mem_gib": 32.0, "perf/peak_mem_gib": 34.0}
 
 
 def test_gpu_check_reward_and_comparison(tmp_path):
@@ -145,3 +174,18 @@ def test_every_training_stage_of_gpu_check_is_a_valid_config(tmp_path):
                 checked.append(name)
     assert {"tiny_dynamic", "tiny_partial_r3", "tiny_partial_keep_kv_r3",
             "tiny_separate_r3"} <= set(checked)
+
+
+def test_plan_against_measured_peaks():
+    """``tools/gpu_check`` reads ``gspo-plan``'s two peaks off its printed table and sets the
+    run's largest measured peak of each phase against them."""
+    from tools.gpu_check import plan_vs_measured
+
+    plan = ("  training peak                       33.17 GiB\n"
+            "  rollout peak                        35.32 GiB\n"
+            "  total (larger peak)                 35.32 GiB\n")
+    figures = {"perf/train_peak_mem_gib": [30.1, 31.0], "perf/rollout_peak_mem_gib": [38.36]}
+    out = plan_vs_measured(plan, figures)
+    assert out["training"]["measured_gib"] == 31.0 and out["training"]["planned_gib"] == 33.17
+    assert out["rollout"]["measured_over_planned"] == pytest.approx(38.36 / 35.32)
+    assert plan_vs_measured(plan, {}) == {}
