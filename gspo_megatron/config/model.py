@@ -265,10 +265,12 @@ class PrecisionConfig(Section, name="precision"):
     """Activation recomputation (Megatron's knob)."""
     local_kernels: bool | None = None
     """With the local spec: use :mod:`gspo_megatron.backends.megatron.local_kernels` (SDPA attention, keys
-    rotated once in the static KV cache, ``F.linear`` at TP=1, a direct expert loop): same
-    parameters and checkpoints, 1.5-2x faster rollouts on CPU. null = on without CUDA only (the
-    CUDA local-spec path has not been measured with them yet); true forces them; false = Megatron's
-    own modules, for comparison or debugging."""
+    rotated once in the static KV cache, ``F.linear`` at TP=1, the experts as two grouped GEMMs
+    where ``torch._grouped_mm`` runs: CPU, bf16 on Hopper): same parameters and checkpoints,
+    1.5-2x faster rollouts on CPU, 7.0x Megatron's local spec in a training pass on an H200
+    (docs/benchmarks.md section 6). null = on without CUDA, and for packed training (which needs
+    them without TE); on CUDA otherwise off until their rollouts have been measured there. true
+    forces them; false = Megatron's own modules, for comparison or debugging."""
 
     def _problems(self) -> Iterator[Problem]:
         if self.fp8 is not None and self.transformer_impl == "local":

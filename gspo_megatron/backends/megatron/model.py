@@ -248,7 +248,7 @@ def build_gpt_model(
     config = build_transformer_config(model, parallel, precision, impl=impl,
                                       **(transformer_config_overrides or {}))
     local_kernels = (precision.local_kernels if precision.local_kernels is not None
-                     else packed or not torch.cuda.is_available())  # measured on CPU only so far
+                     else packed or not torch.cuda.is_available())  # their CUDA rollouts: unmeasured
     spec = build_layer_spec(config, impl, pp_rank=pp_rank, local_kernels=local_kernels)
     gpt = GPTModel(
         config=config,
