@@ -113,6 +113,34 @@ def check_data_sizes(cfg: TrainConfig, train: list, heldout: list, dp_size: int)
                          "share of them)")
 
 
+def rl_optimizer_steps(cfg: TrainConfig) -> int:
+    """Optimiser steps of the RL run: what its LR schedule spans when ``optim.lr_decay_steps`` is
+    null."""
+    return cfg.trainer.steps * cfg.trainer.num_minibatches
+
+
+def schedule_problem(cfg: TrainConfig, checkpoint_dir: str) -> str | None:
+    """Why this config's LR schedule is not the one the checkpoint ``checkpoint_dir`` was trained
+    on (megatron-core would keep the checkpoint's without a word), or None."""
+    from gspo_megatron.backends.megatron import checkpoint as ckpt
+    from gspo_megatron.backends.megatron.policy import lr_schedule
+
+    found = ckpt.schedule_mismatch(checkpoint_dir, lr_schedule(cfg.optim, rl_optimizer_steps(cfg)))
+    if found is None:
+        return None
+    key, here, saved = found
+    field = {"max_lr": "optim.lr", "min_lr": "optim.min_lr",
+             "lr_warmup_steps": "optim.lr_warmup_steps", "lr_decay_style": "optim.lr_decay_style",
+             "start_wd": "optim.weight_decay", "end_wd": "optim.weight_decay"}.get(key)
+    if field is None:  # lr_decay_steps
+        field = ("optim.lr_decay_steps" if cfg.optim.lr_decay_steps else
+                 f"optim.lr_decay_steps (null: trainer.steps {cfg.trainer.steps} x "
+                 f"trainer.num_minibatches {cfg.trainer.num_minibatches})")
+    return (f"{checkpoint_dir}: the LR schedule differs from the checkpoint's: {key} {here} from "
+            f"{field}, {saved} in the checkpoint; resume with the run's settings, or set "
+            "optim.override_opt_param_scheduler=true to follow this config's schedule")
+
+
 def check_start_weights(cfg: TrainConfig) -> None:
     """The weights the run will start from fit the model: the checkpoint it resumes (the load
     directory's tracker must name a loadable iteration), else ``checkpoint.init_weights`` (it must
@@ -134,6 +162,10 @@ def check_start_weights(cfg: TrainConfig) -> None:
             return  # unreadable: the resume falls back to an older checkpoint, or says why not
         if problem:
             raise ckpt.CheckpointError(f"cannot resume ({field}): {problem}")
+        if not cfg.optim.override_opt_param_scheduler:
+            problem = schedule_problem(cfg, resume)
+            if problem:
+                raise ckpt.CheckpointError(f"cannot resume ({field}): {problem}")
     elif cfg.checkpoint.init_weights:
         try:
             problem = ckpt.weights_mismatch(cfg.checkpoint.init_weights, cfg.model)
@@ -207,7 +239,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     if rollout_rank:
         actor = policy(total_steps=1, with_optimizer=False, frozen=True)
     else:
-        actor = policy(total_steps=cfg.trainer.steps * cfg.trainer.num_minibatches,
+        actor = policy(total_steps=rl_optimizer_steps(cfg),
                        routing_cfg=cfg.routing)
     reference = (policy(total_steps=1, with_optimizer=False, frozen=True)
                  if cfg.trainer.reference_model and not rollout_rank else None)

@@ -85,6 +85,8 @@ class Stage:
     timed: bool = False
     """Its figures are timings or memory peaks: with ``--parallel`` it runs alone on the GPU,
     after the untimed stages (which share the GPU with each other)."""
+    killed: tuple[int, ...] = ()
+    """Commands (by index) that are killed on purpose (``GSPO_FAULT``): any exit code goes on."""
 
 
 def _tiny(run_dir: str, *extra: str, size: str = "full") -> list[str]:
@@ -121,6 +123,14 @@ def stages(work: str, size: str = "full") -> list[Stage]:
                 "quick": ["--layers", "2", "--seq", "2048", "--iters", "2"],
                 "full": ["--layers", "4", "--seq", "4096", "--iters", "3"]}[size]
     # --standalone: a free rendezvous port of its own (two such stages may run at once)
+    def resume(name: str, *extra: str) -> list[list[str]]:
+        """``tiny(name)`` killed at the start of the step after its first checkpoint (committed
+        during that step), then run again: it resumes from that checkpoint."""
+        every = ["--trainer.steps=3", "--checkpoint.save_interval=1"] if smoke else []
+        kill = "step_start:2" if smoke else "step_start:5"
+        return [["env", f"GSPO_FAULT={kill}", *tiny(name, *every, *extra)],
+                tiny(name, *every, *extra)]
+
     torchrun2 = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc-per-node", "2"]
     on_cpu = ["env", "CUDA_VISIBLE_DEVICES="]
@@ -143,8 +153,11 @@ def stages(work: str, size: str = "full") -> list[Stage]:
         # Last: it repeats what the H200 run of 2026-11-26 showed (save, resume) and a deadline
         # cuts it first.
         Stage("slice_rl", slice_rl, 600, timed=True),
-        Stage("tiny_resume", [tiny("tiny_resume", "--trainer.steps=1" if smoke
-                                   else "--trainer.steps=4"), tiny("tiny_resume")], 300),
+        # Killed at the start of the step after a checkpoint (as tests/e2e kills a CPU run), then
+        # resumed: the same trainer.steps throughout, so the same LR schedule. (The H200 run of
+        # 2026-11-26 stopped the first run with --trainer.steps=4 instead: a shorter schedule,
+        # which the resumed run then kept.)
+        Stage("tiny_resume", resume("tiny_resume"), 300, killed=(0,)),
         # tiny_dynamic again, uninterrupted: whether two plain runs agree on this GPU (CUDA's
         # atomics in MoE un-permutation and embedding backward need not), so that a resumed
         # run's differences are read against the run-to-run ones.
@@ -152,9 +165,8 @@ def stages(work: str, size: str = "full") -> list[Stage]:
         # tiny_resume with a synchronous checkpoint write: on the H200 (2026-11-26) the resumed
         # run differed from the uninterrupted one from its first step while two plain runs were
         # bitwise equal; this separates the background writer from the rest of the resume.
-        Stage("tiny_resume_sync", [tiny("tiny_resume_sync", "--checkpoint.async_save=false",
-                                        "--trainer.steps=1" if smoke else "--trainer.steps=4"),
-                                   tiny("tiny_resume_sync", "--checkpoint.async_save=false")], 300),
+        Stage("tiny_resume_sync", resume("tiny_resume_sync", "--checkpoint.async_save=false"),
+              300, killed=(0,)),
         Stage("tiny_r3", [tiny("tiny_r3", "--routing.replay=r3")], 300),
         Stage("tiny_r3_bf16_rollout", [tiny("tiny_r3_bf16_rollout", "--precision.bf16=false",
                                             "--rollout.precision=bf16",
@@ -298,6 +310,30 @@ def plan_vs_measured(plan_output: str, figures: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def _run_command(cmd: list[str], env: dict, timeout: float) -> tuple[int | str, str]:
+    """``cmd``'s exit code (``"timeout"`` past ``timeout`` seconds) and output. It runs in a
+    process group of its own, output to a file: when it exits (or is killed on purpose) the
+    group is killed, so a reward worker or checkpoint writer it leaves behind neither runs on
+    nor holds the output open."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile(mode="w+") as f:
+        proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            rc: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        f.seek(0)
+        return rc, f.read()
+
+
 def run_stage(stage: Stage, limit: int, threads: int | None = None) -> tuple[dict, str]:
     """Run ``stage``'s commands within ``limit`` seconds (``threads``: its OMP_NUM_THREADS, when
     it shares the machine): its record and its whole output."""
@@ -307,20 +343,16 @@ def run_stage(stage: Stage, limit: int, threads: int | None = None) -> tuple[dic
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     log, out = [], ""
-    for cmd in stage.commands:
+    for index, cmd in enumerate(stage.commands):
         left = limit - (time.perf_counter() - start)
         log.append(f"\n===== {stage.name}: {' '.join(cmd)}\n")
-        try:
-            proc = subprocess.run(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, timeout=max(left, 1))
-            out, rc = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            rc = "timeout"
+        rc, out = _run_command(cmd, env, max(left, 1))
         log.append(out)
         rec["rc"] = rc
         rec["tail"] = out[-2500:]
-        if rc != 0:
+        if index in stage.killed:
+            rec["killed_rc"], rec["rc"] = rc, 0
+        elif rc != 0:
             break
     rec["seconds"] = round(time.perf_counter() - start, 1)
     last = out.strip().splitlines()[-1] if out.strip() else ""

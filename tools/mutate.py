@@ -120,8 +120,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "return table[start:end]", "return table[:end - start]",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "greedy_generation")),
     Mutant("grouped experts: rows handed to the wrong experts", MOE,
-           "offs = tokens_per_expert.cumsum(0).to(torch.int32)",
-           "offs = tokens_per_expert.flip(0).cumsum(0).to(torch.int32)",
+           "offs = tokens_per_expert.cumsum(0).to(device=x.device, dtype=torch.int32)",
+           "offs = tokens_per_expert.flip(0).cumsum(0).to(device=x.device, dtype=torch.int32)",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "grouped")),
     Mutant("left-padded rollouts: pad keys not masked", "gspo_megatron/backends/megatron/"
            "inference_hooks.py", "masked = (j > i) | ((j < pads.view(-1, 1, 1)) & (j != i))",

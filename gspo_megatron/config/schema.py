@@ -51,6 +51,13 @@ class OptimConfig(Section, name="optim"):
     """Global gradient-norm clip (0 disables)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, follow this config's LR / weight-decay schedule from the checkpoint's step on
+    (Megatron-LM's ``--override-opt_param-scheduler``). False: a resume whose schedule differs
+    from the checkpoint's (another ``optim.lr``, warm-up or decay, or another ``trainer.steps``
+    when ``lr_decay_steps`` is null) is refused before anything runs, naming the field;
+    megatron-core would silently keep the checkpoint's, e.g. decay to ``min_lr`` at the old
+    run's last step and train at the floor from there."""
 
     def validate(self) -> None:
         """Re-run the checks (after changing a field in place); raises ``FieldError``."""

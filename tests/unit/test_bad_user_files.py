@@ -7,6 +7,7 @@ next to their recipe, so a reward module there is found without ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -261,6 +262,31 @@ def test_resume_with_other_shapes(trained, tmp_path):
                             "--model.num_layers=3")
     assert_refused(proc, run_dir, "cannot resume (checkpoint.load_dir): "
                    f"{trained / 'checkpoints' / 'iter_0000001'}: model tensor")
+
+
+def test_resume_with_another_lr_schedule(trained, tmp_path):
+    """A resume whose LR schedule is not the checkpoint's is refused, naming the field (megatron-core
+    would keep the checkpoint's: a run extended from 1 to 10 steps decayed to min_lr at the old
+    end and trained at the floor); ``optim.override_opt_param_scheduler`` follows the new one."""
+    load = f"--checkpoint.load_dir={trained / 'checkpoints'}"
+    proc, run_dir = run_cli(tmp_path, load, "--trainer.steps=10")
+    assert_refused(proc, run_dir, "cannot resume (checkpoint.load_dir): ",
+                   "the LR schedule differs from the checkpoint's: lr_decay_steps 40 from "
+                   "optim.lr_decay_steps (null: trainer.steps 10 x trainer.num_minibatches 4), "
+                   "21 in the checkpoint", "optim.override_opt_param_scheduler=true")
+    proc, run_dir = run_cli(tmp_path, load, "--optim.lr=1e-4")
+    assert_refused(proc, run_dir, "max_lr 0.0001 from optim.lr, 0.0003 in the checkpoint")
+    (tmp_path / "same").mkdir(), (tmp_path / "override").mkdir()
+    proc, _ = run_cli(tmp_path / "same", load, "--trainer.steps=2",  # decay spans 21 steps either way
+                      "--logging.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    proc, run_dir = run_cli(tmp_path / "override", load, "--trainer.steps=10",
+                            "--optim.override_opt_param_scheduler=true", "--logging.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    lrs = [json.loads(line)["optim/lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Warm-up to optimiser step 20, then the decay over 40 (the checkpoint's schedule would have
+    # reached min_lr 3e-5 at step 21 and stayed there).
+    assert len(lrs) == 9 and max(lrs) == 3e-4 and lrs[-1] < lrs[4] and lrs[4] > 2e-4
 
 
 @pytest.mark.parametrize("content, needle", [

@@ -435,6 +435,30 @@ def _expected_shapes(model) -> dict[str, tuple[tuple[int | None, ...], str]]:
     return out
 
 
+SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                 "start_wd", "end_wd")
+"""The keys of Megatron's scheduler state that set the LR and weight decay of every later step
+(``wd_incr_steps`` is left out: our weight decay is constant, so it changes nothing)."""
+
+
+def schedule_mismatch(directory: str, schedule: dict) -> tuple[str, object, object] | None:
+    """The first of :data:`SCHEDULE_KEYS` whose value in the checkpoint ``directory`` (an
+    ``iter_XXXXXXX``) differs from ``schedule`` (:func:`.policy.lr_schedule`'s), as ``(key, this
+    config's, the checkpoint's)``; None when they agree or the checkpoint holds no schedule.
+    Reads the checkpoint's small common state only."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        saved = dist_checkpointing.load_common_state_dict(directory).get("scheduler") or {}
+    except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint is reported when loaded
+        logger.warning("%s: scheduler state not readable (%s)", directory, exc)
+        return None
+    for key in SCHEDULE_KEYS:
+        if key in saved and saved[key] != schedule[key]:
+            return key, schedule[key], saved[key]
+    return None
+
+
 def weights_mismatch(directory: str, model) -> str | None:
     """Why the model weights in ``directory`` (anything :func:`resolve_weights_dir` accepts) do not
     fit a model built from ``model`` (a :class:`~gspo_megatron.config.ModelConfig`), or ``None``.

@@ -87,6 +87,13 @@ def resolve_transformer_impl(precision: PrecisionConfig) -> str:
     return impl
 
 
+def bf16_runs_here() -> bool:
+    """Whether ``precision.bf16`` takes effect: on CUDA. On CPU the model stays fp32 (bf16
+    matmuls there are slow and Megatron's bf16 optimizer asserts CUDA tensors); the tests'
+    ``tests/helpers/bf16_cpu.py`` turns it on to run the bf16 optimizer path in CI."""
+    return torch.cuda.is_available()
+
+
 def build_transformer_config(
     model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, *,
     impl: str = "local", **overrides: Any
@@ -95,7 +102,7 @@ def build_transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
-    bf16 = precision.bf16 and on_gpu
+    bf16 = precision.bf16 and bf16_runs_here()
     kwargs = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,

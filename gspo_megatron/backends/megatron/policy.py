@@ -374,9 +374,20 @@ def build_optimizer(model: list, optim_cfg: OptimConfig, total_steps: int):
         use_gloo_process_groups=False,
     )
     use_fused_adam(optimizer)
+    override = optim_cfg.override_opt_param_scheduler
+    scheduler = OptimizerParamScheduler(  # (Megatron asserts that at most one of the two is set)
+        optimizer, **lr_schedule(optim_cfg, total_steps),
+        override_opt_param_scheduler=override, use_checkpoint_opt_param_scheduler=not override)
+    return optimizer, scheduler
+
+
+def lr_schedule(optim_cfg: OptimConfig, total_steps: int) -> dict:
+    """Megatron's ``OptimizerParamScheduler`` arguments for ``optim_cfg`` over ``total_steps``
+    optimiser steps (the decay spans ``optim.lr_decay_steps``, else the run; at least one step
+    past the warm-up). Its state dict holds the same keys, less ``init_lr``: what a checkpoint's
+    schedule is compared with on resume (:func:`.checkpoint.schedule_mismatch`)."""
     decay_steps = optim_cfg.lr_decay_steps or max(total_steps, 1)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
+    return dict(
         init_lr=0.0 if optim_cfg.lr_warmup_steps else optim_cfg.lr,
         max_lr=optim_cfg.lr,
         min_lr=optim_cfg.min_lr,
@@ -388,7 +399,6 @@ def build_optimizer(model: list, optim_cfg: OptimConfig, total_steps: int):
         wd_incr_steps=max(decay_steps, 1),
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
 
 
 def single_rank_finalize_applies(ddp) -> bool:
