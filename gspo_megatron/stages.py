@@ -9,6 +9,8 @@ only: nothing here imports megatron (``tests/unit/test_boundaries.py``).
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple
 
 import torch
@@ -213,12 +215,29 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
     keys = set().union(*history)
     out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
     out["optim/lr"] = policy.lr
+    out.update(first_minibatch_metrics(history[0]))
     # The mean hides a one-minibatch spike; the largest applied norm shows it (NaN: none applied).
     norms = [h["optim/grad_norm"] for h in history if h["optim/grad_norm"] == h["optim/grad_norm"]]
     out["optim/grad_norm_max"] = max(norms, default=float("nan"))
     if routing is not None:
         out.update(routing.timings())
     return out
+
+
+def first_minibatch_metrics(first: dict[str, float]) -> dict[str, float]:
+    """Minibatch 0 of a step runs before any update. With the trainer's own old log-probs its
+    ratios are 1 unless the update's forward computes differently from the old-log-prob pass:
+    in bf16, kernels whose rounding depends on the batch shape do, and GSPO's eps (3e-4 / 4e-4)
+    clips sequences on that alone. ``ratio/first_minibatch_max_abs_log``: the largest
+    ``|log ratio|`` there (0 on CPU in fp32 and bf16); ``clip/first_minibatch_fraction``: the
+    share it clipped. (With ``trainer.old_logprobs: rollout`` they measure the rollout engine
+    against the trainer instead.)"""
+    if "ratio/min" not in first:
+        return {}
+    logs = [abs(math.log(first[k])) for k in ("ratio/min", "ratio/max")
+            if 0 < first[k] < math.inf]
+    return {"ratio/first_minibatch_max_abs_log": max(logs, default=0.0),
+            "clip/first_minibatch_fraction": first["clip/fraction"]}
 
 
 def response_metrics(samples: list[RolloutSample], groups: ParallelGroups) -> dict[str, float]:

@@ -256,7 +256,8 @@ def run_figures(run_dir: str) -> dict:
             "reward/mean", "eval/accuracy", "perf/step_s", "perf/rollout_s", "perf/reward_s",
             "perf/old_logprobs_s", "perf/update_s", "perf/checkpoint_s",
             "perf/rollout_tokens_per_s", "perf/peak_mem_gib", "perf/rollout_peak_mem_gib",
-            "perf/train_peak_mem_gib", "response/mean_length",
+            "perf/train_peak_mem_gib", "response/mean_length", "ratio/first_minibatch_max_abs_log",
+            "clip/first_minibatch_fraction",
             "routing/drift/after_1_updates", "routing/drift/after_3_updates",
             "routing/rollout/change_rate", "routing/rollout/token_change_rate")
     out: dict = {"steps": [r.get("step") for r in rows]}

@@ -13,6 +13,7 @@ arithmetic is unchanged: Megatron's local multi-tensor fallbacks, the ones CPU f
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -54,6 +55,10 @@ def apply() -> None:
 
 
 if __name__ == "__main__":
+    # Run as a script, this file's folder leads sys.path, and its megatron.py would shadow
+    # megatron-core.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     apply()
     from gspo_megatron.cli import main
 
