@@ -302,9 +302,10 @@ def test_preemption_checkpoints_requeues_and_resumes(fake_slurm, tmp_path):
     assert json.loads((run / "summary.json").read_text())["exit_code"] == 75
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(stopped))
 
-    # The requeued job: same run dir, resumes from the checkpoint (one more step, to stay short).
+    # The requeued job: same run dir, resumes from the checkpoint (one more step, to stay short;
+    # the LR schedule kept at the first job's 50 steps x 2 minibatches, as a resume requires).
     env.update(FAKE_RESTART_COUNT="1")
-    proc = submit(env, EP2, *SMALL, f"--trainer.steps={stopped + 1}")
+    proc = submit(env, EP2, *SMALL, f"--trainer.steps={stopped + 1}", "--optim.lr_decay_steps=100")
     assert proc.returncode == 0, output(proc)
     assert f"resumed from {run / 'checkpoints'} at step {stopped}" in proc.stdout, output(proc)
     assert f"resuming from {run / 'checkpoints'} at step {stopped}" in proc.stderr
