@@ -146,6 +146,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "members = [(int(lengths[r][p]), r, p) for r in range(num_ranks)\n"
            "                   for p in range(0, per)]",
            (T + "test_packing.py", "-k", "rank_balance")),
+    # The first GPU run (H200, 2026-11-26): both passed the whole CPU suite before these tests.
+    Mutant("bf16: the warm-up's weights not handed to the RL optimizer's main copies",
+           "gspo_megatron/backends/megatron/policy.py",
+           "            self._weights_changed()  # the block trained them",
+           "            pass  # the block trained them",
+           ("-m", "slow", T + "test_update_path.py", "-k", "weights_changed")),
+    Mutant("resume keeps a changed LR schedule without a word", "gspo_megatron/cli.py",
+           "        if not cfg.optim.override_opt_param_scheduler:",
+           "        if False:",
+           (T + "test_bad_user_files.py", "-k", "lr_schedule")),
     Mutant("YaRN: the rollout context rotates queries without the cos/sin scale",
            "gspo_megatron/backends/megatron/dynamic_rollout.py",
            "                                   mscale=None):\n"
