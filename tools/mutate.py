@@ -37,8 +37,10 @@ from pathlib import Path
 from gspo_megatron.tools.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("gspo_megatron", "tests", "setup.py", "pytest.ini", "pyproject.toml", "setup.cfg",
-          "conftest.py")
+COPIED = ("gspo_megatron", "tests", "examples", "setup.py", "pytest.ini", "pyproject.toml",
+          "setup.cfg", "conftest.py")
+"""(``examples``: the e2e tests read its recipes; without it the YaRN mutant's tests failed
+unmutated.)"""
 PYTEST_ARGS = ("-q", "-rfE", "-m", "not slow", "-p", "no:cacheprovider", "--color=no")
 RUN_TIMEOUT_S = 600
 
