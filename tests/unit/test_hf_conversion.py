@@ -575,8 +575,10 @@ def test_peak_memory_is_about_one_model_plus_one_shard(tmp_path):
           f"peak - baseline {extra / mb:.0f} MB = {extra / big:.2f} x model")
     assert n_shards >= 6 and big > 250 * mb
     # ~1x model + one shard; holding the model and all shards (or Megatron's plain save, which
-    # clones every SwiGLU fc1) would be 2x / 1.6x
-    assert extra < big + 2 * shard, (extra, big)
+    # clones every SwiGLU fc1) would be 2x / 1.6x. Measured 1.03-1.04x alone, and once 1.28x in a
+    # clean-clone CI run (2026-11-26, code unchanged from a passing run: the 20 ms PSS sampling of
+    # a loaded 2-core machine), hence the bound between the two.
+    assert extra < 1.4 * big, (extra, big)
 
 
 # ---------------------------------------------------------------------------------------------
