@@ -102,7 +102,7 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _wait_for_device() -> None:
+def wait_for_device() -> None:
     """Block until queued CUDA work is done, so a lap measures the GPU's time, not the launches'
     (one synchronize per lap: a few per step)."""
     import torch
@@ -132,7 +132,7 @@ class MemoryPeaks:
             return
         import torch
 
-        self.peaks[key] = max(self.peaks.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        self.peaks[key] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
 
     def metrics(self) -> dict[str, float]:
@@ -147,14 +147,14 @@ class Stopwatch:
     With CUDA each lap first waits for the GPU."""
 
     def __init__(self):
-        _wait_for_device()
+        wait_for_device()
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
 
     def lap(self, key: str) -> float:
         """Seconds since the previous lap, added to ``key`` (a stage run several times in a step,
         e.g. rollout under dynamic sampling, accumulates)."""
-        _wait_for_device()
+        wait_for_device()
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         self.laps[key] = self.laps.get(key, 0.0) + seconds
@@ -164,6 +164,6 @@ class Stopwatch:
         return time.perf_counter() - self.start
 
     def total(self, key: str) -> dict[str, float]:
-        _wait_for_device()
+        wait_for_device()
         self.laps[key] = self.elapsed()
         return dict(self.laps)

@@ -28,6 +28,8 @@ import dataclasses
 import gc
 import time
 
+from gspo_megatron.metrics import wait_for_device
+
 SLICE_RECIPE = "examples/configs/gpu_qwen3_slice_rl.yaml"
 PROFILE_TOKENS = 8
 SIZES = {"smoke": (8, 16, 1), "quick": (32, 64, 1), "full": (128, 256, 1)}
@@ -36,13 +38,6 @@ two rounds of 2026-11-26 differed by 0.3 % (dynamic) and 2.3 % (static), and the
 minutes of device time."""
 WAITS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
          "cudaDeviceSynchronize")
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def profile_generate(engine, prompts: list[list[int]], top: int = 12) -> dict:
@@ -54,10 +49,10 @@ def profile_generate(engine, prompts: list[list[int]], top: int = 12) -> dict:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    _sync()
+    wait_for_device()
     with profile(activities=activities) as prof:
         samples = engine.generate(prompts, seed=0)
-        _sync()
+        wait_for_device()
     steps = max(max(len(s.response_ids) for s in samples), 1)
     rows = prof.key_averages()
 
@@ -90,10 +85,10 @@ def _time_engines(engines: dict, prompts, rounds: int) -> dict:
             if "error" in out.get(name, {}):
                 continue
             try:
-                _sync()
+                wait_for_device()
                 t = time.perf_counter()
                 samples = engine.generate(prompts, seed=r)
-                _sync()
+                wait_for_device()
                 sec = time.perf_counter() - t
             except Exception:  # noqa: BLE001 - record it and measure the others
                 out[name] = {"error": traceback.format_exc()[-1500:]}
