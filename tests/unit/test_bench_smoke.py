@@ -146,4 +146,33 @@ def test_gpu_rollout_bench_runs_its_gpu_code_on_cpu():
             assert rec["tokens"] > 0 and rec["tokens_per_s"][0] > 0
             prof = rec["profile"]
             assert 1 <= prof["decode_steps"] <= PROFILE_TOKENS
-            assert prof["ops_per_step"] > 0 and prof["top_host"], prof
+            assert prof["ops_per_unit"] > 0 and prof["top_host"], prof
+
+
+def test_gpu_slice_profiles_its_step_on_cpu():
+    """The MFU stage's profiled step runs on CPU (host columns only) and the profile's totals are
+    the sums of its rows; device kernels are split by name into GEMM, attention and the rest."""
+    from tools.bench.gpu_qwen3_slice import _cpu_code_path_check, _profile_rows
+    from tools.bench.profiling import kernel_kind
+
+    prof = _cpu_code_path_check()["profile"]
+    assert prof["units"] == 1 and prof["ops_per_unit"] > 0 and prof["top_host"]
+    assert 0 < prof["host_us_per_unit"] and prof["wall_us_per_unit"] > 0
+    assert prof["device_us_per_unit"] == 0 and not any(prof["device_by_kind_us_per_unit"].values())
+    assert {r["op"] for r in prof["top_host"]} & {"aten::mm", "aten::addmm", "aten::_grouped_mm",
+                                                  "aten::bmm", "aten::linear"}
+    assert [r["metric"] for r in _profile_rows("x", prof)] == ["x: device busy / wall (profiled step)"]
+    # Kernel names as an H100 / H200 profile shows them.
+    assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_kind("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm90"
+                       "<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape"
+                       ">>>") == "gemm"
+    assert kernel_kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, "
+                       "64, 4, false, false, cutlass::bfloat16_t>>") == "attention"
+    assert kernel_kind("fmha_cutlassB_bf16_aligned_64x64_k128_sm80") == "attention"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, at::native::"
+                       "CUDAFunctor_add<c10::BFloat16>>") == "other"
+    fake = {"device_us_per_unit": 80.0, "wall_us_per_unit": 100.0,
+            "device_by_kind_us_per_unit": {"attention": 20.0, "gemm": 40.0, "other": 20.0}}
+    assert [r["value"] for r in _profile_rows("x", fake)] == [0.8, 0.25, 0.5, 0.25]

@@ -14,7 +14,10 @@ after the other on the same GPU:
    our log-prob kernel. tokens/s, model TFLOP/s (6 x matmul FLOPs per token + causal attention,
    counted below), MFU = TFLOP/s / the measured bf16 matmul TFLOP/s.
 3. Megatron's local spec (experts as a loop; grouped only with the ``grouped_gemm`` package) vs
-   the same spec with our local kernels (SDPA attention, direct expert loop).
+   the same spec with our local kernels (SDPA attention; the experts as two ``torch._grouped_mm``
+   calls in bf16 on Hopper). Each then runs one more step under ``torch.profiler``: how busy the
+   device is over the step's wall time, and its time split into GEMMs, attention and the rest
+   (``tools/bench/profiling.py``), which says where the gap to the matmul peak lies.
 4. Transformer Engine spec (bf16), and FP8 (``hybrid`` recipe) when TE imports.
 5. The log-prob path at full vocabulary: ``torch.cuda.max_memory_allocated`` above the logits of
    ours vs a naive fp32 ``log_softmax`` (forward + backward, entropy detached), bf16 logits
@@ -77,14 +80,18 @@ def _sync(device: str) -> None:
 
 def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
                fp8: str | None = None, preset: str = "qwen3-30b-a3b",
-               device: str = "cuda", local_kernels: bool = False) -> dict:
+               device: str = "cuda", local_kernels: bool = False, profile: bool = True) -> dict:
     """Forward + backward of ``preset`` with ``layers`` layers on ``[1, seq]`` tokens: seconds per
-    step, tokens/s, model TFLOP/s and (CUDA) peak memory. bf16 on CUDA, fp32 on CPU."""
+    step, tokens/s, model TFLOP/s and (CUDA) peak memory. bf16 on CUDA, fp32 on CPU. ``profile``:
+    one more step under ``torch.profiler`` after the timed ones
+    (:func:`tools.bench.profiling.profile_call`: device time by GEMM / attention / other, the top
+    kernels, host waits)."""
     import torch
 
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
     from gspo_megatron.backends.megatron.logprobs import vocab_parallel_logprobs
+    from tools.bench.profiling import profile_call
 
     cfg = model_config_from_preset(preset, num_layers=layers, seq_length=seq)
     prec = PrecisionConfig(transformer_impl=impl, bf16=device == "cuda", fp8=fp8,
@@ -118,8 +125,11 @@ def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
         for _ in range(iters):
             step()
         _sync(device)
-    sec = (time.perf_counter() - t) / iters
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else float("nan")
+        sec = (time.perf_counter() - t) / iters
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else float("nan")
+        # After the timing (the profiler's own overhead is not in step_s): where a step's device
+        # time goes, and how much of the wall time the device is busy at all.
+        prof = profile_call(step, units=1) if profile else None
     del gpt
     gc.collect()
     if device == "cuda":
@@ -128,7 +138,7 @@ def time_slice(layers: int, seq: int, iters: int, impl: str, grouped: bool,
     return {"impl": impl, "grouped_gemm": grouped, "fp8": fp8, "local_kernels": local_kernels,
             "layers": layers, "seq": seq,
             "params": params, "step_s": sec, "tokens_per_s": seq / sec,
-            "tflops": flops / sec / 1e12, "peak_mem_gb": peak / 2**30}
+            "tflops": flops / sec / 1e12, "peak_mem_gb": peak / 2**30, "profile": prof}
 
 
 def _fp8_context(fp8: str | None):
@@ -232,6 +242,7 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
                      row(f"{label}: model TFLOP/s", r["tflops"], "TFLOP/s"),
                      row(f"{label}: MFU vs bf16 matmul", r["mfu"], "fraction"),
                      row(f"{label}: peak memory", r["peak_mem_gb"], "GiB")]
+            rows += _profile_rows(label, r["profile"])
         lpm = logprob_memory(seq)
     finally:
         destroy_distributed()
@@ -250,6 +261,22 @@ def run(smoke: bool = False, layers: int = 4, seq: int = 4096, iters: int = 5) -
     return make_result("gpu_qwen3_slice", title, target, None, rows, ratios,
                        config={"layers": layers, "seq": seq, "iters": iters, "results": results,
                                "logprob_memory": lpm}, notes=notes)
+
+
+def _profile_rows(label: str, prof: dict | None) -> list[dict]:
+    """The profiled step in a few rows: the device's busy share of the wall time (well under 1:
+    the host sets the pace) and the device time's split by kernel kind."""
+    from tools.bench.common import row
+
+    if not prof:
+        return []
+    busy = prof["device_us_per_unit"]
+    rows = [row(f"{label}: device busy / wall (profiled step)",
+                busy / prof["wall_us_per_unit"], "fraction")]
+    if busy > 0:
+        rows += [row(f"{label}: device time in {kind}", us / busy, "fraction")
+                 for kind, us in prof["device_by_kind_us_per_unit"].items()]
+    return rows
 
 
 def _cpu_code_path_check() -> dict:

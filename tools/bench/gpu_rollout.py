@@ -29,6 +29,7 @@ import gc
 import time
 
 from gspo_megatron.metrics import wait_for_device
+from tools.bench.profiling import profile_call
 
 SLICE_RECIPE = "examples/configs/gpu_qwen3_slice_rl.yaml"
 PROFILE_TOKENS = 8
@@ -36,43 +37,16 @@ SIZES = {"smoke": (8, 16, 1), "quick": (32, 64, 1), "full": (128, 256, 1)}
 """size -> (requests, new tokens each, timed rounds). One timed round at full size: the H200's
 two rounds of 2026-11-26 differed by 0.3 % (dynamic) and 2.3 % (static), and the check has 15
 minutes of device time."""
-WAITS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
-         "cudaDeviceSynchronize")
 
 
 def profile_generate(engine, prompts: list[list[int]], top: int = 12) -> dict:
-    """One ``engine.generate(prompts)`` under ``torch.profiler``: the ``top`` ops by self host
-    time and by self device time, and the host-device waits, per decoding step."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    wait_for_device()
-    with profile(activities=activities) as prof:
-        samples = engine.generate(prompts, seed=0)
-        wait_for_device()
-    steps = max(max(len(s.response_ids) for s in samples), 1)
-    rows = prof.key_averages()
-
-    def device_us(e) -> float:
-        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
-
-    def table(key) -> list[dict]:
-        return [{"op": e.key, "count_per_step": e.count / steps,
-                 "self_host_us_per_step": e.self_cpu_time_total / steps,
-                 "self_device_us_per_step": device_us(e) / steps}
-                for e in sorted(rows, key=key, reverse=True)[:top]]
-
-    waits = {e.key: e.count / steps for e in rows if e.key in WAITS}
-    return {"decode_steps": steps,
-            "host_us_per_step": sum(e.self_cpu_time_total for e in rows) / steps,
-            "device_us_per_step": sum(device_us(e) for e in rows) / steps,
-            "ops_per_step": sum(e.count for e in rows) / steps,
-            "waits_per_step": waits,
-            "top_host": table(lambda e: e.self_cpu_time_total),
-            "top_device": table(device_us)}
+    """One ``engine.generate(prompts)`` under ``torch.profiler``
+    (:func:`tools.bench.profiling.profile_call`), every figure per decoding step (the longest
+    response's length)."""
+    out = profile_call(lambda: engine.generate(prompts, seed=0),
+                       units=lambda samples: max(len(s.response_ids) for s in samples), top=top)
+    out["decode_steps"] = out["units"]
+    return out
 
 
 def _time_engines(engines: dict, prompts, rounds: int) -> dict:
