@@ -176,3 +176,32 @@ def test_gpu_slice_profiles_its_step_on_cpu():
     fake = {"device_us_per_unit": 80.0, "wall_us_per_unit": 100.0,
             "device_by_kind_us_per_unit": {"attention": 20.0, "gemm": 40.0, "other": 20.0}}
     assert [r["value"] for r in _profile_rows("x", fake)] == [0.8, 0.25, 0.5, 0.25]
+
+
+def test_profile_summary_counts_each_kernel_once():
+    """A host op's row carries its kernels' device time as its own self device time too; the
+    device totals, the split by kind and the device table take the kernel rows only."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from tools.bench.profiling import summarize
+
+    def ev(key, device, host_us, device_us, count=1):
+        return SimpleNamespace(key=key, device_type=device, count=count,
+                               self_cpu_time_total=host_us, self_device_time_total=device_us)
+
+    rows = [ev("aten::addmm", DeviceType.CPU, 30.0, 500.0, 2),
+            ev("aten::_efficient_attention_forward", DeviceType.CPU, 20.0, 300.0),
+            ev("aten::item", DeviceType.CPU, 5.0, 0.0, 4),
+            ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", DeviceType.CUDA, 0.0, 500.0, 2),
+            ev("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", DeviceType.CUDA, 0.0, 300.0),
+            ev("void at::native::vectorized_elementwise_kernel<4>", DeviceType.CUDA, 0.0, 200.0)]
+    out = summarize(rows, n=2, wall=0.001)
+    assert out["device_us_per_unit"] == 500.0 and out["wall_us_per_unit"] == 500.0
+    assert out["device_by_kind_us_per_unit"] == {"attention": 150.0, "gemm": 250.0, "other": 100.0}
+    assert out["host_us_per_unit"] == 27.5 and out["ops_per_unit"] == 3.5
+    assert out["waits_per_unit"] == {"aten::item": 2.0}
+    assert [r["op"] for r in out["top_device"]][0].startswith("nvjet")
+    assert all(not r["op"].startswith("aten::") for r in out["top_device"])
+    assert out["top_host"][0]["op"] == "aten::addmm"

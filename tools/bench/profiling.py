@@ -34,6 +34,15 @@ def _device_us(e) -> float:
     return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
 
 
+def _is_kernel(e) -> bool:
+    """A device-side row (a kernel, memcpy or memset). A host op's row carries the device time of
+    the kernels it launched as its own self device time too, so device totals sum these rows only
+    (as ``torch.profiler``'s own table footer does)."""
+    from torch.autograd import DeviceType
+
+    return e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+
+
 def kernel_kind(name: str) -> str:
     """``gemm``, ``attention`` or ``other`` for a device kernel's name (:data:`KERNEL_KINDS`)."""
     for kind, pattern in KERNEL_KINDS:
@@ -47,11 +56,12 @@ def profile_call(fn: Callable[[], object], units: Callable[[object], int] | int 
     """Run ``fn()`` once under ``torch.profiler`` (CPU, and CUDA where present).
 
     ``units``: how many units of work the call did (an int, or a function of ``fn``'s result,
-    e.g. the decoding steps of a ``generate``); every figure is per unit. Device-side kernels
-    carry no host self time, host-side ops no device self time, so the two tables rank different
-    rows. ``device_by_kind_us_per_unit`` sums the device self time of every row by
-    :func:`kernel_kind`; ``wall_us_per_unit`` is the call's wall time under the profiler (which
-    adds host overhead of its own: compare it with the device total, not with an unprofiled run).
+    e.g. the decoding steps of a ``generate``); every figure is per unit. ``top_host`` ranks
+    every row by host self time, ``top_device`` the device-side rows (kernels) by device time;
+    ``device_by_kind_us_per_unit`` sums the kernels' device time by :func:`kernel_kind`;
+    ``ops_per_unit`` counts host ops; ``wall_us_per_unit`` is the call's wall time under the
+    profiler (which adds host overhead of its own: compare it with the device total, not with an
+    unprofiled run).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -66,24 +76,29 @@ def profile_call(fn: Callable[[], object], units: Callable[[object], int] | int 
         wait_for_device()
         wall = time.perf_counter() - t
     n = max(int(units(out) if callable(units) else units), 1)
-    rows = prof.key_averages()
+    return summarize(prof.key_averages(), n, wall, top)
 
-    def table(key) -> list[dict]:
+
+def summarize(rows, n: int, wall: float, top: int = 12) -> dict:
+    """:func:`profile_call`'s record from ``torch.profiler``'s averaged rows (``key_averages()``)
+    of a call that did ``n`` units of work in ``wall`` seconds."""
+    kernels = [e for e in rows if _is_kernel(e)]
+
+    def table(events, key) -> list[dict]:
         return [{"op": e.key, "count_per_unit": e.count / n,
                  "self_host_us_per_unit": e.self_cpu_time_total / n,
                  "self_device_us_per_unit": _device_us(e) / n}
-                for e in sorted(rows, key=key, reverse=True)[:top]]
+                for e in sorted(events, key=key, reverse=True)[:top]]
 
     by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
-    for e in rows:
-        if _device_us(e) > 0:
-            by_kind[kernel_kind(e.key)] += _device_us(e) / n
+    for e in kernels:
+        by_kind[kernel_kind(e.key)] += _device_us(e) / n
     return {"units": n,
             "wall_us_per_unit": 1e6 * wall / n,
             "host_us_per_unit": sum(e.self_cpu_time_total for e in rows) / n,
-            "device_us_per_unit": sum(_device_us(e) for e in rows) / n,
+            "device_us_per_unit": sum(_device_us(e) for e in kernels) / n,
             "device_by_kind_us_per_unit": by_kind,
-            "ops_per_unit": sum(e.count for e in rows) / n,
+            "ops_per_unit": sum(e.count for e in rows if not _is_kernel(e)) / n,
             "waits_per_unit": {e.key: e.count / n for e in rows if e.key in WAITS},
-            "top_host": table(lambda e: e.self_cpu_time_total),
-            "top_device": table(_device_us)}
+            "top_host": table(rows, lambda e: e.self_cpu_time_total),
+            "top_device": table(kernels, _device_us)}
