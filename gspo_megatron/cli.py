@@ -205,20 +205,20 @@ def prepare(cfg: TrainConfig, recipe_dir: str | None = None) -> Prepared:
 def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bridge=None):
     """Process groups, the run directory (config and tokenizer), the policy (and the frozen
     reference), the rollout engines and the :class:`~gspo_megatron.trainer.Trainer`. Under
-    ``rollout.placement: separate`` (``placement``, ``bridge``: :mod:`gspo_megatron.overlap`) a
+    ``rollout.placement: separate`` (``placement``, ``bridge``: :mod:`gspo_megatron.rollouts.remote`) a
     rollout rank builds a full replica of the policy without optimizer (its weights come from the
     trainer ranks) and a trainer whose :meth:`~gspo_megatron.trainer.Trainer.serve` runs it; a
-    trainer rank gets its :class:`~gspo_megatron.overlap.RemoteRollouts`."""
+    trainer rank gets its :class:`~gspo_megatron.rollouts.remote.RemoteRollouts`."""
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config.loader import save_config
     from gspo_megatron.data import PromptSampler
     from gspo_megatron.rewards.workers import start_reward_workers
     from gspo_megatron.trainer import Task, Trainer
 
     from gspo_megatron.config.model import ParallelConfig
-    from gspo_megatron.overlap import RemoteRollouts
+    from gspo_megatron.rollouts.remote import RemoteRollouts
 
     tokenizer = prepared.tokenizer
     rollout_rank = placement is not None and placement.is_rollout
@@ -313,7 +313,7 @@ def _run(args) -> int:
     from gspo_megatron.config import DEMO_RECIPE
     from gspo_megatron.config.loader import load_config
     from gspo_megatron.faults import FaultInjector
-    from gspo_megatron.overlap import PeerLost
+    from gspo_megatron.rollouts.remote import PeerLost
     from gspo_megatron.trainer import NonFiniteError
 
     try:
@@ -327,7 +327,7 @@ def _run(args) -> int:
     trainer = placement = bridge = None
     try:
         if cfg.rollout.placement == "separate":  # the rollout ranks and the trainer ranks
-            from gspo_megatron.overlap import Placement, start_sides
+            from gspo_megatron.rollouts.remote import Placement, start_sides
 
             placement = Placement(int(os.environ.get("RANK", "0")),
                                   int(os.environ.get("WORLD_SIZE", "1")), cfg.rollout.ranks)

@@ -3,7 +3,7 @@ and the data they exchange (:class:`PolicyBatch`, :class:`RolloutSample`).
 
 The trainer (:mod:`gspo_megatron.trainer`) talks only to these; the Megatron-Core implementation is
 :class:`gspo_megatron.backends.megatron.policy.MegatronPolicy` and
-:class:`gspo_megatron.backends.megatron.rollout.RolloutEngine`.
+:class:`gspo_megatron.backends.megatron.engine.rollout.RolloutEngine`.
 
 Alignment convention (used everywhere in gspo_megatron): every ``[B, T]`` field is aligned with the
 *labels*. Position ``t`` holds the prediction of token ``t + 1``:
@@ -38,7 +38,7 @@ RANK_STATE_KEY = "rank"
 class FlatWeights:
     """A model's whole weights as one flat buffer per dtype: what :meth:`Policy.export_weights`
     gives and :meth:`Policy.import_weights` takes, and what the weight broadcast of
-    ``rollout.placement: separate`` sends (:class:`~gspo_megatron.overlap.WeightChannel`: a few
+    ``rollout.placement: separate`` sends (:class:`~gspo_megatron.rollouts.remote.WeightChannel`: a few
     large buffers, no pickling of tensors)."""
 
     layout: list[tuple[str, tuple[int, ...], str]]
@@ -201,7 +201,7 @@ class RolloutSample:
     """``log softmax(logits[:V] / T)`` of each response token (before top-k/top-p truncation)."""
     finish_reason: Literal["eos", "length", "aborted"]
     """``aborted``: a partial rollout stopped it unfinished (:class:`GroupStop`); it goes on in
-    a later rollout (:mod:`gspo_megatron.partial_rollouts`)."""
+    a later rollout (:mod:`gspo_megatron.rollouts.partial`)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -28,8 +28,8 @@ from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MemoryPeaks, MetricsLogger, Stopwatch
-from gspo_megatron.overlap import RemoteRollouts
-from gspo_megatron.partial_rollouts import PartialRollouts
+from gspo_megatron.rollouts.remote import RemoteRollouts
+from gspo_megatron.rollouts.partial import PartialRollouts
 from gspo_megatron.policy import (RANK_STATE_KEY, Generator, Policy, PolicyBatch,
                                   make_policy_batch)
 from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, balance_stage,
@@ -103,7 +103,7 @@ class Trainer:
                                and cfg.trainer.max_tokens_per_microbatch is not None)
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
         self.rollouts: RemoteRollouts | None = None
-        """``rollout.placement: separate``: the rollout ranks' end (:mod:`gspo_megatron.overlap`);
+        """``rollout.placement: separate``: the rollout ranks' end (:mod:`gspo_megatron.rollouts.remote`);
         None: this rank rolls out itself."""
         self._rank_state: dict | None = None
         """This rank's part of the checkpoint resumed from (in-flight rollouts)."""
@@ -378,9 +378,9 @@ class Trainer:
         return sampled, perf
 
     def serve(self, bridge, placement) -> dict:
-        """A rollout rank's whole run (:func:`~gspo_megatron.overlap.serve_rollouts`): stop
+        """A rollout rank's whole run (:func:`~gspo_megatron.rollouts.remote.serve_rollouts`): stop
         signals are the trainer ranks' to act on (they checkpoint, then send the stop)."""
-        from gspo_megatron.overlap import serve_rollouts
+        from gspo_megatron.rollouts.remote import serve_rollouts
 
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, lambda signum, frame: logger.info(
@@ -391,7 +391,7 @@ class Trainer:
         return {"rollout_steps": steps, "exit_code": 0}
 
     def remote_sample(self, step: int) -> dict:
-        """A rollout rank's body of step ``step``'s message (:func:`~gspo_megatron.overlap.
+        """A rollout rank's body of step ``step``'s message (:func:`~gspo_megatron.rollouts.remote.
         serve_rollouts`): this data-parallel rank's samples, or the skip, and ``perf/*``."""
         seed = self._sampling_seed(step)
         self.step = self.faults.step = step  # (the step a partial rollout dates its groups by)

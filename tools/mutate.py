@@ -47,8 +47,8 @@ RUN_TIMEOUT_S = 600
 ALG = "gspo_megatron/algorithms/"
 PL, ADV, RC = ALG + "policy_loss.py", ALG + "advantages.py", ALG + "rollout_correction.py"
 STATS = "gspo_megatron/routing/stats.py"
-LK = "gspo_megatron/backends/megatron/local_kernels.py"
-MOE = "gspo_megatron/backends/megatron/local_moe.py"
+LK = "gspo_megatron/backends/megatron/kernels/local.py"
+MOE = "gspo_megatron/backends/megatron/kernels/moe.py"
 T = "tests/unit/"
 LOSS_TESTS = (T + "test_policy_loss.py", T + "test_clip_rule.py")
 
@@ -126,7 +126,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "offs = tokens_per_expert.flip(0).cumsum(0).to(device=x.device, dtype=torch.int32)",
            ("-m", "slow", T + "test_local_kernels.py", "-k", "grouped")),
     Mutant("left-padded rollouts: pad keys not masked", "gspo_megatron/backends/megatron/"
-           "inference_hooks.py", "masked = (j > i) | ((j < pads.view(-1, 1, 1)) & (j != i))",
+           "engine/hooks.py", "masked = (j > i) | ((j < pads.view(-1, 1, 1)) & (j != i))",
            "masked = j > i", ("-m", "slow", T + "test_rollout.py", "-k", "left_padded")),
     # The loop and the checkpoint (issue 34: both passed the whole suite before these tests).
     Mutant("trainer.old_logprobs inverted (recompute takes the engine's)", "gspo_megatron/trainer.py",
@@ -159,7 +159,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if False:",
            (T + "test_bad_user_files.py", "-k", "lr_schedule")),
     Mutant("YaRN: the rollout context rotates queries without the cos/sin scale",
-           "gspo_megatron/backends/megatron/dynamic_rollout.py",
+           "gspo_megatron/backends/megatron/engine/dynamic.py",
            "                                   mscale=None):\n"
            "            mscale = concentration(config) if mscale is None else mscale",
            "                                   mscale=None):\n"

@@ -63,8 +63,8 @@ def in_process(repeats: int = 5) -> dict:
     from gspo_megatron.config import DEMO_RECIPE, load_config
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
-    from gspo_megatron.backends.megatron.routing import ModelRouting
-    from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
+    from gspo_megatron.backends.megatron.routing.diagnostics import routing_diagnostics
     from gspo_megatron.policy import make_policy_batch
     from gspo_megatron.config import OptimConfig
     from gspo_megatron.backends.megatron.policy import build_policy

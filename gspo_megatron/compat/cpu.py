@@ -337,7 +337,7 @@ def keep_freed_memory() -> None:
     Raising both thresholds (mmap 32 MB, glibc's maximum; trim 1 GB) keeps those pages. The
     price is a higher resident peak where memory is freed and not reused (the HF converter's
     shard-by-shard peak: 348 -> 458 MB on its test), so only the CPU rollout engine applies it
-    (:class:`~gspo_megatron.backends.megatron.dynamic_rollout.DynamicRollout`), never the
+    (:class:`~gspo_megatron.backends.megatron.engine.dynamic.DynamicRollout`), never the
     converter. No change to any result; a no-op outside glibc."""
     import ctypes
     import ctypes.util

@@ -6,7 +6,7 @@ controller calls under PP > 1); without CUDA it is relaxed to "not None" (the br
 on gloo). Nothing is done when CUDA is present.
 
 (Megatron's own static-batch loop also needed ``Tensor.cuda`` and CUDA timing events on CPU; the
-rollout engine runs its own loop, :class:`~gspo_megatron.backends.megatron.inference_hooks.
+rollout engine runs its own loop, :class:`~gspo_megatron.backends.megatron.engine.hooks.
 RolloutTextGenerationController`, which uses neither, so those process-wide patches are gone.)
 
 :func:`silence_static_engine_progress_bar` (CPU and GPU): the static engine draws a tqdm bar per

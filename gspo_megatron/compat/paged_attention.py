@@ -199,21 +199,32 @@ def _length_groups(lengths: torch.Tensor, depth: int = 3) -> list[torch.Tensor]:
     return groups
 
 
-def _step_plans(block_table: torch.Tensor, key: tuple, lengths: tuple, build):
-    """``build()``'s plans for this call, made once per forward step and kept on the step's
-    ``block_table`` tensor: megatron-core builds one view of its block-table buffer per step
-    (``MHAMetadata.update``) and hands the same view and the same length tensors to every
-    layer, so the first layer's plans serve the rest. Reused only for the very same
-    ``lengths`` tensors (held here, so their ids stay theirs) unmodified since (their and the
-    table's ``_version``); ``key``: what else the plans depend on (kind, shapes)."""
-    plans = getattr(block_table, "_gspo_paged_plans", None)
-    if plans is None:
-        plans = block_table._gspo_paged_plans = {}
-    versions = (block_table._version, *(t._version for t in lengths))
-    hit = plans.get(key)
-    if hit is None or hit[1] != versions or any(a is not b for a, b in zip(hit[0], lengths)):
-        hit = plans[key] = (lengths, versions, build())
-    return hit[2]
+class StepPlans:
+    """The plans of the current forward step, made by its first layer and reused by the rest:
+    megatron-core builds one view of its block-table buffer per step (``MHAMetadata.update``) and
+    hands the same view and the same length tensors to every layer. An entry is reused only for
+    the very same ``block_table`` and ``lengths`` tensors (held here, so their ids stay theirs),
+    unmodified since (their ``_version``); a new step's table drops the last step's plans."""
+
+    def __init__(self):
+        self._table: torch.Tensor | None = None
+        self._plans: dict = {}
+
+    def get(self, block_table: torch.Tensor, key: tuple, lengths: tuple, build):
+        """``build()``'s plans for this call; ``key``: what else they depend on (kind, shapes)."""
+        if block_table is not self._table:
+            self._table, self._plans = block_table, {}
+        versions = (block_table._version, *(t._version for t in lengths))
+        hit = self._plans.get(key)
+        if hit is None or hit[1] != versions or any(a is not b for a, b in zip(hit[0], lengths)):
+            hit = self._plans[key] = (lengths, versions, build())
+        return hit[2]
+
+
+def _step_plans(cache: StepPlans | None, block_table: torch.Tensor, key: tuple, lengths: tuple,
+                build):
+    """``build()``, through ``cache`` when there is one (the installed :class:`PagedAttention`)."""
+    return build() if cache is None else cache.get(block_table, key, lengths, build)
 
 
 def _decode_plans(q_lens: torch.Tensor, kv_lens: torch.Tensor, Lq: int,
@@ -242,7 +253,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
                            causal: bool = False, block_table: torch.Tensor | None = None,
-                           **unused: Any) -> torch.Tensor:
+                           plan_cache: StepPlans | None = None, **unused: Any) -> torch.Tensor:
     """Paged varlen attention (flash-attn 2 signature; only the ``block_table`` form).
 
     q ``[T, H, D]`` (tokens of request ``b`` at ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; tokens past
@@ -259,7 +270,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.zeros_like(q)
     if cu_seqlens_q.numel() <= 1 or T == 0:
         return out
-    plans = _step_plans(block_table, ("varlen", T, k.shape[1], causal),
+    plans = _step_plans(plan_cache, block_table, ("varlen", T, k.shape[1], causal),
                         (cu_seqlens_q, cu_seqlens_k),
                         lambda: _varlen_plans(cu_seqlens_q, cu_seqlens_k, T, block_table,
                                               k.shape[1], causal))
@@ -296,7 +307,8 @@ def _varlen_plans(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, T: int
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor | int | None = None, causal: bool = True,
                             block_table: torch.Tensor | None = None, num_splits: int = 0,
-                            softmax_scale: float | None = None, **unused: Any) -> torch.Tensor:
+                            softmax_scale: float | None = None, plan_cache: StepPlans | None = None,
+                            **unused: Any) -> torch.Tensor:
     """Paged decode attention (flash-attn 2 signature; only ``block_table`` with no new k/v).
 
     q ``[B, Sq, H, D]``; k_cache, v_cache ``[num_blocks, block_size, Hk, D]``; cache_seqlens
@@ -327,9 +339,27 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                                   k_cache.shape[1]))]
         q_lens = torch.full((B,), Sq, dtype=torch.long, device=q.device)
         return _decode_plans(q_lens, kv_lens, Sq, block_table, k_cache.shape[1], causal)
-    plans = _step_plans(block_table, ("decode", Sq, k_cache.shape[1], causal), (cache_seqlens,),
+    plans = _step_plans(plan_cache, block_table, ("decode", Sq, k_cache.shape[1], causal), (cache_seqlens,),
                         build)
     return _attend(q, plans, k_cache, v_cache, softmax_scale)
+
+
+class PagedAttention:
+    """What :func:`install` puts in Megatron's attention module: flash-attn's two paged entry
+    points sharing one :class:`StepPlans` (the layers of a step plan once)."""
+
+    def __init__(self):
+        self.plans = StepPlans()
+
+    def varlen(self, *args, **kwargs) -> torch.Tensor:
+        return flash_attn_varlen_func(*args, plan_cache=self.plans, **kwargs)
+
+    def with_kvcache(self, *args, **kwargs) -> torch.Tensor:
+        return flash_attn_with_kvcache(*args, plan_cache=self.plans, **kwargs)
+
+
+def _ours(fn) -> bool:
+    return isinstance(getattr(fn, "__self__", None), PagedAttention)
 
 
 def _attention_module(attention_module: ModuleType | None) -> ModuleType:
@@ -338,8 +368,7 @@ def _attention_module(attention_module: ModuleType | None) -> ModuleType:
 
 def installed(attention_module: ModuleType | None = None) -> bool:
     """Whether our fallback is what Megatron's attention module calls."""
-    return getattr(_attention_module(attention_module), "flash_attn_varlen_func",
-                   None) is flash_attn_varlen_func
+    return _ours(getattr(_attention_module(attention_module), "flash_attn_varlen_func", None))
 
 
 def install(attention_module: ModuleType | None = None) -> bool:
@@ -357,12 +386,13 @@ def install(attention_module: ModuleType | None = None) -> bool:
 
     @functools.wraps(original)
     def is_fa_min_version(version: str, check_equality: bool = True) -> bool:
-        if version == "2.7.3" and mod.flash_attn_varlen_func is flash_attn_varlen_func:
+        if version == "2.7.3" and _ours(mod.flash_attn_varlen_func):
             return True
         return original(version, check_equality)
 
-    mod.flash_attn_varlen_func = flash_attn_varlen_func
-    mod.flash_attn_with_kvcache = flash_attn_with_kvcache
+    paged = PagedAttention()
+    mod.flash_attn_varlen_func = paged.varlen
+    mod.flash_attn_with_kvcache = paged.with_kvcache
     mod.is_fa_min_version = is_fa_min_version
     logger.info("flash-attn is absent: the dynamic inference engine uses PyTorch SDPA paged "
                 "attention (gspo_megatron.compat.paged_attention)")

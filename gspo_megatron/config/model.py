@@ -264,7 +264,7 @@ class PrecisionConfig(Section, name="precision"):
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation (Megatron's knob)."""
     local_kernels: bool | None = None
-    """With the local spec: use :mod:`gspo_megatron.backends.megatron.local_kernels` (SDPA attention, keys
+    """With the local spec: use :mod:`gspo_megatron.backends.megatron.kernels.local` (SDPA attention, keys
     rotated once in the static KV cache, ``F.linear`` at TP=1, the experts as two grouped GEMMs
     where ``torch._grouped_mm`` runs: CPU, bf16 on Hopper): same parameters and checkpoints,
     1.5-2x faster rollouts on CPU, 7.0x Megatron's local spec in a training pass on an H200

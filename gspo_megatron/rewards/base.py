@@ -35,8 +35,8 @@ class RewardFn(Protocol):
     def __call__(self, response: str, answer: str, example: "PromptExample | None" = None) -> float: ...
 
 
-_REGISTRY: dict[str, Callable[..., float]] = {}
-_REQUIRES: dict[str, tuple[str, str]] = {}  # name -> (module to import, pip package)
+REGISTERED_REWARDS: dict[str, Callable[..., float]] = {}
+REWARD_REQUIREMENTS: dict[str, tuple[str, str]] = {}  # name -> (module to import, pip package)
 
 #: Rewards at or above this count as correct (``reward/accuracy``).
 CORRECT_THRESHOLD = 1.0
@@ -58,11 +58,11 @@ def register_reward(name: str, requires: tuple[str, str] | None = None, cheap: b
     """
 
     def deco(fn: Callable[..., float]) -> Callable[..., float]:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"Reward '{name}' is already registered ({_REGISTRY[name]!r})")
-        _REGISTRY[name] = fn
+        if name in REGISTERED_REWARDS and REGISTERED_REWARDS[name] is not fn:
+            raise ValueError(f"Reward '{name}' is already registered ({REGISTERED_REWARDS[name]!r})")
+        REGISTERED_REWARDS[name] = fn
         if requires is not None:
-            _REQUIRES[name] = requires
+            REWARD_REQUIREMENTS[name] = requires
         if cheap:
             fn.reward_is_cheap = True  # type: ignore[attr-defined]
         if warmup is not None:

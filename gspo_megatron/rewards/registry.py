@@ -39,7 +39,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from gspo_megatron.rewards import math as builtin_rewards  # noqa: F401  (registers the built-ins)
-from gspo_megatron.rewards.base import (_REGISTRY, _REQUIRES, CORRECT_THRESHOLD, Outcome, RewardFn,
+from gspo_megatron.rewards.base import (REGISTERED_REWARDS, REWARD_REQUIREMENTS, CORRECT_THRESHOLD, Outcome, RewardFn,
                                         RewardRunner, is_cheap, is_correct, register_reward,
                                         to_float, warmup_call)
 
@@ -67,7 +67,7 @@ _HUNG: list[threading.Thread] = []  # timed-out threads, kept to report how many
 
 def list_rewards() -> list[str]:
     """Names of all registered reward functions."""
-    return sorted(_REGISTRY)
+    return sorted(REGISTERED_REWARDS)
 
 
 def _import_user_module(path: str, module_name: str, search_dirs: Sequence[str] = ()):
@@ -131,16 +131,16 @@ def get_reward_fn(name: str | Callable[..., float],
     """
     if callable(name):
         return name
-    if name in _REGISTRY:
-        if name in _REQUIRES:
-            module, package = _REQUIRES[name]
+    if name in REGISTERED_REWARDS:
+        if name in REWARD_REQUIREMENTS:
+            module, package = REWARD_REQUIREMENTS[name]
             if importlib.util.find_spec(module) is None:
                 raise ImportError(f"Reward '{name}' needs the '{package}' package: `pip install {package}`")
-        return _REGISTRY[name]
+        return REGISTERED_REWARDS[name]
     if "." in name or ":" in name:
         return _import_dotted(name, search_dirs)
     raise ValueError(
-        f"Unknown reward '{name}'. Registered rewards: {', '.join(sorted(_REGISTRY))}; "
+        f"Unknown reward '{name}'. Registered rewards: {', '.join(sorted(REGISTERED_REWARDS))}; "
         "or give a dotted path 'package.module:function'"
     )
 

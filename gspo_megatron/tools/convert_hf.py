@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.backends.megatron.hf_config import load_hf_config, model_config_from_hf
-from gspo_megatron.backends.megatron.hf_weights import hf_expected_shapes, place, uses_fused_experts
+from gspo_megatron.backends.megatron.hf.config import load_hf_config, model_config_from_hf
+from gspo_megatron.backends.megatron.hf.weights import hf_expected_shapes, place, uses_fused_experts
 from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig
 
 logger = logging.getLogger("gspo-convert-hf")
@@ -194,24 +194,24 @@ def validate_hf_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig) -> None:
                          "unsupported architecture feature?")
 
 
-def _fresh_temp_dir(out: str) -> str:
+def fresh_temp_dir(out: str) -> str:
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
     return os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-{uuid.uuid4().hex[:8]}")
 
 
-def _check_destination(out: str, overwrite: bool) -> None:
+def check_destination(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"destination exists and is not a directory: {out}")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise FileExistsError(f"destination is not empty: {out} (pass --overwrite to replace it)")
 
 
-def _commit(tmp: str, out: str) -> None:
+def commit_output(tmp: str, out: str) -> None:
     """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed after."""
     old = None
     if os.path.lexists(out):
-        old = _fresh_temp_dir(out) + ".old"
+        old = fresh_temp_dir(out) + ".old"
         os.rename(out, old)
     os.rename(tmp, out)
     if old:
@@ -226,7 +226,7 @@ def fill_model_from_hf(gpt_model, cfg: ModelConfig, ckpt: HFCheckpoint) -> int:
     """
     from safetensors import safe_open
 
-    from gspo_megatron.backends.megatron.hf_weights import conversion_plan_for_model, mcore_tensor_names
+    from gspo_megatron.backends.megatron.hf.weights import conversion_plan_for_model, mcore_tensor_names
 
     state = gpt_model.state_dict()
     plan = conversion_plan_for_model(gpt_model, cfg, fused_experts=ckpt.fused_experts)
@@ -308,7 +308,7 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
 
     # Validate everything before a process group, a weight or a file exists.
-    _check_destination(out, overwrite)
+    check_destination(out, overwrite)
     ckpt = read_hf_checkpoint(hf_dir)
     model_overrides.setdefault("preset", hf_model_name(ckpt.config, hf_dir))
     cfg = model_config_from_hf(ckpt.config, **model_overrides)
@@ -327,7 +327,7 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
     tmp = None
     try:
         rank0 = groups.rank == 0
-        names = [_fresh_temp_dir(out) if rank0 else None]
+        names = [fresh_temp_dir(out) if rank0 else None]
         if groups.world_size > 1:
             dist.broadcast_object_list(names, src=0)
         tmp = names[0]
@@ -359,7 +359,7 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
                 json.dump({"dtype": hf_config_dtype(ckpt.config) or str(ckpt.dtype()).removeprefix("torch."),
                            "hf_dir": os.path.abspath(hf_dir)}, f, indent=2, sort_keys=True)
             copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
-            _commit(tmp, out)
+            commit_output(tmp, out)
             tmp = None
         if groups.world_size > 1:
             dist.barrier()

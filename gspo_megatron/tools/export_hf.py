@@ -32,12 +32,12 @@ import sys
 
 import torch
 
-from gspo_megatron.backends.megatron.hf_config import hf_config_from_model_config, model_config_from_hf
-from gspo_megatron.backends.megatron.hf_weights import conversion_plan, extract, hf_expected_shapes
+from gspo_megatron.backends.megatron.hf.config import hf_config_from_model_config, model_config_from_hf
+from gspo_megatron.backends.megatron.hf.weights import conversion_plan, extract, hf_expected_shapes
 from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig, find_converted_dir
 from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, HF_FILES_DIR, HF_SOURCE_FILE,
                                             SIDE_FILES, ConversionError,
-                                            _check_destination, _commit, _fresh_temp_dir,
+                                            check_destination, commit_output, fresh_temp_dir,
                                             copy_side_files, hf_config_dtype, hide_gpus,
                                             release_freed_memory_eagerly, run_cli)
 
@@ -149,13 +149,13 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
 
     from gspo_megatron.backends.megatron.checkpoint import (checkpoint_tensor_dtype,
                                                             load_model_weights, resolve_weights_dir)
-    from gspo_megatron.backends.megatron.hf_config import load_hf_config
+    from gspo_megatron.backends.megatron.hf.config import load_hf_config
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
 
     # Validate everything before a process group, a weight or a file exists.
-    _check_destination(out, overwrite)
+    check_destination(out, overwrite)
     weights_dir = resolve_weights_dir(mcore_dir)  # CheckpointError: missing / not a checkpoint
     for opt, path in (("--hf-dir", hf_dir), ("--copy-side-files-from", copy_side_files_from)):
         if path is not None and not os.path.isdir(path):
@@ -197,7 +197,7 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
     owns_dist = not dist.is_initialized()
     parallel = ParallelConfig(sequence_parallel=False)
     initialize_distributed(parallel, cfg, seed=0)
-    tmp = _fresh_temp_dir(out)
+    tmp = fresh_temp_dir(out)
     try:
         gpt = build_gpt_model(
             cfg, parallel, PrecisionConfig(transformer_impl="local"), pre_process=True,
@@ -212,7 +212,7 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_out, f, indent=2, sort_keys=True)
         carried = copy_side_files(side_dir, tmp) if side_dir else []
-        _commit(tmp, out)
+        commit_output(tmp, out)
         logger.info("wrote %s from %s (%d safetensors file(s), %s; carried: %s)", out, weights_dir,
                     len(files), dtype_name, ", ".join(carried) or "nothing")
     finally:

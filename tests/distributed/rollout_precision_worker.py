@@ -14,7 +14,7 @@ import torch
 
 from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 from gspo_megatron.backends.megatron.policy import build_policy
-from gspo_megatron.backends.megatron.rollout import RolloutEngine
+from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
 from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
 from gspo_megatron.config import OptimConfig, RolloutConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig

@@ -18,11 +18,11 @@ import torch
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
 from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
-from gspo_megatron.backends.megatron.rollout import RolloutEngine
+from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
 from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
 from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
-from gspo_megatron.backends.megatron.rollout_routes import rollout_disagreement, rollout_route_store
+from gspo_megatron.backends.megatron.routing.rollout_routes import rollout_disagreement, rollout_route_store
 
 VOCAB, EOS = 16, 2
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from gspo_megatron.algorithms import PolicyGradientObjective, PolicyLossConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
 from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
-from gspo_megatron.backends.megatron.routing import ModelRouting
-from gspo_megatron.backends.megatron.routing_diagnostics import route_drift, routing_diagnostics
+from gspo_megatron.backends.megatron.routing.replay import ModelRouting
+from gspo_megatron.backends.megatron.routing.diagnostics import route_drift, routing_diagnostics
 from gspo_megatron.routing.stats import multi_hot
 from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.config import OptimConfig

@@ -44,7 +44,7 @@ def _check(local_out, local_inputs, ref_out, ref_grads, index, cotangent):
 
 
 def _worker(rank: int, size: int, port: int) -> None:
-    from gspo_megatron.backends.megatron.row_attention import (context_parallel_sdpa,
+    from gspo_megatron.backends.megatron.kernels.row_attention import (context_parallel_sdpa,
                                                                packed_context_parallel_sdpa,
                                                                packed_sdpa)
     from gspo_megatron.layout import ContextShard, PackedRows

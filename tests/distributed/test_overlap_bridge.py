@@ -1,11 +1,11 @@
-"""The bridge of ``rollout.placement: separate`` (:mod:`gspo_megatron.overlap`) on 2 gloo
+"""The bridge of ``rollout.placement: separate`` (:mod:`gspo_megatron.rollouts.remote`) on 2 gloo
 processes, with no model: one trainer rank, one rollout rank.
 
 * the protocol: the rollout of step ``t`` samples with weights version ``max(0, t - k)`` (the
   weight channel's broadcast of two dtypes' buffers, read whole) and the trainer takes every step
   in order, for ``k`` = 0, 1 and 3;
 * a side that dies never leaves the other waiting: a rollout rank killed before it samples step 2
-  makes the trainer's ``take`` raise :class:`~gspo_megatron.overlap.PeerLost` naming the rank and
+  makes the trainer's ``take`` raise :class:`~gspo_megatron.rollouts.remote.PeerLost` naming the rank and
   what was awaited, within seconds, and a trainer that dies makes the rollout rank raise it
   (the launcher's job: on another node no agent would kill the survivor).
 """
@@ -55,7 +55,7 @@ def _version(weights) -> int:
 
 
 def _side(rank: int, port: int, k: int, die: str, queue) -> None:
-    from gspo_megatron.overlap import PeerLost, Placement, RemoteRollouts, serve_rollouts, start_sides
+    from gspo_megatron.rollouts.remote import PeerLost, Placement, RemoteRollouts, serve_rollouts, start_sides
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", OMP_NUM_THREADS="1")

@@ -1,4 +1,4 @@
-"""Rollouts on their own ranks (``rollout.placement: separate``, :mod:`gspo_megatron.overlap`):
+"""Rollouts on their own ranks (``rollout.placement: separate``, :mod:`gspo_megatron.rollouts.remote`):
 one trainer rank and one rollout rank on 2 gloo processes, the rollout of step t sampled with the
 weights of step t - k.
 

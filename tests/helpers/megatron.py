@@ -43,10 +43,10 @@ def grads_to_params(gpt_model) -> None:
 
 def full_state(gpt_model) -> dict[str, torch.Tensor] | None:
     """Every tensor of ``gpt_model``'s sharded state dict assembled whole on rank 0 (None on the
-    other ranks; :func:`~gspo_megatron.backends.megatron.weight_sync.gather_full_state`): what
+    other ranks; :func:`~gspo_megatron.backends.megatron.weight_transfer.gather_full_state`): what
     ``dist_checkpointing`` saves, unsharded over TP/EP/PP/DP/CP, in memory. After
     :func:`grads_to_params`, the gradients."""
-    from gspo_megatron.backends.megatron.weight_sync import gather_full_state
+    from gspo_megatron.backends.megatron.weight_transfer import gather_full_state
 
     return gather_full_state(gpt_model)
 

@@ -13,7 +13,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "gspo_megatron"
 FRAMEWORK_FREE = ["trainer.py", "stages.py", "policy.py", "layout.py", "sections.py",
                   "distributed.py", "faults.py", "metrics.py",
-                  "algorithms", "routing/stats.py", "config", "data", "rewards"]
+                  "algorithms", "routing/stats.py", "config", "data", "rewards", "rollouts"]
 
 
 def _files(entry: str) -> list[Path]:
@@ -42,7 +42,7 @@ def test_no_megatron_import_statement(entry):
 
 def test_importing_the_loop_loads_no_megatron():
     code = ("import sys, gspo_megatron.trainer, gspo_megatron.stages, gspo_megatron.layout, "
-            "gspo_megatron.algorithms, "
+            "gspo_megatron.algorithms, gspo_megatron.rollouts.partial, gspo_megatron.rollouts.remote, "
             "gspo_megatron.routing.stats, gspo_megatron.policy, gspo_megatron.config\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'megatron', 'transformer_engine', 'apex'}))")
@@ -59,3 +59,14 @@ def test_megatron_lives_only_in_backends_and_compat():
         if any(n.split(".")[0] == "megatron" for n in _imports(path)):
             outside.append(rel)
     assert not outside, f"megatron imported outside backends/ and compat/: {outside}"
+
+
+def test_no_private_names_imported_across_modules():
+    """A module uses another's public names only: a ``_name`` it needs is made public (or moved)."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gspo_megatron"):
+                found += [f"{path.relative_to(PKG.parent)}: {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_")]
+    assert not found, found

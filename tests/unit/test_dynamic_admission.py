@@ -1,4 +1,4 @@
-"""Batched admission into the dynamic engine (:mod:`gspo_megatron.backends.megatron.dynamic_admission`):
+"""Batched admission into the dynamic engine (:mod:`gspo_megatron.backends.megatron.engine.admission`):
 the context a batch leaves, and the queue, are what Megatron's one-at-a-time non-chunked scheduling
 (``check_availability`` then ``add_request`` per request, stopping at the first that does not fit)
 leaves, tensor for tensor (block ids included), when the queue fits whole, when the request limit
@@ -23,7 +23,7 @@ TOKEN_TENSORS = ("token_to_input_ids", "token_to_pos_ids", "token_to_request_idx
 
 
 def dynamic(setup, max_tokens=None):  # noqa: F811
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config import RolloutConfig
 
     policy, groups = setup
@@ -46,7 +46,7 @@ def queue(eng, lengths, seed, megatrons=False):
 
     from megatron.core.inference.inference_request import DynamicInferenceRequest
 
-    from gspo_megatron.backends.megatron.dynamic_admission import RolloutRequest
+    from gspo_megatron.backends.megatron.engine.admission import RolloutRequest
 
     sp = eng._sampling()[0]
     sp.num_tokens_to_generate = 4
@@ -87,7 +87,7 @@ def state(ctx, waiting) -> dict:
 ])
 def test_a_batch_leaves_what_one_by_one_admission_leaves(setup, lengths, max_tokens,  # noqa: F811
                                                          waits):
-    from gspo_megatron.backends.megatron.dynamic_admission import admit_waiting
+    from gspo_megatron.backends.megatron.engine.admission import admit_waiting
 
     ours, megatrons = dynamic(setup, max_tokens), dynamic(setup, max_tokens)
     mine = queue(ours, lengths, seed=len(lengths))

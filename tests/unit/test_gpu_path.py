@@ -139,7 +139,7 @@ def test_gpu_check_reward_and_comparison(tmp_path):
 def test_engine_choice():
     """``auto`` is the dynamic engine everywhere (expert-parallel ranks in lock-step, R3 from its
     packed buffer); neither engine pads pipeline-parallel ranks for EP lock-step."""
-    from gspo_megatron.backends.megatron.rollout import choose_backend
+    from gspo_megatron.backends.megatron.engine.rollout import choose_backend
 
     assert choose_backend("auto") == "dynamic"
     assert choose_backend("auto", pp_size=1, ep_size=8) == "dynamic"

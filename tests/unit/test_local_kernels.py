@@ -1,4 +1,4 @@
-"""gspo_megatron.backends.megatron.local_kernels: the faster local-spec modules against float64 references and
+"""gspo_megatron.backends.megatron.kernels.local: the faster local-spec modules against float64 references and
 against Megatron's own modules (``precision.local_kernels=False``) with the same weights.
 
 The model-level tests cover every short path: SDPA attention (causal training forward, prefill and
@@ -45,8 +45,8 @@ def setup():
 
 
 def test_the_swap_happened(setup):
-    from gspo_megatron.backends.megatron import local_kernels as lk
-    from gspo_megatron.backends.megatron import local_moe
+    from gspo_megatron.backends.megatron.kernels import local as lk
+    from gspo_megatron.backends.megatron.kernels import moe as local_moe
 
     _, _, fast, ref = setup
     kinds = {type(m) for m in fast.unwrapped().modules()}
@@ -74,7 +74,7 @@ def _reference_attention(q, k, v, scale, mask):
 def test_sdpa_attention_matches_float64(setup, case):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from gspo_megatron.backends.megatron.local_kernels import SDPADotProductAttention
+    from gspo_megatron.backends.megatron.kernels.local import SDPADotProductAttention
 
     fast = setup[2]
     config = fast.transformer_config
@@ -139,7 +139,7 @@ def test_greedy_generation_matches_megatron_modules(setup, kind):
     engine's KV cache (left padding, RoPE once, SDPA over the cache) and the dynamic engine's
     paged cache."""
     from gspo_megatron.config import RolloutConfig
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
 
     model, groups, fast, ref = setup
     gen = torch.Generator().manual_seed(5)
@@ -168,7 +168,7 @@ def test_shared_rotation_is_megatrons_bitwise(rot_dim):
     Megatron's unfused ``_apply_rotary_pos_emb_bshd``, for full and partial rotary dims."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from gspo_megatron.backends.megatron.local_kernels import _rotate
+    from gspo_megatron.backends.megatron.kernels.rotary import rotate as _rotate
 
     gen = torch.Generator().manual_seed(rot_dim)
     t = torch.randn(5, 3, 4, 16, generator=gen)
@@ -184,7 +184,7 @@ def test_direct_moe_layer_is_the_dispatchers_result_bitwise(setup):
     forward hooks fire: R2/R3 record and replay there)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from gspo_megatron.backends.megatron.local_moe import DirectMoELayer
+    from gspo_megatron.backends.megatron.kernels.moe import DirectMoELayer
 
     fast = setup[2]
     layer = next(m for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer))
@@ -206,7 +206,7 @@ def test_grouped_experts_inside_the_rollout_scope_equal_the_loop(setup):
     """Inside ``stacked_expert_weights`` (one generate) a CPU MoE layer's experts run as two
     ``torch._grouped_mm`` calls: bitwise the per-expert loop's output, including an expert that
     gets no token; with autograd on, or after the scope, the loop runs (weights may change)."""
-    from gspo_megatron.backends.megatron.local_moe import LoopedSequentialMLP, stacked_expert_weights
+    from gspo_megatron.backends.megatron.kernels.moe import LoopedSequentialMLP, stacked_expert_weights
 
     fast = setup[2]
     mlps = [m for m in fast.unwrapped().modules() if isinstance(m, LoopedSequentialMLP)]
@@ -246,7 +246,7 @@ def test_grouped_training_experts_are_the_loop_bitwise(setup):
     over weights stacked inside autograd: output, input/probs gradients and every expert's weight
     gradient (DDP's ``main_grad``) are bitwise the per-expert loop's, an empty expert included
     (its weights get an exact zero gradient, as in the loop)."""
-    from gspo_megatron.backends.megatron.local_moe import LoopedSequentialMLP
+    from gspo_megatron.backends.megatron.kernels.moe import LoopedSequentialMLP
 
     fast = setup[2]
     mlp = next(m for m in fast.unwrapped().modules() if isinstance(m, LoopedSequentialMLP))
@@ -287,7 +287,7 @@ def test_direct_moe_layer_with_autograd_is_the_dispatchers_bitwise(setup):
     pass values and gradients through unchanged."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from gspo_megatron.backends.megatron.local_moe import DirectMoELayer
+    from gspo_megatron.backends.megatron.kernels.moe import DirectMoELayer
 
     fast = setup[2]
     layer = next(m for m in fast.unwrapped().modules() if isinstance(m, DirectMoELayer))
@@ -313,7 +313,7 @@ def test_lean_attention_is_megatrons_bitwise(setup):
     forward (one shared cos/sin table, no per-call branching): output, input gradient and the
     QKV/norm/projection ``main_grad`` are bitwise ``Attention.forward``'s, and the shared table
     is reused across calls with the same rotary table."""
-    from gspo_megatron.backends.megatron import local_kernels as lk
+    from gspo_megatron.backends.megatron.kernels import local as lk
 
     fast = setup[2]
     gpt = fast.unwrapped()
@@ -345,8 +345,10 @@ def test_lean_attention_is_megatrons_bitwise(setup):
     assert torch.equal(y1, y2) and torch.equal(n1, n2) and torch.equal(x1, x2)
     assert all(torch.equal(w1[n], w2[n]) for n in w1)
     assert sum(int(w1[n].abs().sum() > 0) for n in w1) == 4  # qkv, q/k norms, projection
-    cos, sin, rot = lk._rope_tables(freqs, torch.float32, attn._mscale)
-    assert lk._rope_tables(freqs, torch.float32, attn._mscale)[0] is cos and rot == freqs.shape[-1]
+    get = lambda: attn._rope_cache.get((id(freqs), torch.float32), lambda: freqs,  # noqa: E731
+                                       attn._mscale, torch.float32, pin=(freqs,))
+    cos, sin, rot = get()
+    assert get().cos is cos and rot == freqs.shape[-1]  # made once per table
     assert torch.equal(cos, torch.cos(freqs) * attn._mscale)
 
 
@@ -355,8 +357,8 @@ def test_paged_attention_forward_and_kv_append_are_megatrons_bitwise(setup):
     appends keys/values with one ``index_copy_`` per tensor: sampled tokens and their
     log-probs are bitwise those of Megatron's ``Attention.forward`` and ``append_key_value_cache``
     (more prompts than slots, so steps mix prefills with decodes)."""
-    from gspo_megatron.backends.megatron import local_kernels as lk
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.kernels import local as lk
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config import RolloutConfig
 
     model, groups, fast, _ = setup
@@ -401,8 +403,8 @@ def test_training_short_paths_are_bitwise_megatrons(setup):
     grouped experts and the lean attention gives bitwise the loss and every ``main_grad`` of the
     same model through Megatron's dispatcher, the per-expert loop and ``Attention.forward``; the
     no-grad log-prob pass too."""
-    from gspo_megatron.backends.megatron.local_kernels import RopeOnceSelfAttention
-    from gspo_megatron.backends.megatron.local_moe import DirectMoELayer, LoopedSequentialMLP
+    from gspo_megatron.backends.megatron.kernels.local import RopeOnceSelfAttention
+    from gspo_megatron.backends.megatron.kernels.moe import DirectMoELayer, LoopedSequentialMLP
     from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
     from tests.helpers.megatron import train_sft_minibatch
 
@@ -462,7 +464,7 @@ def test_sdpa_attention_bf16_matches_float64(setup, case):
     the float64 reference on the same (bf16-representable) inputs."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from gspo_megatron.backends.megatron.local_kernels import SDPADotProductAttention
+    from gspo_megatron.backends.megatron.kernels.local import SDPADotProductAttention
 
     config = setup[2].transformer_config
     attn = SDPADotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
@@ -484,9 +486,9 @@ def test_each_kernel_bf16_forward_matches_its_fp32_forward(setup):
     """Every local-kernel module of a bf16 copy of the model (``rollout.precision=bf16``), fed the
     inputs it saw in a bf16 forward, agrees with the same fp32 module fed those inputs upcast:
     the kernel's own bf16 error only (a few bf16 steps relative to the output's scale)."""
-    from gspo_megatron.backends.megatron.rollout import SamplingCopy
-    from gspo_megatron.backends.megatron import local_kernels as lk
-    from gspo_megatron.backends.megatron.local_moe import LoopedSequentialMLP
+    from gspo_megatron.backends.megatron.engine.rollout import SamplingCopy
+    from gspo_megatron.backends.megatron.kernels import local as lk
+    from gspo_megatron.backends.megatron.kernels.moe import LoopedSequentialMLP
 
     model, _, fast, _ = setup
     live = fast.unwrapped()
@@ -532,7 +534,7 @@ def test_each_kernel_bf16_forward_matches_its_fp32_forward(setup):
 def test_bf16_rollouts_match_megatron_modules(setup):
     """bf16 rollouts (KV-cache decoding, keys rotated once) with the local kernels and with
     Megatron's own modules: same weights, log-probs of the same tokens within bf16 tolerance."""
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config import RolloutConfig
 
     model, groups, fast, ref = setup

@@ -128,7 +128,7 @@ def test_packed_attention_groups_by_length_and_matches_each_sequence_alone():
 
     import torch.nn.functional as F
 
-    from gspo_megatron.backends.megatron.row_attention import length_groups, packed_sdpa
+    from gspo_megatron.backends.megatron.kernels.row_attention import length_groups, packed_sdpa
 
     gen = torch.Generator().manual_seed(3)
     lens = [3, 40, 5, 17, 1, 9, 33, 2, 11]
@@ -331,7 +331,7 @@ def test_packed_routing_replay_equals_padded(setup, mode):
     rollout engine's covers all but the last token, replayed with free routing elsewhere). The
     replayed update's loss and gradients are the same packed and padded, and differ from free
     routing (the replay is not a no-op)."""
-    from gspo_megatron.backends.megatron.routing import ModelRouting, RouteStore
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting, RouteStore
 
     policy, groups, batch, state = setup
     routing = ModelRouting(policy.model, groups)

@@ -192,8 +192,10 @@ def test_install_into_megatron_attention(monkeypatch, caplog):
     with caplog.at_level("INFO", logger=pa.__name__):
         assert pa.install() is True
     assert len([r for r in caplog.records if r.name == pa.__name__]) == 1
-    assert attention.flash_attn_varlen_func is pa.flash_attn_varlen_func
-    assert attention.flash_attn_with_kvcache is pa.flash_attn_with_kvcache
+    paged = attention.flash_attn_varlen_func.__self__  # one object, one plan cache, both calls
+    assert isinstance(paged, pa.PagedAttention)
+    assert attention.flash_attn_varlen_func == paged.varlen
+    assert attention.flash_attn_with_kvcache == paged.with_kvcache
     assert attention.is_fa_min_version("2.7.3") is True
     assert pa.installed()
     wrapped = attention.is_fa_min_version
@@ -226,3 +228,20 @@ def test_unwritten_cache_slots_never_reach_the_output(kv_lens):
                                        causal=True, block_table=table)
     assert torch.isfinite(dirty).all()
     torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+
+
+def test_step_plans_are_made_once_per_step_and_dropped_with_it():
+    """The layers of one step share its plans; a changed length tensor or a new step's table
+    plans again (a stale plan would attend to the wrong keys)."""
+    plans, calls = pa.StepPlans(), []
+    table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.tensor([3, 5])
+
+    def build():
+        calls.append(1)
+        return len(calls)
+
+    assert plans.get(table, ("decode",), (lens,), build) == 1
+    assert plans.get(table, ("decode",), (lens,), build) == 1  # the next layer: no new plan
+    lens += 1  # the engine wrote the lengths in place: a new plan
+    assert plans.get(table, ("decode",), (lens,), build) == 2
+    assert plans.get(table.clone(), ("decode",), (lens,), build) == 3  # the next step's table

@@ -1,4 +1,4 @@
-"""Partial rollouts (:mod:`gspo_megatron.partial_rollouts`) against a scripted generator: which
+"""Partial rollouts (:mod:`gspo_megatron.rollouts.partial`) against a scripted generator: which
 requests run, with what prompt and budget, when the rollout stops, which groups a step trains on,
 and that a pool restored from its state dict goes on exactly as the original."""
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gspo_megatron.partial_rollouts import PartialRollouts
+from gspo_megatron.rollouts.partial import PartialRollouts
 from gspo_megatron.policy import GroupStop, RolloutSample
 
 G, NEED, IN_FLIGHT, MAX_NEW, EOS = 2, 2, 4, 12, 99

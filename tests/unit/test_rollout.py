@@ -14,7 +14,7 @@ import torch
 
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
-from gspo_megatron.backends.megatron.rollout import RolloutEngine, RolloutSample
+from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine, RolloutSample
 from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
 from tests.helpers.megatron import generate_groups

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.backends.megatron.rollout import RolloutEngine, SamplingCopy
+from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine, SamplingCopy
 from gspo_megatron.config import RolloutConfig
 from tests.unit.test_rollout import (EOS, PAD, VOCAB, assert_valid_samples, make_prompts,  # noqa: F401
                                      setup, trainer_logprobs)

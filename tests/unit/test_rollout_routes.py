@@ -16,7 +16,7 @@ import torch
 
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
-from gspo_megatron.backends.megatron.rollout_routes import rollout_disagreement, rollout_route_store
+from gspo_megatron.backends.megatron.routing.rollout_routes import rollout_disagreement, rollout_route_store
 from gspo_megatron.policy import make_policy_batch
 
 pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
@@ -51,7 +51,7 @@ def make_prompts(n=24, seed=0):
 
 
 def make_engine(setup, record_routes=True, **cfg):
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
 
     policy, groups = setup
     cfg = {"max_new_tokens": 8, "max_batch_size": 16, **cfg}

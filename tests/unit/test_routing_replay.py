@@ -46,7 +46,7 @@ def saved_weights(setup):
 
 
 def test_layers_and_compact_store(setup):
-    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -61,7 +61,7 @@ def test_layers_and_compact_store(setup):
 
 
 def test_replay_with_unchanged_weights_is_bit_identical(setup):
-    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -78,7 +78,7 @@ def test_replay_with_unchanged_weights_is_bit_identical(setup):
 
 
 def test_perturbed_weights_replay_recorded_routes_and_router_gets_gradient(setup, saved_weights):
-    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
     from gspo_megatron.routing.stats import multi_hot
 
     _, groups, policy, batch = setup
@@ -113,8 +113,8 @@ def test_training_forwards_record_the_free_routes_also_under_replay(setup, saved
     capture_natural gives, per layer, the router's own top-k on the hidden states that replay
     produced: the first MoE layer's equal free routing's, deeper ones are conditioned on the
     replayed layers below."""
-    from gspo_megatron.backends.megatron.routing import ModelRouting
-    from gspo_megatron.backends.megatron.routing_diagnostics import route_drift
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
+    from gspo_megatron.backends.megatron.routing.diagnostics import route_drift
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -147,7 +147,7 @@ def test_reference_model_does_not_mix_into_the_policy_routers(setup, saved_weigh
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     from gspo_megatron.backends.megatron.model import build_gpt_model
-    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
 
     model, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -178,7 +178,7 @@ def test_reference_model_does_not_mix_into_the_policy_routers(setup, saved_weigh
 
 
 def test_replay_rejects_a_mismatched_layout(setup):
-    from gspo_megatron.backends.megatron.routing import ModelRouting
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
 
     _, groups, policy, batch = setup
     routing = ModelRouting(policy.model, groups)
@@ -194,8 +194,8 @@ def test_replay_rejects_a_mismatched_layout(setup):
 
 def test_diagnostics_zero_when_nothing_changed(setup):
     from gspo_megatron.algorithms import PolicyGradientObjective, PolicyLossConfig
-    from gspo_megatron.backends.megatron.routing import ModelRouting
-    from gspo_megatron.backends.megatron.routing_diagnostics import routing_diagnostics
+    from gspo_megatron.backends.megatron.routing.replay import ModelRouting
+    from gspo_megatron.backends.megatron.routing.diagnostics import routing_diagnostics
     from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
 
     _, groups, policy, batch = setup

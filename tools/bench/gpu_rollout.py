@@ -84,7 +84,7 @@ def run(size: str = "full", tiny: bool = False) -> dict:
 
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config import RolloutConfig
     from gspo_megatron.config.loader import load_config
     from gspo_megatron.config.model import model_config_from_preset

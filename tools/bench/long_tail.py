@@ -50,7 +50,7 @@ def _child(spec: dict) -> dict:
 
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config import OptimConfig, RolloutConfig
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
     from tools.bench.common import median, quiet_megatron
@@ -121,8 +121,8 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
     import dataclasses
     import time
 
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
-    from gspo_megatron.partial_rollouts import PartialRollouts
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
+    from gspo_megatron.rollouts.partial import PartialRollouts
     from tools.bench.common import median
 
     need = len(prompts) // GROUP

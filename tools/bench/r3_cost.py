@@ -114,12 +114,12 @@ def _measure(name: str, overrides: dict, smoke: bool, rounds: int, batch: int, p
 
     import torch
 
-    from gspo_megatron.backends.megatron.rollout import RolloutEngine
-    from gspo_megatron.backends.megatron.rollout_routes import ROLLOUT_ROUTES_KEY
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.routing.rollout_routes import ROLLOUT_ROUTES_KEY
     from gspo_megatron.config import DEMO_RECIPE, RolloutConfig, load_config
     from gspo_megatron.config.model import model_config_from_preset
     from gspo_megatron.policy import make_policy_batch
-    from gspo_megatron.backends.megatron.routing_session import PolicyRouting
+    from gspo_megatron.backends.megatron.routing.session import PolicyRouting
     from gspo_megatron.stages import batch_stage, update_stage
     from tools.bench import _model
     seq = prompt_len + new_tokens

@@ -38,7 +38,7 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
     import torch
 
     from gspo_megatron.config import DEMO_RECIPE, RolloutConfig, TrainConfig, load_config
-    from gspo_megatron.backends.megatron.routing_session import StepRouting
+    from gspo_megatron.backends.megatron.routing.session import StepRouting
     from gspo_megatron.backends.megatron.schedule import ScoringConfig, compute_logprobs
     from tools.bench import _model
     from tools.bench.common import (interleaved, make_result, median, median_ratio,
@@ -106,7 +106,7 @@ def run(smoke: bool = False, rounds: int = 5, batch: int = 16, seq: int = 256,
                 phase(name, step)
 
         # The rollout of the same RL batch (prompt -> seq tokens), for the full-step ratio.
-        from gspo_megatron.backends.megatron.rollout import RolloutEngine
+        from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
 
         prompt_len = seq // 4
         engine = RolloutEngine(plain.model, groups, eos_id=cfg.vocab_size - 1, pad_id=0,

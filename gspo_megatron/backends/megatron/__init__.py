@@ -1,2 +1,12 @@
-"""The Megatron-Core backend: parallel setup, model build and HF mapping, :class:`MegatronPolicy`,
-the rollout engine, routing replay and checkpoints. Nothing outside ``backends/`` imports megatron."""
+"""The Megatron-Core backend behind :class:`gspo_megatron.policy.Policy`. Nothing outside
+``backends/`` imports megatron.
+
+- :mod:`.parallel`, :mod:`.model`, :mod:`.policy`, :mod:`.schedule`, :mod:`.logprobs`,
+  :mod:`.checkpoint`: process groups, the ``GPTModel``, the policy (optimizer, updates, log-prob
+  passes) and checkpoints.
+- :mod:`.engine`: the rollout engine on Megatron's inference stack.
+- :mod:`.routing`: MoE route record / replay (R2, R3) and diagnostics.
+- :mod:`.kernels`: faster modules for the local layer spec.
+- :mod:`.hf`: Hugging Face Qwen3-MoE config and weights, both ways.
+- :mod:`.weight_transfer`: the weights from the trainer's layout into a rollout replica's.
+"""

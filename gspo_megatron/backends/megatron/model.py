@@ -211,8 +211,8 @@ def build_layer_spec(config, impl: str, pp_rank: int | None = None, local_kernel
         from megatron.core.transformer.moe.experts import SequentialMLP
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        from gspo_megatron.backends.megatron import local_kernels as lk
-        from gspo_megatron.backends.megatron import local_moe
+        from gspo_megatron.backends.megatron.kernels import local as lk
+        from gspo_megatron.backends.megatron.kernels import moe as local_moe
 
         # Same parameters and checkpoints, less Python per call (see local_kernels' docstring).
         for old, new in ((SelfAttention, lk.RopeOnceSelfAttention),
@@ -238,7 +238,7 @@ def build_gpt_model(
 ):
     """One pipeline stage of the policy as a Megatron ``GPTModel`` (not yet wrapped in DDP).
     ``packed``: the training passes feed packed (``thd``) microbatches; with the local spec that
-    needs our packing attention (:mod:`.local_kernels`), so the local kernels are on unless
+    needs our packing attention (:mod:`.kernels.local`), so the local kernels are on unless
     ``precision.local_kernels`` is false (which the config refuses with packing).
 
     Output of ``forward(input_ids [B, T], position_ids [B, T], attention_mask)`` on the last stage:
@@ -272,7 +272,7 @@ def build_gpt_model(
     if local_kernels and impl == "local" and post_process:
         # GPTModel builds its output layer itself, outside the spec: give it the same one-F.linear
         # short path at TP=1 (a subclass without state of its own; parameters unchanged).
-        from gspo_megatron.backends.megatron.local_kernels import DirectColumnParallelLinear
+        from gspo_megatron.backends.megatron.kernels.local import DirectColumnParallelLinear
 
         gpt.output_layer.__class__ = DirectColumnParallelLinear
     if torch.cuda.is_available():

@@ -18,11 +18,11 @@ import torch
 
 from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.backends.megatron.model import build_gpt_model
-from gspo_megatron.backends.megatron.routing_session import PolicyRouting
+from gspo_megatron.backends.megatron.routing.session import PolicyRouting
 from gspo_megatron.backends.megatron.schedule import (Microbatching, ScoringConfig,
                                                       compute_logprobs, make_microbatches,
                                                       run_objective)
-from gspo_megatron.backends.megatron.local_moe import stacked_expert_weights
+from gspo_megatron.backends.megatron.kernels.moe import stacked_expert_weights
 from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                                   RoutingConfig)
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
@@ -214,7 +214,7 @@ class MegatronPolicy:
     def model_routing(self):
         """The model's routers (:class:`~.routing.ModelRouting`), attached on first use."""
         if self._model_routing is None:
-            from gspo_megatron.backends.megatron.routing import ModelRouting
+            from gspo_megatron.backends.megatron.routing.replay import ModelRouting
 
             self._model_routing = ModelRouting(self.model, self.groups,
                                                packed=self.batching.max_tokens is not None)
@@ -264,21 +264,21 @@ class MegatronPolicy:
     def export_weights(self) -> FlatWeights | None:
         """Every parameter whole, in its dtype, as flat buffers on rank 0 (None elsewhere;
         collective)."""
-        from gspo_megatron.backends.megatron.weight_sync import gather_flat_state
+        from gspo_megatron.backends.megatron.weight_transfer import gather_flat_state
 
         return gather_flat_state(self._weight_shards())
 
     def import_weights(self, weights: FlatWeights) -> None:
         """Load :meth:`export_weights`' result (of any layout) into this rank's shards."""
-        from gspo_megatron.backends.megatron.weight_sync import load_full_state
+        from gspo_megatron.backends.megatron.weight_transfer import load_full_state
 
         load_full_state(self._weight_shards(), weights.tensors())
         self._weights_changed()
 
     def _weight_shards(self) -> list:
-        """This rank's shards of the model, indexed once (:class:`weight_sync.ShardIndex`)."""
+        """This rank's shards of the model, indexed once (:class:`.weight_transfer.ShardIndex`)."""
         if self._shard_index is None:
-            from gspo_megatron.backends.megatron.weight_sync import ShardIndex
+            from gspo_megatron.backends.megatron.weight_transfer import ShardIndex
 
             self._shard_index = ShardIndex(self.unwrapped())
         return self._shard_index()

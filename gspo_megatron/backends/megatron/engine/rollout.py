@@ -8,15 +8,15 @@ trainer updates; nothing is copied, unless ``rollout.precision`` asks for other 
   ``DynamicInferenceContext`` (continuous batching: a response leaves the packed batch the step
   it ends) driven by our step loop in place of ``DynamicInferenceEngine``'s, sized from the
   recipe, expert-parallel ranks in lock-step, the KV cache released between rollouts
-  (:mod:`.dynamic_rollout`). Without flash-attn its attention runs on
+  (:mod:`.dynamic`). Without flash-attn its attention runs on
   :mod:`gspo_megatron.compat.paged_attention` (PyTorch SDPA).
 * ``rollout.engine: static``: ``StaticInferenceEngine(legacy=True)`` + ``GPTInferenceWrapper`` +
   ``TextGenerationController`` with a ``StaticInferenceContext`` KV cache, the A/B reference; the
-  controller's batch loop is a lean copy of Megatron's (:mod:`.inference_hooks`), a batch's
+  controller's batch loop is a lean copy of Megatron's (:mod:`.hooks`), a batch's
   prompts are left-padded to one length (:meth:`RolloutEngine._left_pad`).
 
 On CPU the experts run as grouped GEMMs over weights stacked once per generate
-(:func:`~gspo_megatron.backends.megatron.local_moe.stacked_expert_weights`).
+(:func:`~gspo_megatron.backends.megatron.kernels.moe.stacked_expert_weights`).
 
 :meth:`RolloutEngine.with_sampling` gives a second sampling configuration (the greedy evaluator)
 over the same engine and KV cache.
@@ -77,8 +77,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.backends.megatron.local_moe import stacked_expert_weights
-from gspo_megatron.backends.megatron.sampling_copy import SamplingCopy, copy_dtype
+from gspo_megatron.backends.megatron.kernels.moe import stacked_expert_weights
+from gspo_megatron.backends.megatron.engine.sampling_copy import SamplingCopy, copy_dtype
 from gspo_megatron.backends.megatron.schedule import module_list, set_training
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.distributed import ParallelGroups
@@ -128,7 +128,7 @@ def _context_parallel_off(model):
     hold the same prompts; Megatron's inference has no CP): the rotary table is not cut to the
     rank's CP share while it runs (``RotaryEmbedding.cp_group`` None, its ``lru_cache`` cleared on
     the way in and out so no table crosses between the two), and the dynamic context's rotations
-    see a single rank (:func:`.dynamic_rollout._rollout_context`). Nothing to do at CP = 1."""
+    see a single rank (:func:`.dynamic._rollout_context`). Nothing to do at CP = 1."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     rotaries = [m for m in module_list(model, "rotary_embeddings",
@@ -156,7 +156,7 @@ def _context_parallel_off(model):
 
 def choose_backend(requested: str, pp_size: int = 1, ep_size: int = 1) -> str:
     """The engine to build: ``auto`` (the default) = Megatron's dynamic engine, on CPU and GPU
-    (:mod:`.dynamic_rollout`: continuous batching, EP ranks in lock-step, R3 from the packed
+    (:mod:`.dynamic`: continuous batching, EP ranks in lock-step, R3 from the packed
     buffer); ``static`` = Megatron's static batch engine, kept as an A/B reference for the
     benchmarks and the local-kernel tests (a batch decodes until its longest response ends).
 
@@ -209,11 +209,11 @@ class RolloutEngine:
         """The other-precision copy sampled from, or None (the live module samples)."""
         self._build(config.dynamic_buffer_size_gb)
         self._route_recorder = None
-        """R3: records the MoE routes of every engine forward (:mod:`.rollout_routes`)."""
+        """R3: records the MoE routes of every engine forward (:mod:`..routing.rollout_routes`)."""
         if record_routes:
-            from gspo_megatron.backends.megatron.rollout_routes import (PackedRouteRecorder,
+            from gspo_megatron.backends.megatron.routing.rollout_routes import (PackedRouteRecorder,
                                                                        RolloutRouteRecorder)
-            from gspo_megatron.backends.megatron.routing import ModelRouting
+            from gspo_megatron.backends.megatron.routing.replay import ModelRouting
 
             recorder = RolloutRouteRecorder if self.backend == "static" else PackedRouteRecorder
             self._route_recorder = recorder(ModelRouting([self.sampling_model], groups))
@@ -240,7 +240,7 @@ class RolloutEngine:
             InferenceWrapperConfig,
         )
 
-        from gspo_megatron.backends.megatron.inference_hooks import (
+        from gspo_megatron.backends.megatron.engine.hooks import (
             IdTokenizer,
             RolloutInferenceWrapper,
             RolloutTextGenerationController,
@@ -278,10 +278,10 @@ class RolloutEngine:
             self._build_dynamic(buffer_size_gb)
 
     def _build_dynamic(self, buffer_size_gb: float) -> None:
-        """Megatron's dynamic engine, sized from the recipe (:mod:`.dynamic_rollout`)."""
-        from gspo_megatron.backends.megatron.dynamic_rollout import DynamicRollout
+        """Megatron's dynamic engine, sized from the recipe (:mod:`.dynamic`)."""
+        from gspo_megatron.backends.megatron.engine.dynamic import DynamicRollout
 
-        from gspo_megatron.backends.megatron.inference_hooks import IdTokenizer
+        from gspo_megatron.backends.megatron.engine.hooks import IdTokenizer
 
         self.dynamic = DynamicRollout(
             model=self.sampling_model, runner=self._runner, wrapper_config=self.wrapper_config,
@@ -428,7 +428,7 @@ class RolloutEngine:
         tokens; ~1.4x at prompts of 50-500 tokens and 1,024 new ones). Left-padded, every prompt
         is prefilled at once and the batch costs ``n_new`` steps; the pad keys are masked
         (:meth:`RolloutInferenceWrapper.get_batch_for_context_window`) and every token is rotated
-        at its unpadded position (:class:`~gspo_megatron.backends.megatron.local_kernels.RopeOnceSelfAttention`),
+        at its unpadded position (:class:`~gspo_megatron.backends.megatron.kernels.local.RopeOnceSelfAttention`),
         so a prompt gets the maths it gets alone (floating point differs at the ulp level, as any
         change of batch shape does). Only where every attention is our SDPA kernel (it takes the
         per-sequence mask) and positions are rotary; otherwise, and for equal lengths, the prompts
@@ -443,7 +443,7 @@ class RolloutEngine:
     @functools.cached_property
     def _left_padding_ok(self) -> bool:
         """Whether :meth:`_left_pad` may pad: rotary positions and only SDPA attention."""
-        from gspo_megatron.backends.megatron.local_kernels import SDPADotProductAttention
+        from gspo_megatron.backends.megatron.kernels.local import SDPADotProductAttention
 
         model = self.sampling_model
         attention = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
@@ -455,7 +455,7 @@ class RolloutEngine:
         sample = self._finish(req.prompt_tokens[pad:], req.gspo_sampled_tokens,
                               req.gspo_sampled_logprobs)
         if getattr(req, "gspo_routes", None) is not None:
-            from gspo_megatron.backends.megatron.rollout_routes import ROLLOUT_ROUTES_KEY
+            from gspo_megatron.backends.megatron.routing.rollout_routes import ROLLOUT_ROUTES_KEY
 
             # [L, positions, k]: every token the engine forwarded (all but the last), without
             # the left padding.
@@ -507,7 +507,7 @@ class RolloutEngine:
                 continue
             sample = self._finish(prompt, w.tokens, w.logprobs, budget)
             if recorder is not None:
-                from gspo_megatron.backends.megatron.rollout_routes import ROLLOUT_ROUTES_KEY
+                from gspo_megatron.backends.megatron.routing.rollout_routes import ROLLOUT_ROUTES_KEY
 
                 # [L, positions, k]: every token the engine forwarded (all but the last)
                 n = len(sample.prompt_ids) + len(sample.response_ids) - 1

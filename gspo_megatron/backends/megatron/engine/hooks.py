@@ -14,7 +14,7 @@
   (Megatron's request object omits the terminating token from ``generated_tokens``).
 
 With a ``route_recorder`` set on the wrapper (R3), every forward step's MoE routes are recorded
-too and handed to each request as ``gspo_routes`` (:mod:`.rollout_routes`).
+too and handed to each request as ``gspo_routes`` (:mod:`..routing.rollout_routes`).
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ class RolloutInferenceWrapper(GPTInferenceWrapper):
     temperature: float = 1.0
     forward_calls: int = 0
     route_recorder = None
-    """A :class:`~.rollout_routes.RolloutRouteRecorder` while routes are recorded (R3)."""
+    """A :class:`~..routing.rollout_routes.RolloutRouteRecorder` while routes are recorded (R3)."""
     @property
     def left_padding(self) -> torch.Tensor | None:
         """``[B]`` pad tokens in front of each prompt of the current static batch, or None (prompts
         as given). Set by the rollout engine around one ``generate`` of a left-padded batch and
         kept on the KV-cache context, where the attention reads it for its rotary positions
-        (:class:`~gspo_megatron.backends.megatron.local_kernels.RopeOnceSelfAttention`)."""
+        (:class:`~gspo_megatron.backends.megatron.kernels.local.RopeOnceSelfAttention`)."""
         return getattr(self.inference_context, "left_padding", None)
 
     @left_padding.setter

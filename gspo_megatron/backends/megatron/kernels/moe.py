@@ -1,5 +1,5 @@
 """Faster torch modules for the MoE layer of Megatron's *local* layer spec (the CPU path, and GPUs
-without TE): drop-in subclasses as in :mod:`.local_kernels` (same parameters, ``state_dict`` and
+without TE): drop-in subclasses as in :mod:`.local` (same parameters, ``state_dict`` and
 maths; each takes its short path only where it is exactly equivalent, otherwise Megatron's own).
 
 * :class:`LoopedSequentialMLP`: Megatron's ``SequentialMLP`` calls one ``MLP`` module (two linear
@@ -31,7 +31,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from gspo_megatron.backends.megatron.local_kernels import _single_rank
+from gspo_megatron.backends.megatron.kernels.local import single_rank
 from gspo_megatron.backends.megatron.schedule import module_list
 
 
@@ -47,7 +47,7 @@ class LoopedSequentialMLP(SequentialMLP):
     @functools.cached_property  # layout and config are fixed once built: decided on first call
     def _direct(self) -> bool:
         c = self.config
-        return (_single_rank(self.tp_group) and not (c.fp8 or c.fp4) and not c.add_bias_linear
+        return (single_rank(self.tp_group) and not (c.fp8 or c.fp4) and not c.add_bias_linear
                 and not c.moe_apply_probs_on_input and not c.use_te_activation_func
                 and c.activation_func_clamp_value is None and not c.bias_activation_fusion
                 and not c.gradient_accumulation_fusion)

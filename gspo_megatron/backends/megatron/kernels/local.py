@@ -20,7 +20,7 @@ its short path only where it is exactly equivalent and otherwise calls Megatron'
   backward is the same two matmuls) and the per-call process-group queries.
 * The MoE layer's modules (:class:`~.local_moe.LoopedSequentialMLP`,
   :class:`~.local_moe.DirectMoELayer`, :class:`~.local_moe.EagerBiasTopKRouter`) are in
-  :mod:`.local_moe`.
+  :mod:`.moe`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import _rotate_half, apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -38,13 +38,15 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from gspo_megatron.backends.megatron.row_attention import (context_parallel_sdpa,
+from gspo_megatron.backends.megatron.kernels.row_attention import (context_parallel_sdpa,
                                                            packed_context_parallel_sdpa,
                                                            packed_sdpa)
+from gspo_megatron.backends.megatron.kernels.rotary import RotaryCache, rotate
 from gspo_megatron.layout import segment_positions
 
 
-def _single_rank(group) -> bool:
+def single_rank(group) -> bool:
+    """Whether ``group`` spans one rank (None: no group)."""
     return group is None or group.size() == 1
 
 
@@ -75,14 +77,14 @@ class RopeOnceSelfAttention(SelfAttention):
       forward step (Megatron recomputes them for queries and keys in every layer) and applied with
       Megatron's own formula, so the rotated tensors are bitwise Megatron's.
     * Left padding: when the context carries ``left_padding`` (``[B]`` pad tokens in front of each
-      prompt; :meth:`~gspo_megatron.backends.megatron.rollout.RolloutEngine._left_pad`), queries
+      prompt; :meth:`~gspo_megatron.backends.megatron.engine.rollout.RolloutEngine._left_pad`), queries
       and keys are rotated at their positions in the unpadded sequence, ``j - pads[b]``, as Hugging
       Face derives ``position_ids`` from the attention mask; the pad keys are masked by the mask.
 
     * Without an inference context (the old-log-prob pass and the update's forward) a lean
       forward (:meth:`_lean_forward`): Megatron's own query/key/value projection and split, one
       cos/sin table per rotary table and dtype shared by every layer and both of queries and keys
-      (:func:`_rope_tables`; Megatron recomputes ``cos``/``sin`` for each, and concatenates an
+      (:class:`~.rotary.RotaryCache`; Megatron recomputes ``cos``/``sin`` for each, and concatenates an
       empty pass-through slice), the core attention and the output projection, without
       ``Attention.forward``'s branches for inference, packing, offloading, recompute and fused
       kernels. Bitwise Megatron's output and gradients (``tests/unit/test_local_kernels.py``);
@@ -140,6 +142,12 @@ class RopeOnceSelfAttention(SelfAttention):
     def _mscale(self) -> float:
         return _yarn_get_concentration_factor_from_config(self.config)
 
+    @functools.cached_property
+    def _rope_cache(self) -> RotaryCache:
+        """This layer's rotary pairs by Megatron's rotary table (one ``lru_cache``d tensor per
+        sequence length): made once per table and dtype, not 4 times per forward."""
+        return RotaryCache()
+
     def _lean_forward(self, hidden_states, attention_mask, rotary_pos_emb, packed_seq_params=None):
         """``Attention.forward`` without inference context, for the configurations of
         :attr:`_lean`: ``hidden_states [s, b, h] -> ([s, b, h], bias)``; the same modules and
@@ -151,11 +159,13 @@ class RopeOnceSelfAttention(SelfAttention):
         every sequence to itself (:class:`SDPADotProductAttention`)."""
         query, key, value = self.get_query_key_value_tensors(hidden_states, None, split_qkv=True)
         if rotary_pos_emb is not None:
-            cos, sin, rot_dim = _rope_tables(rotary_pos_emb, query.dtype, self._mscale)
+            cos, sin, rot_dim = self._rope_cache.get(
+                (id(rotary_pos_emb), query.dtype), lambda: rotary_pos_emb, self._mscale,
+                query.dtype, pin=(rotary_pos_emb,))
             if packed_seq_params is not None:  # [max_seqlen, 1, 1, rot] -> [S, 1, 1, rot]
                 positions = _packed_positions(packed_seq_params, query.shape[0], query.device)
                 cos, sin = cos[positions], sin[positions]
-            query, key = _rotate(query, cos, sin, rot_dim), _rotate(key, cos, sin, rot_dim)
+            query, key = rotate(query, cos, sin, rot_dim), rotate(key, cos, sin, rot_dim)
         core_attn_out = self.core_attention(query, key, value, attention_mask,
                                             attn_mask_type=self.attn_mask_type,
                                             attention_bias=None,
@@ -209,7 +219,7 @@ class RopeOnceSelfAttention(SelfAttention):
                                        cp_group=self.pg_collection.cp)
             rotary_out = (q_emb, None)
         else:  # one cos/sin per forward step, shared by the layers, queries and keys
-            query, key = _rotate(query, *rope), _rotate(key, *rope)
+            query, key = rotate(query, *rope), rotate(key, *rope)
             rotary_out = None
         memory = inference_context.key_value_memory_dict
         if self.layer_number not in memory:
@@ -240,38 +250,20 @@ class RopeOnceSelfAttention(SelfAttention):
             return None
         pads = getattr(context, "left_padding", None)
         mscale = _yarn_get_concentration_factor_from_config(c)
-        tag = (start, end, b0, key.size(1), key.dtype, mscale, k_pos_emb.data_ptr())
-        cached = getattr(context, "rotary_cos_sin", None)
-        if cached is None or cached[0] != tag or cached[1] is not pads:
-            freqs = _positions(context, k_pos_emb, start, end, b0, key.size(1))
-            cached = (tag, pads, ((torch.cos(freqs) * mscale).to(key.dtype),
-                                  (torch.sin(freqs) * mscale).to(key.dtype), freqs.shape[-1]))
-            context.rotary_cos_sin = cached
-        return cached[2]
+        cache = getattr(context, "rotary_cache", None)
+        if cache is None:  # (one entry: the layers of one forward step share it)
+            cache = context.rotary_cache = RotaryCache(max_entries=1)
+        b = key.size(1)
+        return cache.get((start, end, b0, b, key.dtype, mscale, k_pos_emb.data_ptr()),
+                         lambda: _positions(context, k_pos_emb, start, end, b0, b), mscale,
+                         key.dtype, pin=(pads,))
 
-
-def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
-    """``(cos, sin, rot_dim)`` of the rotary table ``freqs [S, 1, 1, rot]`` as Megatron's unfused
-    ``_apply_rotary_pos_emb_bshd`` computes them (``(cos(freqs) * mscale).to(dtype)``), kept on
-    the table tensor itself: Megatron's ``RotaryEmbedding`` returns the same (``lru_cache``d)
-    tensor for a sequence length, so the layers' queries and keys of every forward of that length
-    share one pair (Megatron computes 4 pairs per forward), and the pair goes when the table does.
-    A pair made under ``torch.inference_mode`` is made again outside it (inference tensors cannot
-    be saved for backward). Cost: one ``[S, 1, 1, rot]`` cos/sin pair per table and dtype."""
-    pairs = getattr(freqs, "_rope_cos_sin", None)
-    if pairs is None:
-        pairs = freqs._rope_cos_sin = {}
-    entry = pairs.get((dtype, mscale))
-    if entry is None or (entry[0].is_inference() and not torch.is_inference_mode_enabled()):
-        entry = pairs[(dtype, mscale)] = ((torch.cos(freqs) * mscale).to(dtype),
-                                          (torch.sin(freqs) * mscale).to(dtype))
-    return entry[0], entry[1], freqs.shape[-1]
 
 
 def _packed_positions(params, total: int, device) -> torch.Tensor:
     """``[S]`` int64 position of each token of a packed row (this context-parallel rank's
     ``S`` tokens of it) within its sequence: the ``rope_positions`` the trainer put on the
-    ``PackedSeqParams`` (:func:`.schedule.packed_seq_params`), else from its
+    ``PackedSeqParams`` (:func:`..schedule.packed_seq_params`), else from its
     ``cu_seqlens_q_padded`` (kept on the params object: one per microbatch, shared by every
     layer)."""
     cached = getattr(params, "rope_positions", None)
@@ -293,14 +285,6 @@ def _positions(context, table: torch.Tensor, start: int, end: int, b0: int, b: i
     pos = (torch.arange(start, end).view(-1, 1) - pads[b0:b0 + b].view(1, -1)).clamp_(min=0)
     return table[pos, 0]  # [sq, b] positions
 
-
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
-    """Megatron's (non-interleaved) RoPE, ``t * cos + rotate_half(t) * sin`` on the first
-    ``rot_dim`` channels of ``t [sq, b, heads, hn]``, with precomputed ``cos``/``sin``."""
-    if rot_dim == t.shape[-1]:
-        return t * cos + _rotate_half(t, False) * sin
-    head, tail = t[..., :rot_dim], t[..., rot_dim:]
-    return torch.cat((head * cos + _rotate_half(head, False) * sin, tail), dim=-1)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -336,7 +320,7 @@ class SDPADotProductAttention(DotProductAttention):
             squeeze = query.dim() == 4
             q, k, v = ((x.squeeze(1) if squeeze else x) for x in (query, key, value))
             cp = getattr(self.pg_collection, "cp", None)
-            if cp is not None and not _single_rank(cp):  # this CP rank's share of the row
+            if cp is not None and not single_rank(cp):  # this CP rank's share of the row
                 out = packed_context_parallel_sdpa(q, k, v, packed_seq_params, cp,
                                                    self.softmax_scale)
             else:
@@ -344,7 +328,7 @@ class SDPADotProductAttention(DotProductAttention):
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
         cp = getattr(self.pg_collection, "cp", None)
-        if (cp is not None and not _single_rank(cp) and packed_seq_params is None
+        if (cp is not None and not single_rank(cp) and packed_seq_params is None
                 and attention_mask is None and attention_bias is None
                 and query.shape[0] == key.shape[0] and self.config.softmax_type == "vanilla"
                 and self.config.window_size is None
@@ -390,7 +374,7 @@ class DirectColumnParallelLinear(ColumnParallelLinear):
 
     @functools.cached_property  # layout and config are fixed once built: decided on first call
     def _direct(self) -> bool:
-        return (_single_rank(self.tp_group) and not self.config.defer_embedding_wgrad_compute
+        return (single_rank(self.tp_group) and not self.config.defer_embedding_wgrad_compute
                 and not self.gradient_accumulation_fusion
                 and self.config._cpu_offloading_context is None)
 
@@ -405,7 +389,7 @@ class DirectRowParallelLinear(RowParallelLinear):
 
     @functools.cached_property  # layout and config are fixed once built: decided on first call
     def _direct(self) -> bool:
-        return (_single_rank(self.tp_group) and not self.gradient_accumulation_fusion
+        return (single_rank(self.tp_group) and not self.gradient_accumulation_fusion
                 and self.config._cpu_offloading_context is None)
 
     def forward(self, input_):

@@ -25,7 +25,7 @@ What else it adds (:class:`DynamicRollout`):
 * **Sizing from the recipe.** ``rollout.max_batch_size`` is the engine's request limit (Megatron's
   ``from_config`` derives it from the block count instead, 163,836 requests for 20 GB, and then
   fails on a small model); ``rollout.dynamic_buffer_size_gb`` is the paged KV budget (default:
-  every slot holds a full-length request, :mod:`gspo_megatron.kv_cache`). The config refuses a
+  every slot holds a full-length request, :mod:`gspo_megatron.rollouts.kv_budget`). The config refuses a
   budget that cannot hold one request before anything is built.
 * **Expert parallelism in lock-step.** Under EP > 1 the MoE all-to-all couples ranks that hold
   different prompts, so the rank that finishes first would leave the others waiting in a
@@ -43,7 +43,7 @@ What else it adds (:class:`DynamicRollout`):
   update: the cached keys and values are the older weights'). The buffer is then not released
   while requests are held. A call that does not continue all of them drops them all.
 * **R3.** With a route recorder, every step's routes are recorded from the packed buffer and
-  handed to each request by token position (:class:`~.rollout_routes.PackedRouteRecorder`).
+  handed to each request by token position (:class:`~..routing.rollout_routes.PackedRouteRecorder`).
 * **Rotary embeddings once per step** (:func:`_rollout_context`), and YaRN's scale.
 
 Left out of Megatron's engine: chunked prefill (a prompt waits until it fits whole:
@@ -61,7 +61,7 @@ import torch
 
 from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.distributed import ParallelGroups, any_rank
-from gspo_megatron.kv_cache import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
+from gspo_megatron.rollouts.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
 
@@ -70,14 +70,14 @@ class DynamicRollout:
 
     ``model``: the ``GPTModel`` that samples (its config sizes the KV cache); ``runner``: the module
     Megatron's wrapper calls (``model``, or the ``Float16Module`` around a precision copy);
-    ``tokenizer``: the controller's id tokenizer (:class:`~.inference_hooks.IdTokenizer`)."""
+    ``tokenizer``: the controller's id tokenizer (:class:`~.hooks.IdTokenizer`)."""
 
     def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
                  max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None):
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        from gspo_megatron.backends.megatron.dynamic_admission import AdmittingContext
-        from gspo_megatron.backends.megatron.inference_hooks import (
+        from gspo_megatron.backends.megatron.engine.admission import AdmittingContext
+        from gspo_megatron.backends.megatron.engine.hooks import (
             RolloutInferenceWrapper,
             RolloutTextGenerationController,
         )
@@ -258,7 +258,7 @@ class DynamicRollout:
         sampled per request, Megatron's bookkeeping (finished requests leave, their blocks
         freed; a request needing a block it cannot get is paused, or evicted and queued again).
         Returns the ids of the requests that finished, in slot order."""
-        from gspo_megatron.backends.megatron.dynamic_admission import admit_waiting
+        from gspo_megatron.backends.megatron.engine.admission import admit_waiting
 
         ctx = self.context
         admit_waiting(ctx, call.waiting)
@@ -341,7 +341,7 @@ class _Call:
         self._enter(request_id, prompt, budget)
 
     def _request(self, request_id: int, prompt: list[int], budget: int):
-        from gspo_megatron.backends.megatron.dynamic_admission import RolloutRequest
+        from gspo_megatron.backends.megatron.engine.admission import RolloutRequest
 
         sp = self._sp_of_budget.get(budget)
         if sp is None:
@@ -426,7 +426,7 @@ def _rollout_context(context_class):
 
     from megatron.core import parallel_state
 
-    from gspo_megatron.backends.megatron.local_kernels import _rotate
+    from gspo_megatron.backends.megatron.kernels.rotary import RotaryCache, rotate
 
     def plain(config) -> bool:
         return not (config.apply_rope_fusion or config.multi_latent_attention
@@ -454,19 +454,16 @@ def _rollout_context(context_class):
         def initialize_attention_state(self, **kwargs):
             super().initialize_attention_state(**kwargs)
             self.step_tables = {}
-            """What every layer of this step shares: the tokens' rotary ``(cos, sin, rot_dim)``
-            by position index and table, whether Megatron's thd rotation is the exact mapping
-            (``"exact"``), the tokens' flat KV slots (``"kv_slots"``)."""
+            """What every layer of this step shares: whether Megatron's thd rotation is the
+            exact mapping (``"exact"``), the tokens' flat KV slots (``"kv_slots"``)."""
+            self.step_rotary = RotaryCache()
+            """The tokens' rotary pairs of this step, by position index and table."""
 
         def _rotary(self, table, index: str, mscale: float, dtype):
-            key = (index, table.data_ptr(), mscale, dtype)
-            hit = self.step_tables.get(key)
-            if hit is None:
-                freqs = table[getattr(self, index)[:self.padded_active_token_count]]
-                hit = self.step_tables[key] = ((torch.cos(freqs) * mscale).to(dtype),
-                                               (torch.sin(freqs) * mscale).to(dtype),
-                                               freqs.shape[-1])
-            return hit
+            return self.step_rotary.get(
+                (index, table.data_ptr(), mscale, dtype),
+                lambda: table[getattr(self, index)[:self.padded_active_token_count]],
+                mscale, dtype)
 
         def apply_rotary_emb_query(self, query, query_emb, config, cu_seqlens_q, cp_group,
                                    mscale=None):
@@ -475,13 +472,13 @@ def _rollout_context(context_class):
             if plain(config):
                 cos, sin, rot = self._rotary(query_emb, "token_to_pos_ids", mscale, query.dtype)
                 if cu_seqlens_q is None:  # Megatron's bshd rotation
-                    query[:n] = _rotate(query[:n], cos, sin, rot)
+                    query[:n] = rotate(query[:n], cos, sin, rot)
                     return query
                 exact = self.step_tables.get("exact")
                 if exact is None:  # Megatron's thd "exact mapping": a table row per token
                     exact = self.step_tables["exact"] = int(cu_seqlens_q[-1]) == n
                 if exact:
-                    query[:n] = _rotate(query[:n].unsqueeze(1), cos, sin, rot).squeeze(1)
+                    query[:n] = rotate(query[:n].unsqueeze(1), cos, sin, rot).squeeze(1)
                     return query
             return super().apply_rotary_emb_query(query, query_emb, config, cu_seqlens_q,
                                                   _SingleRank(), mscale=mscale)
@@ -518,8 +515,8 @@ def _rollout_context(context_class):
             cos, sin, rot = self._rotary(key_emb, "token_to_position_in_request", mscale,
                                          key.dtype)
             if self.is_decode_only():
-                return _rotate(key[:n], cos, sin, rot)
-            key[:n] = _rotate(key[:n], cos, sin, rot)
+                return rotate(key[:n], cos, sin, rot)
+            key[:n] = rotate(key[:n], cos, sin, rot)
             return key
 
     return RolloutContext

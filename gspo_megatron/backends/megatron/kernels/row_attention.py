@@ -9,7 +9,7 @@ stand-ins for what Transformer Engine's fused attention does on GPU.
 * :func:`packed_context_parallel_sdpa`: both, this CP rank's two chunks of every sequence of a
   packed row (:meth:`~gspo_megatron.layout.PackedRows.context_index`).
 
-Both are called by :class:`~gspo_megatron.backends.megatron.local_kernels.SDPADotProductAttention`
+Both are called by :class:`~gspo_megatron.backends.megatron.kernels.local.SDPADotProductAttention`
 and are differentiable.
 """
 

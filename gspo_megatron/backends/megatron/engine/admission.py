@@ -9,7 +9,7 @@ That is ~0.18 ms of host time per request: 23 ms of an 83 ms rollout of 128 shor
 Here (:func:`admit_waiting`, :class:`AdmittingContext`) the waiting requests that fit whole are
 admitted together, with one block allocation and one write per context tensor, and
 :class:`RolloutRequest` is a slotted record of what admission reads. A prompt that does not
-fit waits for a later step (the rollout loop, :mod:`.dynamic_rollout`, has no chunked
+fit waits for a later step (the rollout loop, :mod:`.dynamic`, has no chunked
 prefill). The context after a batch holds exactly what admitting the requests one by one with
 Megatron's ``add_request`` leaves, block ids included (``tests/unit/test_dynamic_admission.py``
 compares every tensor).

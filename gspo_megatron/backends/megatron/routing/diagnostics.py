@@ -17,7 +17,7 @@ import torch
 from typing import Callable
 
 from gspo_megatron.algorithms import k3
-from gspo_megatron.backends.megatron.routing import ModelRouting, RouteStore
+from gspo_megatron.backends.megatron.routing.replay import ModelRouting, RouteStore
 from gspo_megatron.distributed import all_reduce_
 from gspo_megatron.routing.stats import (AlignmentSums, LayerSums, alignment_sums, layer_sums,
                                          route_change)

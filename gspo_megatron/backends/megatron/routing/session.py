@@ -28,9 +28,9 @@ import dataclasses
 
 import torch
 
-from gspo_megatron.backends.megatron.rollout_routes import rollout_disagreement, rollout_route_store
-from gspo_megatron.backends.megatron.routing import ModelRouting, RouteStore
-from gspo_megatron.backends.megatron.routing_diagnostics import route_drift, routing_diagnostics
+from gspo_megatron.backends.megatron.routing.rollout_routes import rollout_disagreement, rollout_route_store
+from gspo_megatron.backends.megatron.routing.replay import ModelRouting, RouteStore
+from gspo_megatron.backends.megatron.routing.diagnostics import route_drift, routing_diagnostics
 from gspo_megatron.config import RoutingConfig
 from gspo_megatron.metrics import Stopwatch
 from gspo_megatron.policy import PolicyBatch, RolloutSample

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron.backends.megatron.routing import ModelRouting, RouteStore, _actions
+from gspo_megatron.backends.megatron.routing.replay import ModelRouting, RouteStore, router_actions
 from gspo_megatron.distributed import all_reduce_
 from gspo_megatron.layout import TokenLayout
 from gspo_megatron.routing.stats import AlignmentSums, alignment_sums
@@ -53,7 +53,7 @@ class RolloutRouteRecorder:
         self._windows: list[tuple[int, torch.Tensor]] = []  # (start position, [L, b, s, k])
 
     def before_forward(self) -> None:
-        self.routing.set_action(_actions().RECORD)
+        self.routing.set_action(router_actions().RECORD)
 
     def after_forward(self, inference_input: dict, context=None) -> None:
         """``inference_input``: the window's ``tokens`` ``[b, s]`` (their shape gives the
@@ -90,7 +90,7 @@ class RolloutRouteRecorder:
 
 
 class PackedRouteRecorder:
-    """Records the routes of the dynamic engine's forwards (R3 on :mod:`.dynamic_rollout`).
+    """Records the routes of the dynamic engine's forwards (R3 on :mod:`..engine.dynamic`).
 
     Each step forwards one packed buffer ``[1, T_padded]``: the new tokens of every active
     request (a prompt chunk at prefill, one token per request at decode), padded for the
@@ -108,7 +108,7 @@ class PackedRouteRecorder:
         self._table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def before_forward(self) -> None:
-        self.routing.set_action(_actions().RECORD)
+        self.routing.set_action(router_actions().RECORD)
 
     def after_forward(self, inference_input: dict, context) -> None:
         """Keep the step's routes with their request ids and positions."""
@@ -198,7 +198,7 @@ def rollout_disagreement(routing: ModelRouting, rollout: RouteStore, trainer: Ro
     of positions differing in at least one layer) and, on the last pipeline stage,
     ``/abs_log_ratio_changed`` / ``_unchanged``: mean ``|log p_train - log p_rollout|`` of
     positions with / without a differing route. Collective over the world."""
-    from gspo_megatron.backends.megatron.routing_diagnostics import (layer_statistics,
+    from gspo_megatron.backends.megatron.routing.diagnostics import (layer_statistics,
                                                                       sum_over_shards)
 
     sums, changed_count = layer_statistics(routing, rollout, trainer, response_mask, lengths)

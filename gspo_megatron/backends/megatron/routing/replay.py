@@ -54,7 +54,8 @@ def _router_replay_cls():
     return RouterReplay
 
 
-def _actions():
+def router_actions():
+    """Megatron's ``RouterReplayAction`` (imported on first use)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     return RouterReplayAction
@@ -102,7 +103,7 @@ def scoped_router_replay_class():
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                             default_compute_topk=None):
-            A = _actions()
+            A = router_actions()
             if self.capture_entropy:
                 with torch.no_grad():
                     self.recorded_entropy = (entropy_from_logits(scores) if self.score_kind == "logits"
@@ -378,7 +379,7 @@ class RouteRecorder:
         self._rows: list[torch.Tensor | None] = []  # per microbatch, its batch rows
 
     def before_forward(self, mb_index: int, microbatch=None) -> None:
-        A = _actions()
+        A = router_actions()
         self.routing.check_packed(microbatch)
         for r in self.routing.replays:
             r.set_router_replay_action(A.RECORD)
@@ -423,7 +424,7 @@ class RouteReplayer:
         self._rows: list[torch.Tensor | None] = []
 
     def before_forward(self, mb_index: int, microbatch=None) -> None:
-        A = _actions()
+        A = router_actions()
         start = mb_index * self.mbs
         b = microbatch.size if microbatch is not None else self.mbs
         rows = getattr(microbatch, "rows", None)
@@ -458,7 +459,7 @@ class RouteReplayer:
             self._used.append(self.routing.collect(mb_index, mb, attr="used_topk_idx")[0])
             for r in self.routing.replays:
                 r.target_free = None  # the recompute pops the merged routes as they are
-        self.routing.set_action(_actions().REPLAY_BACKWARD)
+        self.routing.set_action(router_actions().REPLAY_BACKWARD)
 
     def replayed_store(self) -> RouteStore:
         """The routes the pass used: the store's where known, free routing's elsewhere (a full
