@@ -149,6 +149,7 @@ def check_start_weights(cfg: TrainConfig) -> None:
     of warnings)."""
     from gspo_megatron.backends.megatron import checkpoint as ckpt
     from gspo_megatron.config.paths import resume_dir_of
+    from gspo_megatron.rollouts.source import check_resumable
 
     field, load_dir = resume_dir_of(cfg)
     try:
@@ -156,6 +157,11 @@ def check_start_weights(cfg: TrainConfig) -> None:
     except ckpt.CheckpointError as e:
         raise ckpt.CheckpointError(f"cannot resume ({field}): {e}") from None
     if resume is not None:
+        try:  # what the checkpoint has in flight, and whether this placement can take it over
+            check_resumable(ckpt.read_rank_state(resume, 0), cfg.rollout.placement,
+                            cfg.rollout.partial_rollouts)
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"cannot resume ({field}): {resume}: {e}") from None
         try:
             problem = ckpt.weights_mismatch(resume, cfg.model)
         except ckpt.CheckpointError:
@@ -204,23 +210,28 @@ def prepare(cfg: TrainConfig, recipe_dir: str | None = None) -> Prepared:
 
 def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bridge=None):
     """Process groups, the run directory (config and tokenizer), the policy (and the frozen
-    reference), the rollout engines and the :class:`~gspo_megatron.trainer.Trainer`. Under
-    ``rollout.placement: separate`` (``placement``, ``bridge``: :mod:`gspo_megatron.rollouts.remote`) a
-    rollout rank builds a full replica of the policy without optimizer (its weights come from the
-    trainer ranks) and a trainer whose :meth:`~gspo_megatron.trainer.Trainer.serve` runs it; a
-    trainer rank gets its :class:`~gspo_megatron.rollouts.remote.RemoteRollouts`."""
+    reference), the rollout engine and what runs them: a
+    :class:`~gspo_megatron.trainer.Trainer` whose rollouts come from this process
+    (:class:`~gspo_megatron.rollouts.source.LocalRollouts`) or, under ``rollout.placement:
+    separate`` (``placement``, ``bridge``: :mod:`gspo_megatron.rollouts.remote`), from the
+    rollout ranks (:class:`~gspo_megatron.rollouts.remote.RemoteRollouts`); on a rollout rank a
+    :class:`~gspo_megatron.rollouts.remote.RolloutServer` over a full replica of the policy
+    without optimizer (its weights come from the trainer ranks)."""
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
-    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config.loader import save_config
-    from gspo_megatron.data import PromptSampler
-    from gspo_megatron.rewards.workers import start_reward_workers
-    from gspo_megatron.trainer import Task, Trainer
-
     from gspo_megatron.config.model import ParallelConfig
-    from gspo_megatron.rollouts.remote import RemoteRollouts
+    from gspo_megatron.data import PromptSampler
+    from gspo_megatron.faults import FaultInjector
+    from gspo_megatron.rewards.workers import start_reward_workers
+    from gspo_megatron.rollouts.remote import RemoteRollouts, RolloutServer
+    from gspo_megatron.rollouts.sampling import StepSampler
+    from gspo_megatron.task import Task
+    from gspo_megatron.trainer import Trainer
 
     tokenizer = prepared.tokenizer
+    faults = faults or FaultInjector()
     rollout_rank = placement is not None and placement.is_rollout
     parallel = ParallelConfig() if rollout_rank else cfg.parallel
     groups = initialize_distributed(parallel, cfg.model, seed=cfg.trainer.seed)
@@ -251,11 +262,13 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
                                    cfg.reward.timeout_s, prepared.reward_search_dirs)
     task = Task(tokenizer, sampler, prepared.train, prepared.eval, prepared.reward_fn, workers)
-    trainer = Trainer(cfg, groups, actor, engine, task, reference=reference, faults=faults)
-    if placement is not None and not rollout_rank:
-        trainer.rollouts = RemoteRollouts(bridge, placement, groups.dp_rank,
-                                          cfg.rollout.max_staleness, cfg.trainer.steps)
-    return trainer
+    if rollout_rank:
+        return RolloutServer(bridge, StepSampler(cfg, groups, engine, task, faults),
+                             actor.import_weights, cfg.rollout.max_staleness, cfg.trainer.steps)
+    rollouts = (RemoteRollouts(bridge, placement, groups, sampler, cfg.rollout.max_staleness,
+                               cfg.trainer.steps) if placement is not None else None)
+    return Trainer(cfg, groups, actor, engine, task, reference=reference, faults=faults,
+                   rollouts=rollouts)
 
 
 @contextlib.contextmanager
@@ -313,7 +326,7 @@ def _run(args) -> int:
     from gspo_megatron.config import DEMO_RECIPE
     from gspo_megatron.config.loader import load_config
     from gspo_megatron.faults import FaultInjector
-    from gspo_megatron.rollouts.remote import PeerLost
+    from gspo_megatron.rollouts.remote import PeerLost, RolloutServer
     from gspo_megatron.trainer import NonFiniteError
 
     try:
@@ -332,10 +345,14 @@ def _run(args) -> int:
             placement = Placement(int(os.environ.get("RANK", "0")),
                                   int(os.environ.get("WORLD_SIZE", "1")), cfg.rollout.ranks)
             bridge = start_sides(placement)
-        trainer = build(cfg, prepared, faults, placement, bridge)
-        if placement is not None and placement.is_rollout:
-            trainer.serve(bridge, placement)
+        built = build(cfg, prepared, faults, placement, bridge)
+        if isinstance(built, RolloutServer):  # a rollout rank of rollout.placement: separate
+            try:
+                built.serve()
+            finally:
+                built.close()
             return 0
+        trainer = built
         summary = trainer.fit()
     except (CheckpointError, NonFiniteError) as exc:
         return _user_error(exc)

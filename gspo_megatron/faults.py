@@ -6,7 +6,9 @@
 * kill points, the process SIGKILLs itself: ``step_start`` (before the rollout), ``mid_update``
   (after the first optimiser step of the update), ``checkpoint_write`` (checkpoint shards written,
   not yet renamed into place), ``rollout_sample`` (a rollout rank of ``rollout.placement:
-  separate``, before it samples the step);
+  separate``, before it samples the step); ``stop_signal`` sends SIGTERM instead (a trainer rank,
+  at the start of the step: SLURM's notice of the end, which the run answers with a checkpoint
+  after that step and exit code 75);
 * NaN points, a tensor is replaced by NaNs: ``nan_rewards``, ``nan_advantages``, ``nan_logprobs``
   (old-policy log-probs), ``nan_loss`` (the update's log-probs, so the loss), ``nan_grads`` (one
   reduced gradient, before the optimiser step).
@@ -21,7 +23,7 @@ import signal
 
 import torch
 
-KILL_POINTS = ("step_start", "mid_update", "checkpoint_write", "rollout_sample")
+KILL_POINTS = ("step_start", "mid_update", "checkpoint_write", "rollout_sample", "stop_signal")
 NAN_POINTS = ("nan_rewards", "nan_advantages", "nan_logprobs", "nan_loss", "nan_grads")
 
 
@@ -48,9 +50,10 @@ class FaultInjector:
         return bool(self.requests) and (point, self.step if step is None else step) in self.requests
 
     def maybe_fail(self, point: str, step: int | None = None) -> None:
-        """SIGKILL this process if ``point`` is requested at ``step`` (default: the current step)."""
+        """SIGKILL this process (``stop_signal``: SIGTERM) if ``point`` is requested at ``step``
+        (default: the current step)."""
         if self.requested(point, step):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGTERM if point == "stop_signal" else signal.SIGKILL)
 
     def corrupt(self, point: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` filled with NaN if ``point`` is requested at the current step, else as is."""

@@ -89,17 +89,19 @@ class TokenLayout:
     def place_labels(self, values: Sequence[Sequence[float]]) -> torch.Tensor:
         """``[B, T]`` float32 with sequence ``i``'s per-response-token ``values[i]`` at its
         :meth:`label_span` (the rollout engine's log-probs), zeros elsewhere. Right padding puts
-        the spans in row order, so one masked write does it; a sequence whose value count does
-        not fill its span is refused by the per-sequence write (its shape error)."""
-        out = torch.zeros(self.num_rows, self.seq_length, dtype=torch.float32)
+        the spans in row order, so one masked write does it, once every sequence's value count is
+        its span's (counts that are wrong but cancel in total would shift values between
+        sequences silently): a ``ValueError`` names the first sequence that differs."""
+        if len(values) != self.num_rows:
+            raise ValueError(f"place_labels: {len(values)} value lists for {self.num_rows} sequences")
         mask = self.response_mask()
-        flat = [float(x) for v in values for x in v]
-        if int(mask.sum()) == len(flat):
-            out[mask] = torch.tensor(flat, dtype=torch.float32)
-            return out
-        for i, v in enumerate(values):
-            row, span = self.label_span(i)
-            out[row, span] = torch.tensor(v, dtype=torch.float32)
+        spans = mask.sum(1).tolist()
+        for i, (v, n) in enumerate(zip(values, spans)):
+            if len(v) != n:
+                raise ValueError(f"place_labels: sequence {i} has {len(v)} values for its {n} "
+                                 f"response tokens")
+        out = torch.zeros(self.num_rows, self.seq_length, dtype=torch.float32)
+        out[mask] = torch.tensor([float(x) for v in values for x in v], dtype=torch.float32)
         return out
 
     def position_ids(self, device: torch.device | None = None) -> torch.Tensor:

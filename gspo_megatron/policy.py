@@ -190,6 +190,11 @@ def make_policy_batch(
                        layout=layout)
 
 
+HELD_REQUEST_KEY = "held_request"
+"""``RolloutSample.extra`` of an aborted response the engine holds (``GroupStop.hold_cut``): its
+request id there, for :attr:`GroupStop.continue_ids`."""
+
+
 @dataclass
 class RolloutSample:
     """One sampled response."""
@@ -224,13 +229,14 @@ class GroupStop:
     maximum age: the rollout waits for them as a plain rollout waits for its tail)."""
     hold_cut: bool = False
     """Keep the requests the stop cuts in the engine, KV cache and all (``rollout.
-    partial_keep_kv``), for a later call to continue instead of prefilling them again."""
-    continue_held: bool = False
-    """Continue the requests the engine holds from the previous call: a prompt that is exactly a
-    held request's prompt and written tokens resumes it, its KV cache computed by the older
-    weights (PipelineRL's in-flight weight update). False: every held request is dropped and
-    every prompt prefilled (after a checkpoint, so that a run resumed from it, which holds no
-    cache, computes what the uninterrupted run computes)."""
+    partial_keep_kv``), for a later call to continue instead of prefilling them again; an aborted
+    sample the engine holds names its request in ``extra[HELD_REQUEST_KEY]``."""
+    continue_ids: dict[int, int] = field(default_factory=dict)
+    """Requests of the call (by index) that continue a request the engine holds from the previous
+    call (by its ``extra[HELD_REQUEST_KEY]``): the prompt is that request's prompt and written
+    tokens, its KV cache computed by the older weights (PipelineRL's in-flight weight update).
+    All or nothing: unless every held request is continued, the engine drops them and prefills
+    every prompt (after a checkpoint: a run resumed from it holds no cache)."""
 
     def __post_init__(self):
         self.pending: dict[int, int] = {}
@@ -270,6 +276,13 @@ class Generator(Protocol):
     def with_sampling(self, config) -> "Generator":
         """The same engine (model, KV cache) sampling with another ``RolloutConfig``'s
         temperature / top-p / top-k (greedy evaluation, pass@k sampling)."""
+
+    def held_state(self) -> Any:
+        """The requests held from the last call (``GroupStop.hold_cut``) whole, KV cache
+        included, for a checkpoint that must resume them exactly; None when none is held."""
+
+    def restore_held(self, state: Any) -> None:
+        """Hold :meth:`held_state`'s requests again, as the engine that saved them did."""
 
 
 class RouteHooks(Protocol):

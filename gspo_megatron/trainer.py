@@ -15,26 +15,26 @@ import json
 import logging
 import os
 import signal
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
 from gspo_megatron.algorithms import rollout_mismatch
-from gspo_megatron.algorithms.dapo import mask_truncated, select_groups
 from gspo_megatron.algorithms.pass_at_k import pass_at_k_ladder, sampled_eval_metrics
 from gspo_megatron.config import TrainConfig
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MemoryPeaks, MetricsLogger, Stopwatch
-from gspo_megatron.rollouts.remote import RemoteRollouts
-from gspo_megatron.rollouts.partial import PartialRollouts
 from gspo_megatron.policy import (RANK_STATE_KEY, Generator, Policy, PolicyBatch,
                                   make_policy_batch)
-from gspo_megatron.stages import (SkipStep, StepSamples, advantage_stage, all_finite, balance_stage,
-                                  batch_stage, overlong_stage, prompt_ids, response_metrics,
-                                  reward_stage, rollout_stage, sft_stage, update_stage)
+from gspo_megatron.rollouts.sampling import StepSampler, step_seed
+from gspo_megatron.rollouts.source import LocalRollouts, RolloutSource
+from gspo_megatron.stages import (SkipStep, all_finite, balance_stage, batch_stage,
+                                  response_metrics, reward_stage, rollout_stage, sft_stage,
+                                  update_stage)
+from gspo_megatron.task import Task
+
+__all__ = ["NonFiniteError", "REQUEUE_EXIT_CODE", "Task", "Trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,33 +42,8 @@ REQUEUE_EXIT_CODE = 75
 """Exit code after a SIGTERM/SIGUSR1 checkpoint (EX_TEMPFAIL): launch scripts requeue on it."""
 
 
-EXTRA_BATCH_SEED_STRIDE = 1_000_000_007
-"""Dynamic sampling: extra rollout batch ``b`` of a step samples with the step's seed plus ``b``
-times this (batch 0 keeps the step's seed, so runs without dynamic sampling are unchanged)."""
-
-
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had NaN/Inf; the run stops, the last checkpoint is untouched."""
-
-
-@dataclass
-class Task:
-    """What a run learns from: prompts, the tokenizer that encodes them and the reward."""
-
-    tokenizer: Any
-    """Encodes prompts (with their chat template) and decodes responses for the reward."""
-    sampler: Any
-    """Yields each step's training prompts, all data-parallel ranks' (this rank takes its
-    slice); its ``state_dict`` is checkpointed (:class:`gspo_megatron.data.PromptSampler`)."""
-    train: list
-    """Training prompt examples (the supervised warm-up reads them too)."""
-    eval: list
-    """Held-out prompt examples (greedy accuracy, sampled mean@n / pass@k)."""
-    reward_fn: Callable
-    """The reward (:func:`gspo_megatron.rewards.get_reward_fn`)."""
-    reward_workers: Any = None
-    """The reward process pool (:mod:`gspo_megatron.rewards.workers`), stopped by
-    :meth:`Trainer.close`; None: rewards run in this process."""
 
 
 class Trainer:
@@ -77,11 +52,12 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups, policy: Policy,
                  generator: Generator, task: Task, reference: Policy | None = None,
-                 faults: FaultInjector | None = None):
-        """``generator`` samples the rollouts at ``rollout``'s settings; the held-out greedy
-        accuracy and (with ``evaluation.num_samples`` > 0) the sampled mean@n / pass@k use the
-        same engine with other sampling settings. ``reference``: the frozen policy of the KL
-        term (``trainer.reference_model``)."""
+                 faults: FaultInjector | None = None, rollouts: RolloutSource | None = None):
+        """``generator`` is the engine this process evaluates with: the held-out greedy
+        accuracy and (with ``evaluation.num_samples`` > 0) the sampled mean@n / pass@k, and the
+        step's rollouts at ``rollout``'s settings unless ``rollouts`` says where they come from
+        (:mod:`gspo_megatron.rollouts`; None: this process samples them, colocated).
+        ``reference``: the frozen policy of the KL term (``trainer.reference_model``)."""
         self.cfg, self.groups, self.policy, self.reference = cfg, groups, policy, reference
         self.task, self.generator = task, generator
         self.greedy = generator.with_sampling(
@@ -91,10 +67,15 @@ class Trainer:
             cfg.rollout, temperature=ev.temperature, top_p=ev.top_p, top_k=0)
         ) if ev.num_samples else None
         self.faults = faults or FaultInjector()
+        self.rollouts: RolloutSource = rollouts or LocalRollouts(
+            StepSampler(cfg, groups, generator, task, self.faults))
+        """Where each step's samples come from (:class:`~gspo_megatron.rollouts.source.
+        RolloutSource`)."""
         self.step = 0
         self.saved_step: int | None = None
         """The step of the latest checkpoint this process started (committed or in flight)."""
         self.consecutive_faults = 0
+        """Steps in a row with non-finite values (checkpointed: a resumed run counts on)."""
         self._stop_signal: int | None = None
         tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
@@ -102,34 +83,15 @@ class Trainer:
         self.balances_ranks = (cfg.trainer.balance_data_parallel and groups.dp_size > 1
                                and cfg.trainer.max_tokens_per_microbatch is not None)
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
-        self.rollouts: RemoteRollouts | None = None
-        """``rollout.placement: separate``: the rollout ranks' end (:mod:`gspo_megatron.rollouts.remote`);
-        None: this rank rolls out itself."""
         self._rank_state: dict | None = None
-        """This rank's part of the checkpoint resumed from (in-flight rollouts)."""
-        ro = cfg.rollout
-        self.partial = (PartialRollouts(ro.group_size, ro.prompts_per_step, ro.in_flight(),
-                                        ro.max_new_tokens, ro.partial_max_age,
-                                        ro.partial_keep_kv, self._follows_checkpoint
-                                        if ro.placement == "separate" else None)
-                        if ro.partial_rollouts else None)
-        """``rollout.partial_rollouts``: this rank's groups in flight between steps."""
-
-    def _follows_checkpoint(self, step: int) -> bool:
-        """``rollout.placement: separate``: whether the rollout of ``step`` is the first one a run
-        resumed from a ``checkpoint.save_interval`` checkpoint runs (a checkpoint after ``s``
-        steps keeps the samples of steps ``s .. s + k - 1`` already rolled out: the resumed
-        rollout rank starts at ``s + k``)."""
-        every, saved = self.cfg.checkpoint.save_interval, step - self.cfg.rollout.max_staleness
-        return bool(every) and 0 < saved < self.cfg.trainer.steps and saved % every == 0
+        """This rank's part of the checkpoint resumed from (the rollouts in flight)."""
 
     def close(self) -> None:
         """Stop what the run started outside this process: the reward workers, and the writer of
         a background checkpoint that was not committed (only after an error: :meth:`fit` commits
         every checkpoint it starts)."""
         self.policy.abort_checkpoint()
-        if self.rollouts is not None:  # after an error: the rollout ranks must not wait on
-            self.rollouts.close()
+        self.rollouts.close()  # (after an error: rollout ranks must not wait on)
         if self.task.reward_workers is not None:
             self.task.reward_workers.close()
 
@@ -182,7 +144,8 @@ class Trainer:
         """The RL loop with its checkpoints, then the final save and evaluation; returns the exit
         code. Every checkpoint it starts is committed before it returns."""
         cfg = self.cfg
-        self.start_rollouts()
+        self.rollouts.start(self.step, self._rank_state)
+        self.rollouts.publish(self.policy, self.step, stop=False)
         while self.step < cfg.trainer.steps:
             metrics = self.rl_step()
             if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 \
@@ -191,11 +154,10 @@ class Trainer:
                 metrics.update(self.evaluate_sampled())
             stop = self.stop_requested()
             if stop or (cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0):
-                metrics["perf/checkpoint_s"] = self.save()
-            if self.rollouts is not None:
-                watch = Stopwatch()
-                self.publish_weights(stop=stop)
-                metrics["perf/publish_weights_s"] = watch.elapsed()
+                metrics["perf/checkpoint_s"] = self.save(stop=stop)
+            published = self.rollouts.publish(self.policy, self.step, stop=stop)
+            if published is not None:
+                metrics["perf/publish_weights_s"] = published
             metrics_log.log(self.step - 1, metrics)
             if stop:
                 self.commit_checkpoint()
@@ -217,8 +179,7 @@ class Trainer:
             self.step, extra = self.policy.load_checkpoint(self.load_dir)
             self.task.sampler.load_state_dict(extra["sampler"])
             self._rank_state = extra.get(RANK_STATE_KEY)
-            if self.partial is not None and self.rollouts is None:  # (separate: the rollout
-                self.partial.load_state_dict(self._rank_state["partial"])  # ranks hold it)
+            self.consecutive_faults = int(extra.get("consecutive_faults", 0))
             self.log(f"resumed from {self.load_dir} at step {self.step}")
         elif self.cfg.checkpoint.init_weights:
             self.policy.load_weights(self.cfg.checkpoint.init_weights)
@@ -237,18 +198,17 @@ class Trainer:
         # (a checkpoint without them: the backend's CheckpointError names the directory)
         self.reference.load_weights(resumed if os.path.isdir(resumed) else path)
 
-    def save(self) -> float:
-        """Checkpoint the current step (once: a second call for the same step does nothing);
+    def save(self, stop: bool = False) -> float:
+        """Checkpoint the current step (once: a second call for the same step does nothing;
+        ``stop``: a stop signal's, see :meth:`~gspo_megatron.rollouts.source.RolloutSource.state`);
         returns the seconds the step was stalled (with ``checkpoint.async_save``, building the
         state dict and forking the writer; :meth:`commit_checkpoint` finishes it)."""
         if self.saved_step == self.step:
             return 0.0
         watch = Stopwatch()
-        extra = {"sampler": self.task.sampler.state_dict()}
-        if self.rollouts is not None:  # the rollouts in flight (received now), per rank
-            extra[RANK_STATE_KEY] = self.rollouts.state(self.step)
-        elif self.partial is not None:  # this rank's unfinished groups
-            extra[RANK_STATE_KEY] = {"partial": self.partial.checkpoint_state()}
+        extra = {"sampler": self.task.sampler.state_dict(),
+                 "consecutive_faults": self.consecutive_faults,
+                 RANK_STATE_KEY: self.rollouts.state(self.step, stop)}  # in flight, per rank
         self.policy.save_checkpoint(self.save_dir, self.step, extra,
                                     keep_last=self.cfg.checkpoint.keep_last,
                                     before_commit=lambda s: self.faults.maybe_fail("checkpoint_write", s),
@@ -270,18 +230,15 @@ class Trainer:
     # -- the loop body, top to bottom
     def rl_step(self) -> dict[str, float]:
         cfg, g, faults = self.cfg, self.groups, self.faults
-        seed = self._sampling_seed(self.step)
+        seed = step_seed(cfg, self.step, g.dp_rank)
         faults.step = self.step
         faults.maybe_fail("step_start")
+        faults.maybe_fail("stop_signal")
         watch = Stopwatch()
         memory = MemoryPeaks()
 
-        rollout_perf: dict[str, float] = {}
         try:
-            if self.rollouts is None:
-                sampled = self.sample(seed, watch)
-            else:
-                sampled, rollout_perf = self._take_rollouts(watch)
+            sampled, rollout_perf = self.rollouts.next(self.step, watch)
         except SkipStep as skip:
             return self._skip_step(skip.fault, skip.metrics, watch)
         memory.phase("perf/rollout_peak_mem_gib")  # gspo-plan's "rollout peak" (KV cache in)
@@ -331,152 +288,6 @@ class Trainer:
         metrics = {**sampled.metrics, **extra, **update_metrics, **timings,
                    **memory.metrics(), **response_metrics(samples, g)}
         return gather_on_logging_rank(metrics, g)
-
-    def _sampling_seed(self, step: int) -> int:
-        """The seed of step ``step``'s rollouts on this data-parallel rank (the same whichever
-        rank samples them: colocated, or a rollout rank of ``placement: separate``)."""
-        return self.cfg.trainer.seed + 1000 * step + self.groups.dp_rank
-
-    # -- rollouts on their own ranks (rollout.placement: separate)
-    def start_rollouts(self) -> None:
-        """Tell the rollout ranks where training starts (with what was in flight at the
-        checkpoint resumed from) and send them the weights of this step."""
-        if self.rollouts is None:
-            return
-        dp_ranks = [None] * self.groups.world_size
-        torch.distributed.all_gather_object(dp_ranks, self.groups.dp_rank)
-        # Nothing in flight (a fresh run, or a colocated checkpoint): the rollouts go on from
-        # this step with the sampler where this rank's is.
-        state = self._rank_state or {"received": {}, "sampler": self.task.sampler.state_dict()}
-        partial_states = [None] * self.groups.world_size  # each DP rank's groups in flight
-        torch.distributed.all_gather_object(partial_states, state.get("partial"))
-        self.rollouts.start(self.step, state, dp_ranks, partial_states)
-        self.publish_weights(stop=False)
-
-    def publish_weights(self, stop: bool) -> None:
-        """The weights after this step's optimizer step (version ``self.step``) to the rollout
-        ranks, or a stop once training ends (collective over the trainer ranks)."""
-        if self.rollouts is None:
-            return
-        stop = stop or self.step >= self.cfg.trainer.steps
-        self.rollouts.publish(None if stop else self.policy.export_weights(), self.step, stop)
-        if stop:
-            self.rollouts.bridge.flush()
-
-    def _take_rollouts(self, watch: Stopwatch) -> tuple[StepSamples, dict[str, float]]:
-        """This step's samples from the rollout ranks (raises their :class:`SkipStep`) and their
-        ``perf/*`` (the rollout ranks' seconds), plus ``sampling/staleness`` (optimizer steps
-        between the sampling weights and these) and ``perf/rollout_wait_s`` (this rank idle)."""
-        msg = self.rollouts.take(self.step)
-        watch.lap("perf/rollout_wait_s")
-        if "skip" in msg:
-            raise SkipStep(*msg["skip"])
-        sampled: StepSamples = msg["samples"]
-        perf = dict(msg["perf"])
-        self.task.sampler.load_state_dict(msg["sampler"])  # where the colocated loop's would be
-        sampled.metrics["sampling/staleness"] = float(self.step - msg["version"])
-        return sampled, perf
-
-    def serve(self, bridge, placement) -> dict:
-        """A rollout rank's whole run (:func:`~gspo_megatron.rollouts.remote.serve_rollouts`): stop
-        signals are the trainer ranks' to act on (they checkpoint, then send the stop)."""
-        from gspo_megatron.rollouts.remote import serve_rollouts
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, lambda signum, frame: logger.info(
-                "rollout rank: signal %d, the trainer ranks will stop the run", signum))
-        steps = serve_rollouts(bridge, placement, self.remote_sample, self.policy.import_weights,
-                               self.task.sampler, self.cfg.rollout.max_staleness,
-                               self.cfg.trainer.steps, self.partial)
-        return {"rollout_steps": steps, "exit_code": 0}
-
-    def remote_sample(self, step: int) -> dict:
-        """A rollout rank's body of step ``step``'s message (:func:`~gspo_megatron.rollouts.remote.
-        serve_rollouts`): this data-parallel rank's samples, or the skip, and ``perf/*``."""
-        seed = self._sampling_seed(step)
-        self.step = self.faults.step = step  # (the step a partial rollout dates its groups by)
-        self.faults.maybe_fail("rollout_sample")
-        watch = Stopwatch()
-        try:
-            body: dict = {"samples": self.sample(seed, watch)}
-        except SkipStep as skip:
-            body = {"skip": (skip.fault, skip.metrics)}
-        body["perf"] = {k: v for k, v in watch.laps.items() if k.startswith("perf/")}
-        return body
-
-    def sample(self, seed: int, watch: Stopwatch) -> StepSamples:
-        """prompts -> rollout -> reward (+ overlong penalty) -> advantages for one step. With
-        ``dynamic_sampling.enabled``, more rollout batches follow while any data-parallel rank has
-        fewer than ``rollout.prompts_per_step`` groups whose rewards differ (at most
-        ``max_extra_batches``; every rank rolls out each batch, so collectives stay in
-        lock-step), and :func:`~gspo_megatron.algorithms.dapo.select_groups` picks the groups.
-        Returns the step's groups; raises :class:`SkipStep` when rewards or advantages are not
-        finite."""
-        cfg, group = self.cfg, self.cfg.rollout.group_size
-        ds, ol = cfg.dynamic_sampling, cfg.overlong
-        batches: list[tuple[list, list, torch.Tensor, torch.Tensor]] = []
-        metrics: dict[str, float] = {}
-        generated = 0
-        while True:
-            b = len(batches)
-            if self.partial is not None:  # the groups carried over, then fresh ones
-                prompts, samples, partial = self.partial.rollout(
-                    self.generator, lambda p: prompt_ids(self.task.tokenizer, p),
-                    lambda: self._local_prompts(self.task.sampler.next_batch()), seed, self.step)
-                generated += int(partial.pop("rollout/partial_generated_tokens"))
-                metrics.update(partial)
-            else:
-                prompts = self._local_prompts(self.task.sampler.next_batch())
-                samples = rollout_stage(self.generator, self.task.tokenizer, prompts, group,
-                                        seed + EXTRA_BATCH_SEED_STRIDE * b)
-                generated += sum(len(s.response_ids) for s in samples)
-            watch.lap("perf/rollout_s")
-            rewards, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, prompts, samples, group,
-                                          cfg.reward.timeout_s, self.task.reward_workers)
-            rewards = overlong_stage(rewards, samples, cfg.rollout.max_new_tokens,
-                                     ol.buffer_tokens, ol.penalty_factor)
-            rewards = self.faults.corrupt("nan_rewards", rewards)
-            watch.lap("perf/reward_s")
-            if not all_finite(rewards):
-                raise SkipStep("faults/nonfinite_rewards", stats)
-            advantages, adv_metrics, tied = advantage_stage(rewards, group,
-                                                            cfg.trainer.normalize_advantage_std)
-            if ol.mask_truncated:  # DAPO overlong filtering: no policy term for cut responses
-                advantages = mask_truncated(advantages, torch.tensor(
-                    [s.finish_reason == "length" for s in samples]))
-            if b == 0:  # reward/* describe the nominal batch, as without dynamic sampling
-                metrics.update({**stats, **adv_metrics})
-            batches.append((prompts, samples, advantages, tied))
-            if not ds.enabled or b >= ds.max_extra_batches:
-                break
-            varied = sum(int((~t).sum()) for *_, t in batches)
-            if not any_rank(varied < cfg.rollout.prompts_per_step):
-                break
-        if ds.enabled:
-            prompts, samples, advantages, ds_metrics = self._select_groups(batches)
-            metrics.update(ds_metrics)
-        advantages = self.faults.corrupt("nan_advantages", advantages)
-        if not all_finite(advantages):
-            raise SkipStep("faults/nonfinite_advantages", metrics)
-        return StepSamples(prompts, samples, advantages, metrics, generated)
-
-    def _select_groups(self, batches: list) -> tuple[list, list, torch.Tensor, dict[str, float]]:
-        """The ``prompts_per_step`` groups a dynamic-sampling step trains on, and ``sampling/*``
-        (counts summed over data-parallel ranks)."""
-        group, need = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
-        sel = select_groups([tied for *_, tied in batches], need)
-        prompts = [batches[b][0][g] for b, g in sel.chosen]
-        samples = [s for b, g in sel.chosen for s in batches[b][1][g * group:(g + 1) * group]]
-        advantages = torch.cat([batches[b][2][g * group:(g + 1) * group] for b, g in sel.chosen])
-        counts = torch.tensor([sel.kept, sel.filled, sel.dropped, sel.surplus], dtype=torch.float64)
-        all_reduce_(counts, self.groups.dp_group)
-        kept, filled, dropped, surplus = counts.tolist()
-        extra = (len(batches) - 1) * need * group * self.groups.dp_size
-        return prompts, samples, advantages, {
-            "sampling/rollout_batches": float(len(batches)),
-            "sampling/extra_rollouts": float(extra),
-            "sampling/kept_groups": kept, "sampling/filled_groups": filled,
-            "sampling/dropped_groups": dropped, "sampling/surplus_groups": surplus}
 
     # -- non-finite guard
     def _skip_step(self, fault: str, reward_metrics: dict, watch: Stopwatch) -> dict:
@@ -550,11 +361,6 @@ class Trainer:
                                  pad_to_multiple_of=self.pad_multiple,
                                  seq_length=self.cfg.model.seq_length if self.groups.pp_size > 1
                                  else None)
-
-    def _local_prompts(self, global_prompts: list) -> list:
-        per_rank = self.cfg.rollout.prompts_per_step
-        start = self.groups.dp_rank * per_rank
-        return global_prompts[start: start + per_rank]
 
     def install_signal_handlers(self) -> None:
         """SIGTERM / SIGUSR1: finish the current step, checkpoint, exit with REQUEUE_EXIT_CODE."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gspo_megatron.policy import Generator, GroupStop, RolloutSample
+from gspo_megatron.policy import HELD_REQUEST_KEY, Generator, GroupStop, RolloutSample
 
 
 @dataclass
@@ -50,6 +50,9 @@ class _Response:
     """The step whose rollout wrote its first token (None: none written yet)."""
     last_step: int | None = None
     """The step whose rollout finished it."""
+    held: int | None = None
+    """``rollout.partial_keep_kv``: the engine request that holds it, KV cache and all, since the
+    last rollout cut it (None: its prefix is prefilled when it goes on)."""
 
 
 @dataclass
@@ -75,20 +78,18 @@ class PartialRollouts:
     ``max_age``: ``rollout.partial_max_age`` (0: none)."""
 
     def __init__(self, group_size: int, need: int, in_flight: int, max_new_tokens: int,
-                 max_age: int = 0, keep_kv: bool = False,
-                 follows_checkpoint: Callable[[int], bool] | None = None):
+                 max_age: int = 0, keep_kv: bool = False):
         if in_flight < need:
             raise ValueError(f"in_flight ({in_flight}) must be >= need ({need})")
         self.group_size, self.need, self.in_flight = group_size, need, in_flight
         self.max_new_tokens, self.max_age, self.keep_kv = max_new_tokens, max_age, keep_kv
         self.groups: list[_Group] = []
-        self._checkpointed = True
+        self.checkpointed = True
         """A checkpoint was taken (or loaded) since the last rollout: the next one prefills every
-        continued prefix, as a run resumed from that checkpoint must."""
-        self.follows_checkpoint = follows_checkpoint
-        """For a pool whose checkpoints another process takes (a rollout rank's: the trainer
-        saves its state): whether the rollout of ``step`` is the first a run resumed from one of
-        them would run (that rollout prefills too)."""
+        continued prefix, as a run resumed from that checkpoint must (the engine's cache of them
+        is not saved). The one record of it: set by :meth:`checkpoint_state` and
+        :meth:`load_state_dict`, or by :meth:`mark_checkpoint` on a rollout rank (whose pool the
+        trainer checkpoints)."""
 
     def rollout(self, generator: Generator, encode: Callable[[Any], list[int]],
                 draw: Callable[[], list], seed: int, step: int
@@ -121,11 +122,12 @@ class PartialRollouts:
         overdue = [g for g in self.groups if self.max_age and step - g.drawn >= self.max_age]
         generated = 0
         if (complete < self.need or not all(g.complete for g in overdue)) and running:
+            continue_ids = {} if self.checkpointed else {
+                i: r.held for i, (_, r) in enumerate(running) if r.held is not None}
             stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh,
                              frozenset(index[id(g)] for g in overdue), hold_cut=self.keep_kv,
-                             continue_held=self.keep_kv and not self._checkpointed and not (
-                                 self.follows_checkpoint and self.follows_checkpoint(step)))
-            self._checkpointed = False
+                             continue_ids=continue_ids)
+            self.checkpointed = False
             out = generator.generate([g.prompt_ids + r.tokens for g, r in running], seed,
                                      budgets=[self.max_new_tokens - len(r.tokens)
                                               for _, r in running], stop=stop)
@@ -135,6 +137,7 @@ class PartialRollouts:
                     r.first_step = step
                 r.tokens += sample.response_ids
                 r.logprobs += sample.response_logprobs
+                r.held = sample.extra.get(HELD_REQUEST_KEY)
                 if sample.finish_reason != "aborted":
                     r.last_step = step
                     r.done = RolloutSample(list(g.prompt_ids), list(r.tokens), list(r.logprobs),
@@ -166,19 +169,28 @@ class PartialRollouts:
             {"prompt": g.prompt, "prompt_ids": list(g.prompt_ids), "drawn": g.drawn,
              "responses": [{"tokens": list(r.tokens), "logprobs": list(r.logprobs),
                             "done": r.done, "first_step": r.first_step,
-                            "last_step": r.last_step} for r in g.responses]}
+                            "last_step": r.last_step, "held": r.held} for r in g.responses]}
             for g in self.groups]}
 
-    def checkpoint_state(self) -> dict:
+    def mark_checkpoint(self) -> None:
+        """A checkpoint of this pool was taken elsewhere (a rollout rank's pool: the trainer saved
+        the state it sent): the next rollout prefills every continued prefix."""
+        self.checkpointed = True
+
+    def checkpoint_state(self, engine_saved: bool = False) -> dict:
         """:meth:`state_dict` for a checkpoint: the next rollout also prefills every continued
         prefix again (``keep_kv``: the engine's cache of them is not saved, so the run resumed
-        from this checkpoint and this one compute the same)."""
-        self._checkpointed = True
+        from this checkpoint and this one compute the same), unless ``engine_saved``: the
+        checkpoint keeps the engine's held requests whole (a stop signal's)."""
+        if not engine_saved:
+            self.mark_checkpoint()
         return self.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self._checkpointed = True
+    def load_state_dict(self, state: dict, engine_restored: bool = False) -> None:
+        """The pool of :meth:`state_dict`; ``engine_restored``: the engine holds the requests it
+        held at the save again (continued, not prefilled)."""
+        self.checkpointed = not engine_restored
         self.groups = [_Group(g["prompt"], list(g["prompt_ids"]), g["drawn"], [
             _Response(list(r["tokens"]), list(r["logprobs"]), r["done"], r["first_step"],
-                      r["last_step"])
+                      r["last_step"], r.get("held") if engine_restored else None)
             for r in g["responses"]]) for g in state["groups"]]

@@ -34,15 +34,22 @@ imports the weights.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.metrics import Stopwatch
 from gspo_megatron.policy import FlatWeights
+from gspo_megatron.rollouts.sampling import StepSampler
+from gspo_megatron.stages import SkipStep, StepSamples
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -233,13 +240,19 @@ class WeightChannel:
 # ----------------------------------------------------------------------------- trainer's end
 
 class RemoteRollouts:
-    """The trainer ranks' end: each step's samples from the rollout rank of this rank's
-    data-parallel rank, the weights out after every optimizer step (from trainer rank 0)."""
+    """The trainer ranks' :class:`~gspo_megatron.rollouts.source.RolloutSource`: each step's
+    samples from the rollout rank of this rank's data-parallel rank, the weights out after every
+    optimizer step (from trainer rank 0). ``prompt_sampler``: the trainer's prompt sampler, kept
+    where the colocated loop's would be (it is checkpointed)."""
 
-    def __init__(self, bridge: Bridge, placement: Placement, dp_rank: int, max_staleness: int,
-                 steps: int):
-        self.bridge, self.placement, self.dp_rank = bridge, placement, dp_rank
-        self.source = placement.rollout_rank(dp_rank)
+    placement = "separate"
+
+    def __init__(self, bridge: Bridge, placement: Placement, groups, prompt_sampler,
+                 max_staleness: int, steps: int):
+        self.bridge, self.sides, self.groups = bridge, placement, groups
+        self.prompt_sampler = prompt_sampler
+        self.dp_rank = groups.dp_rank
+        self.source = placement.rollout_rank(self.dp_rank)
         self.k, self.steps = max_staleness, steps
         self.received: dict[int, dict] = {}
         """Messages of the steps received and not yet trained on, by step."""
@@ -250,51 +263,63 @@ class RemoteRollouts:
         received (for a checkpoint)."""
         self.next_step = 0
         """The next step the rollout ranks will send."""
+        self.checkpointed_at: int | None = None
+        """The step of the last checkpoint :meth:`state` was taken for: the weights of that
+        version tell the rollout ranks (their next rollout prefills, as a resumed run's does)."""
         self.stopped = False
 
-    def start(self, step: int, state: dict | None, dp_ranks: list[int],
-              partial_states: list | None = None) -> None:
-        """Tell the rollout ranks where the run is (collective over the trainer ranks, sent by
-        rank 0): training resumes at ``step`` with ``state`` (a checkpoint's :meth:`state`, None
-        for a fresh run); ``dp_ranks``: every trainer rank's data-parallel rank, in rank order
-        (each rollout rank sends to the trainer ranks of its own); ``partial_states``: every
-        trainer rank's ``state["partial"]``, in rank order (rollout rank ``j`` gets its own
-        data-parallel rank's groups in flight back)."""
-        if state:
-            self.received = dict(state["received"])
-            self.sampler_state = state["sampler"]
-            self.partial_state = state.get("partial")
+    def start(self, step: int, state: dict | None) -> None:
+        """Tell the rollout ranks where the run is (collective over the trainer ranks): training
+        resumes at ``step`` with the checkpoint's ``state`` (None: nothing in flight: the
+        rollouts go on from ``step`` with the prompt sampler where this rank's is). The first
+        trainer rank of each data-parallel rank sends its rollout rank the start, with the groups
+        in flight (and the engine's held requests, after a stop) it saved."""
+        dp_ranks = [None] * self.groups.world_size
+        torch.distributed.all_gather_object(dp_ranks, self.dp_rank)
+        state = state or {}
+        self.received = dict(state.get("received") or {})
+        self.sampler_state = state.get("sampler") or self.prompt_sampler.state_dict()
+        self.partial_state = state.get("partial")
         self.next_step = step + len(self.received)
-        if self.placement.rank == 0:
-            for j in range(self.placement.rollout_ranks):
-                ranks = [r for r, d in enumerate(dp_ranks) if d == j]
+        if self.sides.rank == 0:
+            for j in range(self.sides.rollout_ranks):
                 self.bridge.send({"start": self.next_step, "sampler": self.sampler_state,
-                                  "partial": partial_states[ranks[0]] if partial_states else None,
-                                  "targets": ranks}, self.placement.rollout_rank(j))
+                                  "targets": [r for r, d in enumerate(dp_ranks) if d == j]},
+                                 self.sides.rollout_rank(j))
+        if [r for r, d in enumerate(dp_ranks) if d == self.dp_rank][0] == self.sides.rank:
+            self.bridge.send({"partial": self.partial_state, "engine": state.get("engine")},
+                             self.source)
 
-    def publish(self, weights: Any, version: int, stop: bool) -> None:
-        """After the optimizer step that made ``version`` (trainer rank 0 sends; ``weights`` are
-        the policy's export there, a :class:`~gspo_megatron.policy.FlatWeights`): the layout and
-        version over the bridge, the buffers over the weight channel; or a stop."""
+    def publish(self, policy, version: int, stop: bool) -> float:
+        """After the optimizer step that made ``version`` (trainer rank 0 sends): the layout and
+        version over the bridge (and whether a checkpoint was taken at it), the buffers over the
+        weight channel; or a stop once training ends. Returns the seconds it took."""
+        watch = Stopwatch()
+        stop = stop or version >= self.steps
+        weights = None if stop else policy.export_weights()  # (collective)
         self.stopped = self.stopped or stop
-        if self.placement.rank != 0:
-            return
-        msg = {"version": version, "stop": stop}
-        if not stop:
-            msg["layout"] = weights.layout
-        self.bridge.send(msg, *map(self.placement.rollout_rank,
-                                   range(self.placement.rollout_ranks)))
-        if not stop:
-            self.bridge.weights.send(weights)
+        if self.sides.rank == 0:
+            msg = {"version": version, "stop": stop, "checkpoint": self.checkpointed_at == version}
+            if not stop:
+                msg["layout"] = weights.layout
+            self.bridge.send(msg, *map(self.sides.rollout_rank,
+                                       range(self.sides.rollout_ranks)))
+            if not stop:
+                self.bridge.weights.send(weights)
+        if stop:
+            self.bridge.flush()
+        return watch.elapsed()
 
     def close(self) -> None:
         """Send the stop if it was not sent (a trainer that fails stops the rollout ranks; those
         already gone are skipped)."""
-        if not self.stopped:
+        if not self.stopped and self.sides.rank == 0:
             try:
-                self.publish(None, -1, stop=True)
+                self.bridge.send({"version": -1, "stop": True}, *map(
+                    self.sides.rollout_rank, range(self.sides.rollout_ranks)))
             except RuntimeError:
                 pass
+        self.stopped = True
         self.bridge.flush(quiet=True)
 
     def _receive(self, step: int) -> None:
@@ -311,65 +336,139 @@ class RemoteRollouts:
             self.partial_state = msg.get("partial")
             self.next_step += 1
 
-    def take(self, step: int) -> dict:
-        """Step ``step``'s message: ``samples`` (a :class:`~gspo_megatron.stages.StepSamples`,
-        or ``skip``: ``(fault, metrics)``), ``version``, ``perf``."""
+    def next(self, step: int, watch: Stopwatch) -> tuple[StepSamples, dict[str, float]]:
+        """Step ``step``'s samples from the rollout rank (its :class:`SkipStep` raised here) and
+        its ``perf/*`` (the rollout rank's seconds), plus ``sampling/staleness`` (optimizer steps
+        between the sampling weights and these) and ``perf/rollout_wait_s`` (this rank idle)."""
         self._receive(step)
-        return self.received.pop(step)
+        msg = self.received.pop(step)
+        watch.lap("perf/rollout_wait_s")
+        if "skip" in msg:
+            raise SkipStep(*msg["skip"])
+        sampled: StepSamples = msg["samples"]
+        self.prompt_sampler.load_state_dict(msg["sampler"])  # where the colocated loop's would be
+        sampled.metrics["sampling/staleness"] = float(step - msg["version"])
+        return sampled, dict(msg["perf"])
 
-    def state(self, step: int) -> dict:
+    def state(self, step: int, stop: bool = False) -> dict:
         """What a checkpoint at ``step`` keeps of this end: the samples of the steps already
-        being rolled out (``step .. step + k - 1``, received now) and the sampler state after
-        them."""
+        being rolled out (``step .. step + k - 1``, received now), the sampler state and the
+        rollout rank's groups in flight after them; at a ``stop``, the rollout rank's engine's
+        held requests too (it is idle then: it waits for the weights of version ``step``)."""
         last = min(step + self.k, self.steps) - 1
         if last >= step:
             self._receive(last)
-        return {"received": {s: m for s, m in self.received.items() if s >= step},
-                "sampler": self.sampler_state, "partial": self.partial_state}
+        self.checkpointed_at = step
+        out = {"placement": self.placement,
+               "received": {s: m for s, m in self.received.items() if s >= step},
+               "sampler": self.sampler_state, "partial": self.partial_state, "engine": None}
+        if stop:
+            if self.sides.rank == 0:
+                self.bridge.send({"snapshot": True}, *map(self.sides.rollout_rank,
+                                                          range(self.sides.rollout_ranks)))
+            reply = self.bridge.recv(self.source, f"rollout rank {self.dp_rank}'s held requests")
+            if reply.get("error"):
+                raise RuntimeError(f"rollout rank {self.dp_rank}: {reply['error']}")
+            out.update(engine=reply["engine"], partial=reply["partial"])
+        return out
 
 
 # ----------------------------------------------------------------------------- rollout's end
 
-def serve_rollouts(bridge: Bridge, placement: Placement, sample: Callable[[int], dict],
-                   load_weights: Callable[[Any], None], sampler, max_staleness: int,
-                   steps: int, partial=None) -> int:
-    """A rollout rank's loop: wait for the start, then for every step ``t`` receive weights up to
-    version ``max(0, t - k)``, ``sample(t)`` (the step's message body) and send it to the trainer
-    ranks of this rollout rank's data-parallel rank; after the last step, drain until the stop.
-    ``partial``: the rank's partial-rollout pool (its state travels with every message, for the
-    trainer's checkpoint), or None. Returns the number of steps rolled out. An error is sent to
-    the trainer ranks (which raise it) before it propagates."""
-    trainer0 = 0
-    start = bridge.recv(trainer0, "the start from trainer rank 0")
-    targets = start["targets"]
-    if start["sampler"] is not None:
-        sampler.load_state_dict(start["sampler"])
-    if partial is not None and start.get("partial"):
-        partial.load_state_dict(start["partial"])
-    version, done = -1, 0
-    try:
-        for step in range(start["start"], steps):
-            while version < max(0, step - max_staleness):
-                msg = bridge.recv(trainer0, f"weights version {max(0, step - max_staleness)} "
-                                            f"from trainer rank 0")
-                if msg["stop"]:
-                    return done
-                load_weights(bridge.weights.receive(msg["layout"], trainer0, msg["version"]))
-                version = msg["version"]
-            body = sample(step)
-            body.update(step=step, version=version, sampler=sampler.state_dict())
-            if partial is not None:
-                body["partial"] = partial.state_dict()
-            bridge.send(body, *targets)
-            done += 1
-        while not (msg := bridge.recv(trainer0, "the stop from trainer rank 0"))["stop"]:
-            bridge.weights.receive(msg["layout"], trainer0, msg["version"])  # versions no rollout needs: the
-            # trainer's broadcasts complete only once received
-        return done
-    except PeerLost:  # the trainer is gone: nobody to tell
-        raise
-    except Exception as exc:
-        bridge.send({"error": f"{type(exc).__name__}: {exc}"}, *targets)
-        raise
-    finally:  # sends to a trainer rank that is gone are dropped: the error above is the news
-        bridge.flush(quiet=True)
+class RolloutServer:
+    """A rollout rank's whole run: wait for the start, then for every step ``t`` receive weights
+    up to version ``max(0, t - k)``, sample step ``t`` (:class:`~gspo_megatron.rollouts.sampling.
+    StepSampler`) and send it to the trainer ranks of this rollout rank's data-parallel rank;
+    after the last step, drain until the stop. The pool of partial rollouts travels with every
+    message (the trainer checkpoints it). ``load_weights``: the replica's
+    :meth:`~gspo_megatron.policy.Policy.import_weights`."""
+
+    TRAINER0 = 0
+
+    def __init__(self, bridge: Bridge, sampler: StepSampler, load_weights: Callable[[Any], None],
+                 max_staleness: int, steps: int):
+        self.bridge, self.sampler, self.load_weights = bridge, sampler, load_weights
+        self.k, self.steps = max_staleness, steps
+
+    def serve(self) -> int:
+        """Run until the trainer's stop; returns the number of steps rolled out. Stop signals
+        are the trainer ranks' to act on (they checkpoint, then send the stop). An error is sent
+        to the trainer ranks (which raise it) before it propagates."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda signum, frame: logger.info(
+                "rollout rank: signal %d, the trainer ranks will stop the run", signum))
+        bridge, sampler, pool = self.bridge, self.sampler, self.sampler.partial
+        start = bridge.recv(self.TRAINER0, "the start from trainer rank 0")
+        targets = start["targets"]
+        if start["sampler"] is not None:
+            sampler.task.sampler.load_state_dict(start["sampler"])
+        # what its data-parallel rank's first trainer rank saved in flight
+        state = bridge.recv(targets[0], f"the rollouts in flight from trainer rank {targets[0]}")
+        if pool is not None and state["partial"]:
+            if state["engine"] is not None:
+                sampler.generator.restore_held(state["engine"])
+            pool.load_state_dict(state["partial"], engine_restored=state["engine"] is not None)
+        version, done = -1, 0
+        try:
+            for step in range(start["start"], self.steps):
+                while version < max(0, step - self.k):
+                    msg = bridge.recv(self.TRAINER0, f"weights version {max(0, step - self.k)} "
+                                                     f"from trainer rank 0")
+                    if msg.get("snapshot"):
+                        self._send_held(targets)
+                        continue
+                    if msg["stop"]:
+                        return done
+                    self.load_weights(bridge.weights.receive(msg["layout"], self.TRAINER0,
+                                                             msg["version"]))
+                    version = msg["version"]
+                    if msg.get("checkpoint") and pool is not None:
+                        pool.mark_checkpoint()  # as the run resumed from it: prefill
+                bridge.send(self._sample(step, version), *targets)
+                done += 1
+            while not (msg := bridge.recv(self.TRAINER0, "the stop from trainer rank 0")).get(
+                    "stop"):
+                if msg.get("snapshot"):
+                    self._send_held(targets)
+                    continue
+                # versions no rollout needs: the trainer's broadcasts complete only once received
+                bridge.weights.receive(msg["layout"], self.TRAINER0, msg["version"])
+            return done
+        except PeerLost:  # the trainer is gone: nobody to tell
+            raise
+        except Exception as exc:
+            bridge.send({"error": f"{type(exc).__name__}: {exc}"}, *targets)
+            raise
+        finally:  # sends to a trainer rank that is gone are dropped: the error above is the news
+            bridge.flush(quiet=True)
+
+    def _send_held(self, targets: list[int]) -> None:
+        """A stop's checkpoint: the engine's held requests and the pool, to the trainer ranks."""
+        pool = self.sampler.partial
+        engine = (self.sampler.generator.held_state() if pool is not None and pool.keep_kv
+                  else None)
+        self.bridge.send({"engine": engine,
+                          "partial": None if pool is None else pool.state_dict()}, *targets)
+
+    def close(self) -> None:
+        """Stop the reward workers (the only thing a rollout rank starts outside itself)."""
+        workers = self.sampler.task.reward_workers
+        if workers is not None:
+            workers.close()
+
+    def _sample(self, step: int, version: int) -> dict:
+        """Step ``step``'s message: the samples (or the skip), ``perf/*``, the weights version
+        they were sampled with, the prompt sampler's state and the pool's after them."""
+        sampler = self.sampler
+        sampler.faults.step = step
+        sampler.faults.maybe_fail("rollout_sample")
+        watch = Stopwatch()
+        try:
+            body: dict = {"samples": sampler.sample(step, watch)}
+        except SkipStep as skip:
+            body = {"skip": (skip.fault, skip.metrics)}
+        body["perf"] = {k: v for k, v in watch.laps.items() if k.startswith("perf/")}
+        body.update(step=step, version=version, sampler=sampler.task.sampler.state_dict())
+        if sampler.partial is not None:
+            body["partial"] = sampler.partial.state_dict()
+        return body

@@ -5,7 +5,7 @@ processes, with no model: one trainer rank, one rollout rank.
   weight channel's broadcast of two dtypes' buffers, read whole) and the trainer takes every step
   in order, for ``k`` = 0, 1 and 3;
 * a side that dies never leaves the other waiting: a rollout rank killed before it samples step 2
-  makes the trainer's ``take`` raise :class:`~gspo_megatron.rollouts.remote.PeerLost` naming the rank and
+  makes the trainer's ``next`` raise :class:`~gspo_megatron.rollouts.remote.PeerLost` naming the rank and
   what was awaited, within seconds, and a trainer that dies makes the rollout rank raise it
   (the launcher's job: on another node no agent would kill the survivor).
 """
@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 import time
+import types
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from gspo_megatron.faults import FaultInjector
+from gspo_megatron.metrics import Stopwatch
 from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.distributed
@@ -54,8 +57,42 @@ def _version(weights) -> int:
     return values.pop() if len(values) == 1 else -1
 
 
+class _Samples:
+    """What a step's samples carry through the bridge here: the step and the weights version
+    the rollout rank had loaded (and the ``metrics`` the trainer's end adds to)."""
+
+    def __init__(self, step: int, weights: int):
+        self.step, self.weights, self.metrics = step, weights, {}
+
+
+class _StepSampler:
+    """The rollout rank's :class:`~gspo_megatron.rollouts.sampling.StepSampler` as the server
+    uses it: ``sample`` draws one prompt batch and reports the last weights loaded."""
+
+    def __init__(self, die: str, loaded: list):
+        self.task = types.SimpleNamespace(sampler=_Sampler(), reward_workers=None)
+        self.faults, self.partial, self.die, self.loaded = FaultInjector(), None, die, loaded
+
+    def sample(self, step, watch):
+        if self.die == "rollout" and step == 2:
+            os._exit(3)  # the process is gone: no message, no clean-up
+        self.task.sampler.n += 1
+        return _Samples(step, self.loaded[-1])
+
+
+class _Exporter:
+    """A trainer policy whose export is the weights of one version."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def export_weights(self):
+        return _weights(self.version)
+
+
 def _side(rank: int, port: int, k: int, die: str, queue) -> None:
-    from gspo_megatron.rollouts.remote import PeerLost, Placement, RemoteRollouts, serve_rollouts, start_sides
+    from gspo_megatron.rollouts.remote import (PeerLost, Placement, RemoteRollouts, RolloutServer,
+                                               start_sides)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", OMP_NUM_THREADS="1")
@@ -63,38 +100,35 @@ def _side(rank: int, port: int, k: int, die: str, queue) -> None:
     bridge = start_sides(placement, timeout_minutes=1)
     try:
         if placement.is_rollout:
-            sampler, loaded = _Sampler(), []
-
-            def sample(step):
-                if die == "rollout" and step == 2:
-                    os._exit(3)  # the process is gone: no message, no clean-up
-                sampler.n += 1
-                return {"samples": {"step": step, "weights": loaded[-1]}, "perf": {}}
+            loaded = []
 
             def load(weights):  # the channel reuses its buffers: read them now
                 assert [key for key, _, _ in weights.layout] == ["a", "b", "c"]
                 loaded.append(_version(weights))
 
-            done = serve_rollouts(bridge, placement, sample, load, sampler, k, STEPS)
+            done = RolloutServer(bridge, _StepSampler(die, loaded), load, k, STEPS).serve()
             queue.put((rank, "ok", done))
             return
-        rollouts = RemoteRollouts(bridge, placement, dp_rank=0, max_staleness=k, steps=STEPS)
-        rollouts.start(0, None, [0])
-        rollouts.publish(_weights(0), 0, stop=False)
+        groups = types.SimpleNamespace(dp_rank=0, world_size=1)
+        prompts = _Sampler()
+        rollouts = RemoteRollouts(bridge, placement, groups, prompts, max_staleness=k,
+                                  steps=STEPS)
+        rollouts.start(0, None)
+        rollouts.publish(_Exporter(0), 0, stop=False)
         seen = []
         for step in range(STEPS):
             if die == "trainer" and step == 2:
                 os._exit(3)
             t0 = time.monotonic()
             try:
-                msg = rollouts.take(step)
+                samples, _ = rollouts.next(step, Stopwatch())
             except PeerLost as exc:
                 queue.put((rank, "lost", (str(exc), time.monotonic() - t0)))
                 rollouts.close()
                 return
-            seen.append((msg["step"], msg["version"], msg["samples"]["weights"],
-                         msg["sampler"]["n"]))
-            rollouts.publish(_weights(step + 1), step + 1, stop=step + 1 == STEPS)
+            seen.append((samples.step, step - int(samples.metrics["sampling/staleness"]),
+                         samples.weights, prompts.n))
+            rollouts.publish(_Exporter(step + 1), step + 1, stop=step + 1 == STEPS)
         rollouts.close()
         queue.put((rank, "ok", seen))
     except PeerLost as exc:

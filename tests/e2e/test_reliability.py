@@ -81,6 +81,13 @@ def test_too_many_faults_in_a_row_stop_the_run_and_keep_the_checkpoint(tmp_path)
     save_dir = str(run / "checkpoints")
     assert ckpt.read_latest(save_dir) == 4 and ckpt.list_checkpoints(save_dir) == [2, 4]
     assert (run / "checkpoints" / "iter_0000004" / "metadata.json").is_file()
+    # The count is checkpointed: resumed at step 4 (two faults in a row behind it), one more
+    # stops the run again (c24cbcc restarted the count at 0 and trained on).
+    proc = gspo_train(run, "--trainer.steps=8", "--checkpoint.save_interval=2",
+                      "--trainer.max_consecutive_faults=3",
+                      env_extra={"GSPO_FAULT": "nan_loss:4"}, check=False)
+    assert proc.returncode == 2 and "3 consecutive steps had non-finite values (last: step 4)" \
+        in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])

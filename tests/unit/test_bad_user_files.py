@@ -324,3 +324,33 @@ def test_megatron_warnings_only_with_verbose(trained, tmp_path):
     assert loud.returncode == 2 and not run_dir.exists()
     assert "Warning" in loud.stderr and "Traceback" not in loud.stderr
     assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip()
+
+
+@pytest.mark.parametrize("rank_state, args, needle", [
+    # separate placement, max_staleness 1: the samples of step 2 already rolled out
+    ({"placement": "separate", "received": {2: {"step": 2}}, "sampler": None, "partial": None},
+     [], "rollout.placement: the checkpoint was written by a separate placement with the samples "
+         "of 1 step(s) already rolled out (steps 2..2), which a colocated run cannot train on"),
+    # a checkpoint of before the placement was recorded (the trainer's end kept "received")
+    ({"received": {2: {"step": 2}, 3: {"step": 3}}, "sampler": None, "partial": None},
+     [], "samples of 2 step(s) already rolled out (steps 2..3)"),
+    ({"placement": "colocated", "partial": {"groups": [{"prompt": None}] * 3}},
+     ["--rollout.partial_rollouts=false"],
+     "rollout.partial_rollouts: the checkpoint (colocated placement) holds 3 group(s) of partial "
+     "rollouts in flight"),
+])
+def test_a_resume_that_would_lose_what_is_in_flight_is_refused(tmp_path, rank_state, args, needle):
+    """A checkpoint whose rollouts in flight the new run cannot take over: refused in one line
+    before anything is written (on c24cbcc the separate -> colocated resume drew those steps'
+    prompts again and lost the samples; partial groups were dropped without a word)."""
+    import torch
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    it = ckpts / "iter_0000002"
+    (it / "rank").mkdir(parents=True)
+    (it / "metadata.json").write_text("{}")
+    torch.save(rank_state, it / "rank" / "rank_00000.pt")
+    (ckpts / "latest_checkpointed_iteration.txt").write_text("2")
+    before = snapshot(tmp_path / "run")
+    proc, run_dir = run_cli(tmp_path, *args)
+    assert_refused(proc, run_dir, f"cannot resume (logging.run_dir): {it}: ", needle, before=before)

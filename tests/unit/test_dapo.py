@@ -222,7 +222,7 @@ def test_dynamic_sampling_trains_only_varied_groups(tmp_path):
     for batch in policy.batches:
         assert batch.advantages.abs().min() > 0.5
     # extra batches use their own seeds: batch b of a step is seed + b * stride
-    from gspo_megatron.trainer import EXTRA_BATCH_SEED_STRIDE
+    from gspo_megatron.rollouts.sampling import EXTRA_BATCH_SEED_STRIDE
     first = int(metrics[0]["sampling/rollout_batches"])
     assert gen.seeds[:first] == [1234 + b * EXTRA_BATCH_SEED_STRIDE for b in range(first)]
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gspo_megatron.rollouts.partial import PartialRollouts
-from gspo_megatron.policy import GroupStop, RolloutSample
+from gspo_megatron.policy import HELD_REQUEST_KEY, GroupStop, RolloutSample
 
 G, NEED, IN_FLIGHT, MAX_NEW, EOS = 2, 2, 4, 12, 99
 
@@ -39,7 +39,8 @@ class LengthGenerator:
     def generate(self, prompts, seed, budgets=None, stop=None):
         prompts, budgets = [list(p) for p in prompts], list(budgets)
         call = {"prompts": prompts, "budgets": budgets, "need": stop.need if stop else None,
-                "refills": [], "held": (stop.hold_cut, stop.continue_held) if stop else None}
+                "refills": [], "held": (stop.hold_cut, bool(stop.continue_ids)) if stop else None,
+                "continue_ids": dict(stop.continue_ids) if stop else {}}
         self.calls.append(call)
         seen: dict[int, int] = {}
         order, written, finished = [], [], []
@@ -78,8 +79,15 @@ class LengthGenerator:
                     finished[i] = "length"
                 if finished[i] and stop is not None:
                     stop.finished(i)
-        return [RolloutSample(list(p), w, [-0.5] * len(w), f or "aborted")
-                for p, w, f in zip(prompts, written, finished)]
+        self.next_id = getattr(self, "next_id", 0)
+        out = []
+        for p, w, f in zip(prompts, written, finished):
+            extra = {}
+            if f is None and stop is not None and stop.hold_cut:  # held: named by a request id
+                extra[HELD_REQUEST_KEY] = self.next_id
+                self.next_id += 1
+            out.append(RolloutSample(list(p), w, [-0.5] * len(w), f or "aborted", extra))
+        return out
 
 
 def test_group_stop_counts_groups_whose_requests_all_finished():
@@ -208,16 +216,24 @@ def test_keep_kv_continues_held_requests_but_after_a_checkpoint(keep_kv):
 
 
 def test_a_rollout_rank_pool_prefills_after_the_trainers_checkpoints():
-    """``follows_checkpoint`` (a rollout rank's pool: the trainer saves it): the rollouts it names
-    do not continue held requests, the others do."""
+    """A rollout rank's pool (the trainer checkpoints the state it sends): after
+    ``mark_checkpoint`` the next rollout does not continue held requests, the others do; a
+    continued request is named by the id the engine held it under, whatever its tokens."""
     lengths = {i: [MAX_NEW, 1] for i in range(200)}
-    pool, gen, drawn = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW, keep_kv=True,
-                                       follows_checkpoint=lambda step: step % 3 == 0), \
+    pool, gen, drawn = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW, keep_kv=True), \
         LengthGenerator(lengths), []
     flags = []
     for step in range(7):
+        if step % 3 == 0:
+            pool.mark_checkpoint()
+        held_before = {r.held for g in pool.groups for r in g.responses if r.held is not None}
         pool.rollout(gen, lambda e: [e.i], drawer(drawn), seed=step, step=step)
-        flags.append(gen.calls[-1]["held"][1])
+        call = gen.calls[-1]
+        flags.append(call["held"][1])
+        if call["held"][1]:  # every held request continued, each at its own prompt
+            assert sorted(call["continue_ids"].values()) == sorted(held_before)
+            for i, rid in call["continue_ids"].items():
+                assert len(call["prompts"][i]) > 1  # a prefix with written tokens
     assert flags == [False, True, True, False, True, True, False]
 
 

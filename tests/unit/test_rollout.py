@@ -399,13 +399,14 @@ def test_a_partial_rollout_stops_at_its_groups_and_continues_where_it_stopped(se
 
 
 def test_held_requests_continue_without_prefill_with_their_routes(setup):
-    """``GroupStop.hold_cut`` / ``continue_held`` (``rollout.partial_keep_kv``): the requests a
-    stop cuts stay in the engine with their KV cache (the buffer stays allocated); a call whose
-    prompts are their prompts + written tokens continues them with no prefill step, and gives
+    """``GroupStop.hold_cut`` / ``continue_ids`` (``rollout.partial_keep_kv``): the requests a
+    stop cuts stay in the engine with their KV cache (the buffer stays allocated), each aborted
+    sample naming its request; a call whose prompts are their prompts + written tokens and that
+    names the requests they continue goes on with no prefill step, and gives
     (greedy, same weights) the uninterrupted responses, the trainer's log-probs and, under R3,
     the uninterrupted routes of every forwarded position. A call that does not continue them
     (evaluation) drops them and prefills as usual."""
-    from gspo_megatron.policy import GroupStop
+    from gspo_megatron.policy import HELD_REQUEST_KEY, GroupStop
 
     policy, groups = setup
     eng = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
@@ -417,6 +418,7 @@ def test_held_requests_continue_without_prefill_with_their_routes(setup):
                                                          hold_cut=True))
     cut = [i for i, s in enumerate(first) if s.finish_reason == "aborted"]
     assert len(cut) == 10 and len(eng.dynamic.held_ids()) == 10
+    assert {first[i].extra[HELD_REQUEST_KEY] for i in cut} == eng.dynamic.held_ids()
     assert eng.dynamic.kv_bytes > 0  # held: the cache stays
     written = {i: len(first[i].response_ids) for i in cut}
     forwarded = []  # tokens in each engine forward
@@ -426,7 +428,8 @@ def test_held_requests_continue_without_prefill_with_their_routes(setup):
         forwarded.append(int(eng.dynamic.context.active_token_count))
         return forward(*args, **kwargs)
     eng.wrapper.run_one_forward_step = counted
-    stop = GroupStop([i // 2 for i in cut], need=5, hold_cut=True, continue_held=True)
+    stop = GroupStop([i // 2 for i in cut], need=5, hold_cut=True, continue_ids={
+        k: first[i].extra[HELD_REQUEST_KEY] for k, i in enumerate(cut[::-1])})
     rest = eng.generate([prompts[i] + first[i].response_ids for i in cut][::-1], seed=0,
                         budgets=[12 - written[i] for i in cut][::-1], stop=stop)[::-1]
     eng.wrapper.run_one_forward_step = forward

@@ -136,6 +136,20 @@ def test_batch_aligns_rollout_logprobs_with_labels():
     assert batch.advantages.tolist() == [1.0, -1.0]
 
 
+def test_rollout_logprobs_of_the_wrong_count_per_sequence_are_refused():
+    """Per-sequence value counts that are wrong but add up to the batch's response tokens (here
+    2 + 1 for spans of 1 and 2) would shift values between sequences in the one masked write;
+    c24cbcc placed them silently. Refused, naming the sequence."""
+    from gspo_megatron.layout import TokenLayout
+
+    layout = TokenLayout(torch.tensor([4, 5]), torch.tensor([3, 3]), 6)  # spans of 1 and 2
+    assert layout.response_mask().sum(1).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="sequence 0 has 2 values for its 1 response tokens"):
+        layout.place_labels([[-0.1, -0.2], [-0.3]])
+    placed = layout.place_labels([[-0.1], [-0.2, -0.3]])
+    assert placed[layout.response_mask()].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+
+
 @pytest.mark.parametrize("multiple, seq_length", [(1, None), (4, None), (1, 40), (8, 40)])
 def test_whole_batch_packing_equals_per_sequence_writes(multiple, seq_length):
     """make_policy_batch and TokenLayout build the batch with whole-batch tensor ops; they equal

@@ -333,10 +333,17 @@ def _load_one(policy, directory: str) -> TrainingState:
     else:
         logger.warning("%s: no RNG state for rank %d (different world size?)", directory, _rank())
     extra = dict(loaded["extra"] or {})
-    rank_path = os.path.join(directory, RANK_STATE_KEY, f"rank_{_rank():05d}.pt")
-    if os.path.isfile(rank_path):  # our own pickle (the rollouts in flight), written by save
-        extra[RANK_STATE_KEY] = torch.load(rank_path, weights_only=False)
+    rank_state = read_rank_state(directory, _rank())
+    if rank_state is not None:
+        extra[RANK_STATE_KEY] = rank_state
     return TrainingState(step=int(loaded["step"]), extra=extra)
+
+
+def read_rank_state(directory: str, rank: int) -> Any:
+    """Rank ``rank``'s own part of the checkpoint ``directory`` (the rollouts in flight: our own
+    pickle, written by :func:`save_checkpoint`), or None when it has none."""
+    path = os.path.join(directory, RANK_STATE_KEY, f"rank_{rank:05d}.pt")
+    return torch.load(path, weights_only=False) if os.path.isfile(path) else None
 
 
 # ------------------------------------------------------------------ model weights only

@@ -39,7 +39,7 @@ What else it adds (:class:`DynamicRollout`):
 * **Held requests** (``rollout.partial_keep_kv``). The requests a partial rollout cuts
   (``GroupStop.hold_cut``) can stay in the context, KV cache and all, instead of being dropped;
   the next call continues each whose prompt is exactly its prompt + written tokens
-  (``GroupStop.continue_held``) without prefilling it again (PipelineRL's in-flight weight
+  (``GroupStop.continue_ids``) without prefilling it again (PipelineRL's in-flight weight
   update: the cached keys and values are the older weights'). The buffer is then not released
   while requests are held. A call that does not continue all of them drops them all.
 * **R3.** With a route recorder, every step's routes are recorded from the packed buffer and
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import itertools
 
 import torch
@@ -141,9 +142,8 @@ class DynamicRollout:
         self._request_ids = itertools.count()
         """Request ids, unique for the engine's life (R3 routes of held requests are kept by id
         across calls; Megatron's own counter restarts at every ``engine.reset()``)."""
-        self._held: dict[tuple[int, ...], list[int]] = {}
-        """Requests a partial rollout cut and kept (``GroupStop.hold_cut``), by their prompt and
-        written tokens: the next call's prompt for them."""
+        self._held: set[int] = set()
+        """Ids of the requests a partial rollout cut and kept (``GroupStop.hold_cut``)."""
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
         self.kv_bytes = self._kv_bytes()
@@ -168,7 +168,7 @@ class DynamicRollout:
 
     def held_ids(self) -> set[int]:
         """Ids of the requests held from the previous call (``GroupStop.hold_cut``)."""
-        return {request_id for ids in self._held.values() for request_id in ids}
+        return set(self._held)
 
     def drop_held(self) -> None:
         """Forget the held requests and their KV cache."""
@@ -176,20 +176,48 @@ class DynamicRollout:
             self._held.clear()
             self.context.reset()
 
-    def _claim_held(self, prompts: list[list[int]], stop) -> dict[int, int]:
-        """``{call position: held request id}`` for the prompts that continue a held request;
-        all or nothing: if ``stop`` does not ask for it or a held request is left unclaimed,
-        every held request is dropped and ``{}`` returned."""
-        claimed: dict[int, int] = {}
-        if self._held and stop is not None and stop.continue_held:
-            free = {key: list(ids) for key, ids in self._held.items()}
-            for i, prompt in enumerate(prompts):
-                ids = free.get(tuple(prompt))
-                if ids:
-                    claimed[i] = ids.pop(0)
-            if len(claimed) == sum(map(len, self._held.values())):
-                self._held.clear()
-                return claimed
+    def held_state(self) -> dict | None:
+        """The requests held from the last call, whole, on the host: what a checkpoint taken at
+        a stop signal keeps, since the run that was not stopped continues them, KV cache and
+        all. The context's request and token tables and counts, the block allocator, the KV
+        blocks the held requests use (not the whole buffer), the held ids and the next request
+        id. None when nothing is held."""
+        if not self._held:
+            return None
+        ctx, alloc = self.context, self.context.block_allocator
+        n = ctx.total_request_count
+        blocks = ctx.request_to_kv_block_ids[:n].flatten()
+        blocks = torch.unique(blocks[blocks >= 0]).long()
+        return {"context": _plain_state(vars(ctx), skip=("memory_buffer",)),
+                "allocator": _plain_state(vars(alloc), skip=("context",)),
+                "blocks": blocks.cpu(), "kv": ctx.memory_buffer[:, :, blocks].cpu(),
+                "held": sorted(self._held), "next_id": self._peek_request_id()}
+
+    def restore_held(self, state: dict) -> None:
+        """Hold the requests of :meth:`held_state` again (in an engine built as the one that saved
+        it): the next call continues them as the uninterrupted engine would."""
+        self.resume()
+        ctx = self.context
+        _load_plain_state(ctx, state["context"])
+        _load_plain_state(ctx.block_allocator, state["allocator"])
+        blocks = state["blocks"].to(ctx.memory_buffer.device)
+        ctx.memory_buffer[:, :, blocks] = state["kv"].to(ctx.memory_buffer.device)
+        self._held = set(state["held"])
+        self._request_ids = itertools.count(state["next_id"])
+        self.kv_bytes = self._kv_bytes()
+
+    def _peek_request_id(self) -> int:
+        nxt = next(self._request_ids)
+        self._request_ids = itertools.count(nxt)
+        return nxt
+
+    def _claim_held(self, stop) -> dict[int, int]:
+        """``{call position: held request id}`` (``stop.continue_ids``) when they continue every
+        held request; otherwise every held request is dropped and ``{}`` returned."""
+        claimed = dict(stop.continue_ids) if stop is not None else {}
+        if self._held and sorted(claimed.values()) == sorted(self._held):
+            self._held.clear()
+            return claimed
         self.drop_held()
         return {}
 
@@ -203,9 +231,9 @@ class DynamicRollout:
         step until ``stop`` is done, the requests ``(prompt, budget)`` to add. With
         ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
         allocated) for the next call to continue
-        (``stop.continue_held``). Collective over the world under EP > 1 (lock-step), over the
+        (``stop.continue_ids``). Collective over the world under EP > 1 (lock-step), over the
         model-parallel group otherwise."""
-        held = self._claim_held(prompts, stop)
+        held = self._claim_held(stop)
         self.resume()
         try:
             # eval mode (the module flags over a cached list: ``model.eval()`` without its
@@ -238,12 +266,9 @@ class DynamicRollout:
                 self.steps += 1
             out = call.results()
             if call.running:  # aborted
-                if stop.hold_cut:  # keyed by what the next call's prompt will be
+                if stop.hold_cut:  # the next call continues them by id (Generated.request_id)
                     ctx = self.context
-                    for request_id in ctx.request_ids[:ctx.total_request_count].tolist():
-                        r = out[call.row[request_id]]
-                        self._held.setdefault(tuple(r.prompt) + tuple(r.tokens),
-                                              []).append(request_id)
+                    self._held.update(ctx.request_ids[:ctx.total_request_count].tolist())
                 else:
                     self.context.reset()
             return out
@@ -292,6 +317,39 @@ class DynamicRollout:
             for request_id in reversed(evicted.tolist()):
                 call.requeue(request_id)
         return finished
+
+
+def _plain_state(attrs: dict, skip: tuple[str, ...]) -> dict:
+    """Tensors (copied to the host), plain values and the small records (request metadata,
+    batch dimensions) among ``attrs``: an object's state that changes with its requests."""
+    out = {}
+    for name, value in attrs.items():
+        if name in skip:
+            continue
+        if torch.is_tensor(value):
+            out[name] = value.detach().cpu().clone()
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        elif isinstance(value, dict) and value and all(torch.is_tensor(v) for v in value.values()):
+            out[name] = {k: v.detach().cpu().clone() for k, v in value.items()}
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out[name] = copy.copy(value)
+    return out
+
+
+def _load_plain_state(obj, state: dict) -> None:
+    """:func:`_plain_state` back into ``obj``: tensors copied into its own (same shapes: an
+    object built from the same config), the rest set."""
+    for name, value in state.items():
+        mine = getattr(obj, name, None)
+        if torch.is_tensor(value) and torch.is_tensor(mine) and mine.shape == value.shape:
+            mine.copy_(value.to(mine.device))
+        elif isinstance(value, dict) and isinstance(mine, dict):
+            for k, v in value.items():
+                mine[k].copy_(v.to(mine[k].device))
+        else:
+            setattr(obj, name, value.to(mine.device) if torch.is_tensor(value) and
+                    torch.is_tensor(mine) else value)
 
 
 class Generated:

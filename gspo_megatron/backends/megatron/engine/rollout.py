@@ -82,7 +82,7 @@ from gspo_megatron.backends.megatron.engine.sampling_copy import SamplingCopy, c
 from gspo_megatron.backends.megatron.schedule import module_list, set_training
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.distributed import ParallelGroups
-from gspo_megatron.policy import GroupStop, RolloutSample
+from gspo_megatron.policy import HELD_REQUEST_KEY, GroupStop, RolloutSample
 
 __all__ = ["RolloutEngine", "RolloutSample", "SamplingCopy"]
 
@@ -366,6 +366,20 @@ class RolloutEngine:
                     keep=self.dynamic.held_ids() if self.dynamic is not None else ())
         return samples
 
+    def held_state(self) -> dict | None:
+        """The requests the engine holds (``GroupStop.hold_cut``) whole, with their recorded R3
+        routes, for a checkpoint taken at a stop signal; None when it holds none."""
+        state = self.dynamic.held_state() if self.dynamic is not None else None
+        if state is not None and self._route_recorder is not None:
+            state["routes"] = self._route_recorder.state_dict()
+        return state
+
+    def restore_held(self, state: dict) -> None:
+        """Hold :meth:`held_state`'s requests again (an engine built from the same config)."""
+        self.dynamic.restore_held(state)
+        if self._route_recorder is not None:
+            self._route_recorder.load_state_dict(state["routes"])
+
     def _check(self, prompts: list[list[int]], budgets: list[int], first: int = 0) -> None:
         for i, (p, budget) in enumerate(zip(prompts, budgets), start=first):
             if not p:
@@ -499,11 +513,13 @@ class RolloutEngine:
                   else contextlib.nullcontext())
         with torch.inference_mode(), sp_off, _context_parallel_off(self.sampling_model):
             written = self.dynamic.generate(prompts, budgets, sp, stop, refill)
+        held_ids = self.dynamic.held_ids()
         recorder = self._route_recorder
         samples = []
         for prompt, budget, w in zip(prompts, budgets, written):
             if not w.finished:
-                samples.append(RolloutSample(list(prompt), w.tokens, w.logprobs, "aborted"))
+                held = {HELD_REQUEST_KEY: w.request_id} if w.request_id in held_ids else {}
+                samples.append(RolloutSample(list(prompt), w.tokens, w.logprobs, "aborted", held))
                 continue
             sample = self._finish(prompt, w.tokens, w.logprobs, budget)
             if recorder is not None:

@@ -147,6 +147,13 @@ class PackedRouteRecorder:
                                f"{int((~seen).sum())} of its {length} forwarded positions")
         return out
 
+    def state_dict(self) -> list:
+        """The routes kept (of the requests the engine holds), for a checkpoint."""
+        return [tuple(t.clone() for t in step) for step in self._steps]
+
+    def load_state_dict(self, steps: list) -> None:
+        self._steps, self._table = [tuple(step) for step in steps], None
+
     def reset(self, keep=()) -> None:
         """Forget the recorded steps, but the routes of the requests in ``keep`` (held by the
         engine for a later call: their earlier tokens are not forwarded again)."""
