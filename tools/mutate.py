@@ -128,6 +128,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("left-padded rollouts: pad keys not masked", "gspo_megatron/backends/megatron/"
            "engine/hooks.py", "masked = (j > i) | ((j < pads.view(-1, 1, 1)) & (j != i))",
            "masked = j > i", ("-m", "slow", T + "test_rollout.py", "-k", "left_padded")),
+    Mutant("static R3: left-padded prompts' routes taken from position 0 (issue 52)",
+           "gspo_megatron/backends/megatron/engine/rollout.py",
+           "req.gspo_routes[:, pad:pad + n].clone()", "req.gspo_routes[:, :n].clone()",
+           ("-m", "slow", T + "test_rollout_routes.py", "-k", "left_padded")),
     # The loop and the checkpoint (issue 34: both passed the whole suite before these tests).
     Mutant("trainer.old_logprobs inverted (recompute takes the engine's)", "gspo_megatron/trainer.py",
            'batch.old_logprobs = (batch.rollout_logprobs if cfg.trainer.old_logprobs == "rollout"',

@@ -211,3 +211,20 @@ def test_bf16_rollout_routes_are_replayed_by_the_fp32_trainer(setup):
                                    batch.rollout_logprobs, policy.groups)
     assert 0.0 <= metrics["routing/rollout/change_rate"] < 0.5
     assert metrics["routing/rollout/abs_log_ratio_unchanged"] > 0  # bf16 vs fp32 log-probs
+
+
+def test_static_engine_r3_routes_of_left_padded_prompts(setup):
+    """The static engine with the local kernels left-pads a batch's prompts to the longest:
+    each sample's routes must skip its padding (positions ``pad .. pad + n``). With the trainer's
+    weights equal to the sampler's the trainer's own routers pick exactly the recorded experts
+    on every forwarded position of prompts of mixed lengths; routes taken from position 0 (the
+    planted bug of issue 52: ``gspo_routes[:, :n]``) put the pad positions' routes on the
+    prompt's tokens and fail here."""
+    policy, _ = setup
+    engine = make_engine(setup, engine="static")
+    assert engine.backend == "static" and engine._left_padding_ok
+    prompts = make_prompts(8, seed=3)
+    assert len({len(p) for p in prompts}) > 2  # mixed lengths: left padding in every batch
+    samples = engine.generate(prompts, seed=5)
+    store, _, _, _, changed = replay_pass(policy, samples, batch_of(samples))
+    assert int(changed[:, store.known].sum()) == 0
