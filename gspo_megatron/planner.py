@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass
 
 from gspo_megatron.config.model import ModelConfig, ParallelConfig
-from gspo_megatron.rollouts.kv_budget import kv_budget_bytes, kv_bytes_per_token
+from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token
 from gspo_megatron.params import count_parameters
 
 GIB = 1024 ** 3
@@ -88,7 +88,7 @@ class MemoryPlan:
     """Whether routes are kept at all (``routing.replay`` r2 or r3)."""
     kv_cache: int = 0
     """The rollout engine's paged KV cache on this GPU (``rollout.dynamic_buffer_size_gb``, or
-    ``max_batch_size`` requests of ``seq_length`` tokens; :mod:`gspo_megatron.rollouts.kv_budget`)."""
+    ``max_batch_size`` requests of ``seq_length`` tokens; :mod:`gspo_megatron.kv_budget`)."""
     kv_cache_in_training: bool = False
     """The KV cache stays allocated through training (``rollout.partial_keep_kv``: the engine
     holds the requests a partial rollout carried over)."""

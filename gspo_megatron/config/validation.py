@@ -18,7 +18,7 @@ from gspo_megatron.sections import FieldError, Section
 from gspo_megatron.config.model import (ModelConfig, ModelFileError, architecture_differences,
                                         find_converted_dir, model_config_file,
                                         read_model_config_file, show_value)
-from gspo_megatron.rollouts.kv_budget import kv_budget_bytes, kv_bytes_per_token
+from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token
 from gspo_megatron.config.schema import TrainConfig
 
 

@@ -6,5 +6,4 @@
 - :mod:`.partial`: partial rollouts, the groups carried from step to step.
 - :mod:`.remote`: rollouts on ranks of their own (``rollout.placement: separate``): the bridge, the
   weight channel, the trainer's end and the rollout ranks' server.
-- :mod:`.kv_budget`: the KV cache's size in blocks and bytes.
 """

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.backends.megatron.hf.config import load_hf_config, model_config_from_hf
-from gspo_megatron.backends.megatron.hf.weights import hf_expected_shapes, place, uses_fused_experts
+from gspo_megatron.hf.config import load_hf_config, model_config_from_hf
+from gspo_megatron.hf.weights import hf_expected_shapes, place, uses_fused_experts
 from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig
 
 logger = logging.getLogger("gspo-convert-hf")
@@ -226,7 +226,7 @@ def fill_model_from_hf(gpt_model, cfg: ModelConfig, ckpt: HFCheckpoint) -> int:
     """
     from safetensors import safe_open
 
-    from gspo_megatron.backends.megatron.hf.weights import conversion_plan_for_model, mcore_tensor_names
+    from gspo_megatron.hf.weights import conversion_plan_for_model, mcore_tensor_names
 
     state = gpt_model.state_dict()
     plan = conversion_plan_for_model(gpt_model, cfg, fused_experts=ckpt.fused_experts)

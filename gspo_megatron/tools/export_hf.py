@@ -32,8 +32,8 @@ import sys
 
 import torch
 
-from gspo_megatron.backends.megatron.hf.config import hf_config_from_model_config, model_config_from_hf
-from gspo_megatron.backends.megatron.hf.weights import conversion_plan, extract, hf_expected_shapes
+from gspo_megatron.hf.config import hf_config_from_model_config, model_config_from_hf
+from gspo_megatron.hf.weights import conversion_plan, extract, hf_expected_shapes
 from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig, find_converted_dir
 from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, HF_FILES_DIR, HF_SOURCE_FILE,
                                             SIDE_FILES, ConversionError,
@@ -149,7 +149,7 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
 
     from gspo_megatron.backends.megatron.checkpoint import (checkpoint_tensor_dtype,
                                                             load_model_weights, resolve_weights_dir)
-    from gspo_megatron.backends.megatron.hf.config import load_hf_config
+    from gspo_megatron.hf.config import load_hf_config
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig

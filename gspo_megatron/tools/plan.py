@@ -117,7 +117,7 @@ def from_flags(args):
         if getattr(args, key) is None:
             setattr(args, key, default)
     if args.hf_config:
-        from gspo_megatron.backends.megatron.hf.config import model_config_from_hf
+        from gspo_megatron.hf.config import model_config_from_hf
 
         name, model = args.hf_config, model_config_from_hf(args.hf_config)
     else:

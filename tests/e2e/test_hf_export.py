@@ -87,7 +87,7 @@ def megatron_model(weights_dir, cfg):
 
 
 def test_convert_train_export_loads_in_transformers(tmp_path):
-    from gspo_megatron.backends.megatron.hf.weights import hf_state_dict_from_mcore
+    from gspo_megatron.hf.weights import hf_state_dict_from_mcore
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.config.model import ParallelConfig
     from gspo_megatron.tools.export_hf import read_mcore_configs

@@ -22,9 +22,9 @@ from tests.helpers.hf import HF_LOGIT_TOL, sharpen_random_init
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from gspo_megatron.backends.megatron.hf.config import (  # noqa: E402
+from gspo_megatron.hf.config import (  # noqa: E402
     hf_config_from_model_config, model_config_from_hf, validate_hf_config)
-from gspo_megatron.backends.megatron.hf.weights import (  # noqa: E402
+from gspo_megatron.hf.weights import (  # noqa: E402
     conversion_plan, hf_expected_shapes, hf_state_dict_from_mcore, mcore_state_dict_from_hf)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -5,7 +5,7 @@ with Megatron's static batch engine (the rollout engine before the dynamic one) 
 
 Weights: a random ``Qwen3MoeForCausalLM`` (transformers, fp32; the SMALL benchmark shape:
 4 layers, one dense, 8 experts top-2, hidden 256, vocabulary 4096) converted in memory with
-:func:`gspo_megatron.backends.megatron.hf.weights.mcore_state_dict_from_hf` into the Megatron policy.
+:func:`gspo_megatron.hf.weights.mcore_state_dict_from_hf` into the Megatron policy.
 Batch: the same ``batch`` prompts of ``prompt_len`` random tokens for both, at each batch size
 (default 16, latency-bound, and 128, the tiny recipes' rollout batch); greedy decoding,
 ``new_tokens`` per prompt. HF: ``generate(use_cache=True, do_sample=False, min_new_tokens =
@@ -155,8 +155,8 @@ def run(smoke: bool = False, rounds: int = 3, batch: str = "16,128", prompt_len:
 
     import torch
 
-    from gspo_megatron.backends.megatron.hf.config import model_config_from_hf
-    from gspo_megatron.backends.megatron.hf.weights import mcore_state_dict_from_hf
+    from gspo_megatron.hf.config import model_config_from_hf
+    from gspo_megatron.hf.weights import mcore_state_dict_from_hf
     from tools.bench import _model
     from tools.bench.common import make_result, median, median_ratio, quiet_megatron, row
 

@@ -1,5 +1,6 @@
 """The Megatron-Core backend behind :class:`gspo_megatron.policy.Policy`. Nothing outside
-``backends/`` imports megatron.
+``backends/`` imports megatron (the Hugging Face mapping of Megatron's tensor names,
+:mod:`gspo_megatron.hf`, is plain data and torch).
 
 - :mod:`.parallel`, :mod:`.model`, :mod:`.policy`, :mod:`.schedule`, :mod:`.logprobs`,
   :mod:`.checkpoint`: process groups, the ``GPTModel``, the policy (optimizer, updates, log-prob
@@ -7,6 +8,5 @@
 - :mod:`.engine`: the rollout engine on Megatron's inference stack.
 - :mod:`.routing`: MoE route record / replay (R2, R3) and diagnostics.
 - :mod:`.kernels`: faster modules for the local layer spec.
-- :mod:`.hf`: Hugging Face Qwen3-MoE config and weights, both ways.
 - :mod:`.weight_transfer`: the weights from the trainer's layout into a rollout replica's.
 """

@@ -25,7 +25,7 @@ What else it adds (:class:`DynamicRollout`):
 * **Sizing from the recipe.** ``rollout.max_batch_size`` is the engine's request limit (Megatron's
   ``from_config`` derives it from the block count instead, 163,836 requests for 20 GB, and then
   fails on a small model); ``rollout.dynamic_buffer_size_gb`` is the paged KV budget (default:
-  every slot holds a full-length request, :mod:`gspo_megatron.rollouts.kv_budget`). The config refuses a
+  every slot holds a full-length request, :mod:`gspo_megatron.kv_budget`). The config refuses a
   budget that cannot hold one request before anything is built.
 * **Expert parallelism in lock-step.** Under EP > 1 the MoE all-to-all couples ranks that hold
   different prompts, so the rank that finishes first would leave the others waiting in a
@@ -62,7 +62,7 @@ import torch
 
 from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.distributed import ParallelGroups, any_rank
-from gspo_megatron.rollouts.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
+from gspo_megatron.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
 
