@@ -20,7 +20,8 @@ the same engine with 32 request slots for the 128 prompts, a finished response's
 once, both batches at that setting; ``static``: Megatron's static batch engine;
 ``dynamic_partial`` / ``dynamic_partial_keep_kv``: partial rollouts in their steady state,
 continued responses prefilled again / continued from the engine's held KV cache, see
-:func:`_partial`) and each
+:func:`_partial`; their first ``PARTIAL_WARMUP`` steps, before the pool fills, are reported step by
+step too) and each
 layout (EP=1: one process; EP=2: two gloo ranks, each with its own prompts, in lock-step) it reports
 the seconds per real (response) token of each batch and their ratio (the target: <= 1.3x), the
 engine's forward steps against the longest response, and tokens forwarded per real token. The
@@ -162,18 +163,24 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
             t = time.perf_counter()
             _, _, m = v["pool"].rollout(v["engine"], lambda i: prompts[i], drawer(v["drawn"]),
                                         seed=step, step=step)
-            if step >= PARTIAL_WARMUP:  # seconds, written, forwarded, steps, carried, age
-                v["rows"].append((time.perf_counter() - t, m["rollout/partial_generated_tokens"],
-                                  v["forwarded"][0], v["engine"].dynamic.steps,
-                                  m["rollout/partial_carried_share"],
-                                  m["rollout/partial_max_age"]))
-        if step >= PARTIAL_WARMUP and step % 2 == 0:  # the uniform batch, interleaved
+            # seconds, written, forwarded, steps, carried, age: every step (the first ones are
+            # what a run meets before the pool fills)
+            v["rows"].append((time.perf_counter() - t, m["rollout/partial_generated_tokens"],
+                              v["forwarded"][0], v["engine"].dynamic.steps,
+                              m["rollout/partial_carried_share"], m["rollout/partial_max_age"]))
+        if step < PARTIAL_WARMUP or step % 2 == 0:  # the uniform batch, interleaved
             t = time.perf_counter()
             uniform.generate(prompts, seed=step)
             uni.append(time.perf_counter() - t)
     out = {}
+    uniform_per_token = median(uni) / (mean * len(prompts))
     for name, v in variants.items():
-        times, written, fwd, steps, carried, ages = map(list, zip(*v["rows"]))
+        first = v["rows"][:PARTIAL_WARMUP]
+        # per step from the first on, and over the first k steps together (a user's run so far)
+        from_start = [(t / w) / uniform_per_token for t, w, *_ in first]
+        so_far = [(sum(t for t, *_ in first[:k + 1]) / sum(w for _, w, *_ in first[:k + 1]))
+                  / uniform_per_token for k in range(len(first))]
+        times, written, fwd, steps, carried, ages = map(list, zip(*v["rows"][PARTIAL_WARMUP:]))
         per_token = {"long_tailed": sum(times) / sum(written),
                      "uniform": median(uni) / (mean * len(prompts))}
         out[name] = {
@@ -183,6 +190,8 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
             "longest": max(lengths), "mean_length": mean, "per_token_s": per_token,
             "ratio": per_token["long_tailed"] / per_token["uniform"],
             "carried_share": median(carried), "max_age": max(ages),
+            "first_steps_ratio": from_start, "first_steps_cumulative_ratio": so_far,
+            "first_steps_carried": [c for *_, c, _ in first],
             # every token written but a response's last is fed back once (a decode token); the
             # rest of what the forwards ran is prefill (fresh prompts, continued prefixes)
             "prefilled_per_written": (sum(fwd) - sum(written)) / sum(written)}
@@ -217,6 +226,12 @@ def run(smoke: bool = False, rounds: int = 3) -> dict:
                                 f"{r['carried_share']:.2f}; {r['max_age']:.0f}", ""))
                 rows.append(row(f"{tag}: tokens prefilled (continued prefixes, fresh "
                                 f"prompts) per token written", r["prefilled_per_written"], "x"))
+                rows.append(row(f"{tag}: steps 0..{len(r['first_steps_ratio']) - 1}, each, per "
+                                f"real token vs uniform", " / ".join(
+                                    f"{x:.2f}" for x in r["first_steps_ratio"]), "x"))
+                rows.append(row(f"{tag}: steps 0..k together (a run so far), per real token vs "
+                                f"uniform", " / ".join(
+                                    f"{x:.2f}" for x in r["first_steps_cumulative_ratio"]), "x"))
             if name == "dynamic_partial_keep_kv":  # the setting for long-tailed runs (the
                 worst = max(worst, r["ratio"])  # others: what re-prefill, or waiting, costs)
     for layout, per_engine in results.items():
