@@ -220,6 +220,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
+    from gspo_megatron.config import token_budget
     from gspo_megatron.config.loader import save_config
     from gspo_megatron.config.model import ParallelConfig
     from gspo_megatron.data import PromptSampler
@@ -244,7 +245,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
         return build_policy(cfg.model, parallel, cfg.precision, cfg.optim, groups,
                             micro_batch_size=cfg.trainer.micro_batch_size,
                             logprob_micro_batch_size=cfg.trainer.logprob_micro_batch_size,
-                            max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                            max_tokens_per_microbatch=token_budget(cfg),
                             vocab_size=tokenizer.vocab_size, **kwargs)
 
     if rollout_rank:

@@ -20,7 +20,7 @@ import torch
 
 from gspo_megatron.algorithms import rollout_mismatch
 from gspo_megatron.algorithms.pass_at_k import pass_at_k_ladder, sampled_eval_metrics
-from gspo_megatron.config import TrainConfig
+from gspo_megatron.config import TrainConfig, token_budget
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
@@ -81,7 +81,7 @@ class Trainer:
         self.pad_multiple = tp * (2 * cp if cp > 1 else 1)
         # Packed microbatches follow each rank's tokens: even those out (padded ones are equal).
         self.balances_ranks = (cfg.trainer.balance_data_parallel and groups.dp_size > 1
-                               and cfg.trainer.max_tokens_per_microbatch is not None)
+                               and token_budget(cfg) is not None)
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
         self._rank_state: dict | None = None
         """This rank's part of the checkpoint resumed from (the rollouts in flight)."""

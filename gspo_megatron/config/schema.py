@@ -344,23 +344,31 @@ class TrainerConfig(Section, name="trainer"):
     num_minibatches: int = 4
     """Optimiser steps per rollout batch (the paper: 4)."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward (gradient accumulation inside a minibatch), each
-    right-padded to the batch's longest sequence. Not used when packing."""
+    """Sequences per forward/backward (gradient accumulation inside a minibatch) of padded
+    microbatches, each right-padded to the batch's longest sequence; with packing (the default)
+    it sizes the token budget (``max_tokens_per_microbatch``)."""
     logprob_micro_batch_size: int | None = None
     """Sequences per forward of the no-grad log-prob passes (old policy, reference model);
     None: ``micro_batch_size``. They keep no activations for a backward, so larger microbatches
     fit in the same memory and cost fewer per-call overheads (TRL's workload: 4 x 32 -> 1 x 128,
     17 -> 13 ms). verl's ``log_prob_micro_batch_size_per_gpu``, NeMo-RL's
-    ``logprob_batch_size``. Not used when packing (``max_tokens_per_microbatch``)."""
+    ``logprob_batch_size``. Not used when packing (``pack_sequences``)."""
+    pack_sequences: bool = True
+    """Padding-free training (the default): the sequences of every old-log-prob, update and SFT
+    pass are packed (concatenated, Megatron's ``thd`` ``PackedSeqParams``: no attention across
+    sequences, rotary positions restart per sequence) into microbatches of at most
+    ``max_tokens_per_microbatch`` tokens, so compute follows the real tokens instead of
+    ``batch x longest`` (verl's ``use_remove_padding``). Where packing cannot run (Megatron's
+    local attention with ``precision.local_kernels: false``; routing replay or diagnostics at
+    TP > 1) the run trains padded microbatches, as with False (the opt-out: padded microbatches of
+    ``micro_batch_size`` sequences)."""
     max_tokens_per_microbatch: int | None = None
-    """Padding-free training: the sequences of every old-log-prob, update and SFT pass are packed
-    (concatenated, Megatron's ``thd`` ``PackedSeqParams``: no attention across sequences, rotary
-    positions restart per sequence) into microbatches of at most this many tokens, so compute
-    follows the real tokens instead of ``batch x longest``. Must hold the longest sequence
-    (``data.max_prompt_length + rollout.max_new_tokens``). verl's ``ppo_max_token_len_per_gpu``
-    with ``use_remove_padding``; None (default): padded microbatches of ``micro_batch_size``."""
+    """Token budget of a packed microbatch. None: ``micro_batch_size x model.seq_length``, what a
+    padded microbatch of the run holds (the same activation memory, every token real). Must hold
+    the longest sequence (``data.max_prompt_length + rollout.max_new_tokens``). verl's
+    ``ppo_max_token_len_per_gpu``. Set with ``pack_sequences: false`` it is refused."""
     balance_data_parallel: bool = True
-    """With packing and data parallelism: after the advantages, whole samples move between the
+    """With packing (``pack_sequences``) and data parallelism: after the advantages, whole samples move between the
     data-parallel ranks so each trains about the same tokens in every minibatch (the minibatches
     keep their sequences, so the gradient is unchanged; ``perf/dp_token_imbalance``). Without it
     every rank trains the responses it sampled, and the rank with the longest ones sets the pace

@@ -140,7 +140,7 @@ def _batch_errors(cfg: TrainConfig, dp: int, world_size: int) -> list[str]:
             f"trainer.num_minibatches ({tr.num_minibatches}) must divide the rollout batch "
             f"rollout.prompts_per_step x rollout.group_size = {ro.prompts_per_step} x "
             f"{ro.group_size} = {batch}")
-    elif tr.max_tokens_per_microbatch is None and (batch // tr.num_minibatches) % tr.micro_batch_size:
+    elif token_budget(cfg) is None and (batch // tr.num_minibatches) % tr.micro_batch_size:
         errors.append(
             f"trainer.micro_batch_size ({tr.micro_batch_size}) must divide the minibatch "
             f"(rollout.prompts_per_step x rollout.group_size / trainer.num_minibatches = "
@@ -197,13 +197,43 @@ def _engine_errors(cfg: TrainConfig) -> list[str]:
     return errors
 
 
+def _packing_blocker(cfg: TrainConfig) -> str | None:
+    """Why this configuration cannot train packed microbatches, or None."""
+    pr, par = cfg.precision, cfg.parallel
+    if pr.local_kernels is False and pr.transformer_impl == "local":
+        return ("needs an attention kernel that packs: precision.local_kernels=false keeps "
+                "Megatron's local DotProductAttention, which refuses packed sequences; leave "
+                "precision.local_kernels unset or use Transformer Engine")
+    if cfg.routing.enabled and par.tensor_model_parallel_size > 1:
+        return (f"with routing replay/diagnostics needs parallel.tensor_model_parallel_size=1, "
+                f"got {par.tensor_model_parallel_size} (sequence-parallel shards of a packed "
+                "row are not recorded)")
+    return None
+
+
+def token_budget(cfg: TrainConfig) -> int | None:
+    """The token budget of the run's packed microbatches, or None for padded microbatches:
+    ``trainer.max_tokens_per_microbatch`` when set; with ``trainer.pack_sequences`` (the
+    default) and no budget, ``micro_batch_size x model.seq_length`` where packing can run
+    (elsewhere padded, as before packing was the default)."""
+    tr = cfg.trainer
+    if tr.max_tokens_per_microbatch is not None:
+        return tr.max_tokens_per_microbatch
+    if not tr.pack_sequences or _packing_blocker(cfg) is not None:
+        return None
+    return tr.micro_batch_size * cfg.model.seq_length
+
+
 def _packing_errors(cfg: TrainConfig) -> list[str]:
     """Packed microbatches (``trainer.max_tokens_per_microbatch``) against the lengths, the
     attention kernel and routing replay."""
-    tr, par, pr, errors = cfg.trainer, cfg.parallel, cfg.precision, []
+    tr, par, errors = cfg.trainer, cfg.parallel, []
     budget = tr.max_tokens_per_microbatch
     if budget is None:
         return errors
+    if not tr.pack_sequences:
+        return [f"trainer.max_tokens_per_microbatch={budget} is a packed microbatch's budget, "
+                "but trainer.pack_sequences=false trains padded microbatches; unset one of them"]
     name = f"trainer.max_tokens_per_microbatch={budget}"
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     # A packed row is rounded up to SP x 2 CP (each sequence to 2 CP under context parallelism).
@@ -216,15 +246,9 @@ def _packing_errors(cfg: TrainConfig) -> list[str]:
                       f"{cfg.data.max_prompt_length} + {cfg.rollout.max_new_tokens} = {longest}"
                       + (f" (rounded up to a multiple of {shards}: TP under sequence parallel"
                          " x 2 CP)" if shards > 1 else ""))
-    if pr.local_kernels is False and pr.transformer_impl == "local":
-        errors.append(f"{name} needs an attention kernel that packs: precision.local_kernels=false "
-                      "keeps Megatron's local DotProductAttention, which refuses packed "
-                      "sequences; leave precision.local_kernels unset or use Transformer Engine")
-    if cfg.routing.enabled and par.tensor_model_parallel_size > 1:
-        errors.append(f"{name} with routing replay/diagnostics needs "
-                      f"parallel.tensor_model_parallel_size=1, got "
-                      f"{par.tensor_model_parallel_size} (sequence-parallel shards of a packed "
-                      "row are not recorded); unset trainer.max_tokens_per_microbatch")
+    blocker = _packing_blocker(cfg)
+    if blocker is not None:
+        errors.append(f"{name} {blocker}; unset trainer.max_tokens_per_microbatch")
     return errors
 
 

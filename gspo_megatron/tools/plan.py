@@ -137,6 +137,7 @@ def from_flags(args):
 
 def from_recipe(args, overrides: list[str]):
     """The same four from a recipe and gspo-train's ``--section.field=value`` overrides."""
+    from gspo_megatron.config import token_budget
     from gspo_megatron.config.loader import load_config, parse_cli
 
     given = [k for k in RECIPE_OVERRIDES if getattr(args, k) is not None]
@@ -150,7 +151,7 @@ def from_recipe(args, overrides: list[str]):
                     ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
                     cp=p.context_parallel_size)
     kwargs = dict(micro_batch_size=cfg.trainer.micro_batch_size, seq_length=cfg.model.seq_length,
-                  max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                  max_tokens_per_microbatch=token_budget(cfg),
                   bf16=cfg.precision.bf16, distributed_optimizer=cfg.optim.use_distributed_optimizer,
                   recompute=cfg.precision.recompute_granularity,
                   # Routes recorded for one rollout batch per DP rank: prompts x G sequences of at

@@ -64,6 +64,9 @@ def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout
 # Packed training (trainer.max_tokens_per_microbatch): SMALL's sequences are at most 8 + 4 = 12
 # tokens, so 24 packs two to four per microbatch (the old-log-prob pass, updates and SFT all pack).
 PACKED = ["--trainer.max_tokens_per_microbatch=24"]
+# Padded microbatches of trainer.micro_batch_size sequences: the opt-out of packing (the default,
+# which packs micro_batch_size x model.seq_length = 64 tokens per microbatch here).
+PADDED = ["--trainer.pack_sequences=false"]
 
 
 def kill_and_resume(tmp_path, *overrides, nproc=1, cli=CLI) -> tuple[list[dict], list[dict]]:
@@ -83,13 +86,13 @@ def kill_and_resume(tmp_path, *overrides, nproc=1, cli=CLI) -> tuple[list[dict],
     return a, b
 
 
-@pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
+@pytest.mark.parametrize("layout", [PADDED, PACKED], ids=["padded", "packed"])
 def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path, layout):
     a, b = kill_and_resume(tmp_path, *layout)
     # Minibatch 0 of each step is on-policy: the update's forward repeats the old-log-prob pass
     # (bitwise padded; packed, the two passes cut their rows differently: fp32 rounding, 2.4e-7).
     worst = max(m["ratio/first_minibatch_max_abs_log"] for m in a)
-    assert worst < 1e-6 if layout else worst == 0.0, worst
+    assert worst < 1e-6 if layout is PACKED else worst == 0.0, worst
     for key in ("reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train", "optim/grad_norm"):
         assert [m[key] for m in a] == [m[key] for m in b], key
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -123,7 +126,7 @@ def test_bf16_warm_up_survives_the_first_rl_update(tmp_path):
 def test_bf16_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
     """Exact resume with Megatron's bf16 optimizer (fp32 main weights, Adam state, schedule and
     RNG restored): every metric of every step equals the uninterrupted run's."""
-    a, b = kill_and_resume(tmp_path, "--precision.bf16=true", cli=BF16_CLI)
+    a, b = kill_and_resume(tmp_path, "--precision.bf16=true", *PADDED, cli=BF16_CLI)
     assert _bf16_checkpoint(tmp_path / "resumed")
     assert all(m["ratio/first_minibatch_max_abs_log"] == 0.0 for m in a)  # bf16 on CPU: bitwise
     for ra, rb in zip(a, b):
@@ -147,7 +150,7 @@ def test_kl_reference_is_the_policy_rl_starts_from_and_resumes(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [[], PACKED], ids=["padded", "packed"])
+@pytest.mark.parametrize("layout", [PADDED, PACKED], ids=["padded", "packed"])
 def test_two_process_expert_parallel_run(tmp_path, layout):
     """EP=2 on two ranks; packed, the ranks first trade samples so each trains about the same
     tokens per minibatch (``trainer.balance_data_parallel``), then each packs its own sequences
@@ -165,7 +168,7 @@ def test_two_process_expert_parallel_run(tmp_path, layout):
     kl = [m["kl/rollout_vs_train"] for m in metrics]
     print(f"MEASURED EP=2 kl/rollout_vs_train per step: {kl}")
     assert all(0 <= v < ROLLOUT_KL_TOL for v in kl), kl
-    if layout:  # balanced: never worse than each rank keeping its own samples
+    if layout is PACKED:  # balanced: never worse than each rank keeping its own samples
         for m in metrics:
             assert 1.0 <= m["perf/dp_token_imbalance"] <= m["perf/dp_token_imbalance_before"]
     else:

@@ -575,15 +575,34 @@ def test_validate_rechecks_sections_changed_in_place() -> None:
 # ------------------------------------------------------------------------ cross-section checks
 
 
+def test_packing_is_the_default_where_it_runs() -> None:
+    """Padding-free training by default: a budget of micro_batch_size x seq_length (what a padded
+    microbatch holds); padded where packing cannot run, or when opted out; an explicit budget
+    with the opt-out is refused by name."""
+    from gspo_megatron.config import token_budget
+
+    assert token_budget(demo()) == 16 * 64
+    assert token_budget(demo("--trainer.max_tokens_per_microbatch=300")) == 300
+    assert token_budget(demo("--trainer.pack_sequences=false")) is None
+    assert token_budget(demo("--precision.local_kernels=false",
+                             "--precision.transformer_impl=local")) is None
+    msg = error_of(validate_config, demo("--trainer.pack_sequences=false",
+                                         "--trainer.max_tokens_per_microbatch=300"))
+    assert "trainer.max_tokens_per_microbatch=300 is a packed microbatch's budget, but " \
+           "trainer.pack_sequences=false trains padded microbatches" in msg
+
+
 def test_divisibility_errors_name_fields_and_numbers() -> None:
     cfg = demo("--rollout.prompts_per_step=3", "--rollout.group_size=5",
                "--trainer.num_minibatches=4")
     msg = error_of(validate_config, cfg)
     assert ("trainer.num_minibatches (4) must divide the rollout batch "
             "rollout.prompts_per_step x rollout.group_size = 3 x 5 = 15") in msg
-    cfg = demo("--trainer.micro_batch_size=5")  # 16 x 8 / 4 = 32
+    # padded microbatches split the minibatch; packed ones (the default) need not
+    cfg = demo("--trainer.micro_batch_size=5", "--trainer.pack_sequences=false")  # 16 x 8 / 4
     msg = error_of(validate_config, cfg)
     assert "trainer.micro_batch_size (5) must divide the minibatch" in msg and "= 32" in msg
+    validate_config(demo("--trainer.micro_batch_size=5"))
     cfg = demo("--sft.batch_size=63", "--parallel.expert_model_parallel_size=1")
     assert "sft.batch_size (63) must be divisible by the data-parallel size (2" in error_of(
         validate_config, cfg, 2)

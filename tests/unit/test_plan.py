@@ -122,7 +122,8 @@ def test_recipe_is_the_layout_source(plan):
     p = plan("--gpus", "2", "--print-layout", "--config", tiny, "--parallel.expert_model_parallel_size=3")
     assert p.returncode == 2 and p.stdout == "1 1 3 1 1\n" and "must divide" in p.stderr
     # The recipe's micro-batch, sequence length and precision are what is planned.
-    p = plan("--gpus", "1", "--config", tiny, "--trainer.micro_batch_size=1", "--model.seq_length=4096")
+    p = plan("--gpus", "1", "--config", tiny, "--trainer.micro_batch_size=1", "--model.seq_length=4096",
+             "--trainer.pack_sequences=false")
     # ... and its rollout batch (16 prompts x 8 x (8 + 4) tokens), whose routes R2/R3 keep, and
     # the KV cache of rollout.max_batch_size (256) requests of model.seq_length tokens.
     q = plan("--gpus", "1", "--fp32", "--model", "tiny", "--seq-length", "4096", "--recompute", "none",

@@ -24,9 +24,10 @@ shape of the rollout benchmark's EOS lengths. Two batches with the same prompts:
 ``PolicyGradientObjective`` + ``optimizer_step`` each, as ``stages.update_stage`` runs them), in
 two modes on one policy (``policy.batching`` switched between them):
 
-* **padded**: ``micro_batch_size`` 16 (the library default);
-* **packed**: ``max_tokens_per_microbatch`` 2048 (= 16 x 128: 16 sequences of about the
-  long-tailed batches' longest, 97 and 125 tokens), the same budget for both batches.
+* **padded**: ``micro_batch_size`` 16 (``trainer.pack_sequences: false``, the opt-out);
+* **packed**: the library default, packed microbatches of ``micro_batch_size x model.seq_length``
+  = 16 x 272 = 4,352 tokens (:func:`gspo_megatron.config.token_budget`; what a padded microbatch
+  of 16 sequences of the model's length holds), the same budget for both batches.
 
 For each layout (EP=1: one process; EP=2: two gloo ranks, each with its own sequences, in
 lock-step) and mode it reports the training phase's seconds, real tokens (prompt + response, all
@@ -65,7 +66,7 @@ from __future__ import annotations
 
 TARGET, SYNTH_TARGET = 1.3, 1.05
 VOCAB, SEQUENCES, MAX_RESPONSE, MEAN_RESPONSE = 24, 128, 256, 19
-MICRO_BATCH_SIZE, MAX_TOKENS, NUM_MINIBATCHES = 16, 2048, 4
+MICRO_BATCH_SIZE, NUM_MINIBATCHES = 16, 4
 SYNTH = {"responses": 512, "median": 2000, "sigma": 1.28, "cap": 16384, "prompt": 256, "seed": 0}
 
 
@@ -82,7 +83,7 @@ def _child(spec: dict) -> dict:
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
     from gspo_megatron.backends.megatron.schedule import Microbatching, make_microbatches
-    from gspo_megatron.config import OptimConfig
+    from gspo_megatron.config import OptimConfig, TrainConfig, TrainerConfig, token_budget
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
     from gspo_megatron.policy import make_policy_batch
     from tools.bench.common import interleaved, median, quiet_megatron
@@ -90,8 +91,10 @@ def _child(spec: dict) -> dict:
     quiet_megatron()
     torch.set_num_threads(1)
     ep, n, cap, rounds = spec["ep"], spec["sequences"], spec["max_response"], spec["rounds"]
-    mbs, budget = spec["micro_batch_size"], spec["max_tokens"]
+    mbs = spec["micro_batch_size"]
     model = model_config_from_preset("tiny", seq_length=16 + cap)
+    # the library default's budget for this model and micro-batch size
+    budget = token_budget(TrainConfig(model=model, trainer=TrainerConfig(micro_batch_size=mbs)))
     parallel = ParallelConfig(expert_model_parallel_size=ep)
     groups = initialize_distributed(parallel, model, seed=0)
     torch.manual_seed(0)  # the same random weights on every rank and in every run
@@ -159,7 +162,7 @@ def _child(spec: dict) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     means = world_sum([mean if r == rank else 0 for r in range(world)])  # each rank's
     out: dict = {"real_tokens": real, "response_tokens": response, "longest": longest,
-                 "uniform_response": means, "modes": {}}
+                 "uniform_response": means, "packed_budget": budget, "modes": {}}
     for m in modes:
         per = {}
         for b in batches:
@@ -246,8 +249,7 @@ def run(smoke: bool = False, rounds: int = 3) -> dict:
 
     spec = {"sequences": 16 if smoke else SEQUENCES, "max_response": 32 if smoke else MAX_RESPONSE,
             "mean_response": 6 if smoke else MEAN_RESPONSE, "rounds": 1 if smoke else rounds,
-            "micro_batch_size": 4 if smoke else MICRO_BATCH_SIZE,
-            "max_tokens": 4 * 48 if smoke else MAX_TOKENS}
+            "micro_batch_size": 4 if smoke else MICRO_BATCH_SIZE}
     results = {f"ep{ep}": _layout(ep, spec) for ep in (1, 2)}
     synth = {1: synthetic(**SYNTH), 8: synthetic(**SYNTH, pad_to_multiple_of=8)}
     rows, ratios, worst = [], {}, 0.0
