@@ -265,9 +265,11 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     task = Task(tokenizer, sampler, prepared.train, prepared.eval, prepared.reward_fn, workers)
     if rollout_rank:
         return RolloutServer(bridge, StepSampler(cfg, groups, engine, task, faults),
-                             actor.import_weights, cfg.rollout.max_staleness, cfg.trainer.steps)
+                             actor.load_weight_pieces, cfg.rollout.max_staleness,
+                             cfg.trainer.steps)
     rollouts = (RemoteRollouts(bridge, placement, groups, sampler, cfg.rollout.max_staleness,
-                               cfg.trainer.steps) if placement is not None else None)
+                               cfg.trainer.steps, cfg.rollout.weight_bucket_bytes())
+                if placement is not None else None)
     return Trainer(cfg, groups, actor, engine, task, reference=reference, faults=faults,
                    rollouts=rollouts)
 

@@ -25,6 +25,11 @@ for the whole model, and :attr:`MemoryPlan.routing_replay` for one copy of a ran
 (the old-policy pass's); R3 up to four during a step (the rollout engine's per sample, not
 sequence-sharded, and the aligned store, the routes replayed and the routers' natural choice).
 Host memory, so not part of the per-GPU :attr:`MemoryPlan.total`.
+
+Under ``rollout.placement: separate`` the weights go to the rollout ranks after every optimizer
+step from host memory (:mod:`gspo_megatron.rollouts.weight_channel`): each trainer rank keeps its
+main-replica shard for each version not yet received (at most ``max_staleness + 1``), each
+rollout rank one bucket (:func:`plan_weight_transfer`).
 """
 
 from __future__ import annotations
@@ -296,6 +301,40 @@ def plan_rollout_replica(model: ModelConfig, *, bf16: bool = True, seq_length: i
     plan = plan_memory(model, Layout(), 1, bf16=bf16, seq_length=seq_length,
                        kv_cache_bytes=kv_cache_bytes, rollout_requests=rollout_requests)
     return ReplicaPlan(weights=plan.weights, kv_cache=plan.kv_cache)
+
+
+@dataclass
+class TransferPlan:
+    """Host memory per rank while the weights go to the rollout ranks (``rollout.placement:
+    separate``; :mod:`gspo_megatron.rollouts.weight_channel`)."""
+
+    shard: int
+    """Bytes of the busiest trainer rank's main-replica pieces: the rank of the busiest pipeline
+    stage at position 0 of its TP, DP and expert-DP groups holds its TP shard of the attention,
+    dense MLPs and embeddings, the norms and routers TP replicates, and its EP x ETP share of
+    the experts (:func:`params_per_rank`), in the weights' dtype: :attr:`MemoryPlan.weights`."""
+    pending: int
+    """Versions a trainer rank keeps at most: ``max_staleness + 1`` (each received before the
+    rollout that needs it)."""
+    bucket: int
+    """``rollout.weight_bucket_mb`` in bytes: the most a rollout rank holds."""
+
+    @property
+    def trainer(self) -> int:
+        """Host bytes of the busiest trainer rank's snapshots (pinned on CUDA)."""
+        return self.shard * self.pending
+
+    @property
+    def rollout(self) -> int:
+        """Host bytes of a rollout rank's receiving buffer, at most (one bucket)."""
+        return self.bucket
+
+
+def plan_weight_transfer(plan: MemoryPlan, max_staleness: int, bucket_bytes: int
+                         ) -> TransferPlan:
+    """:class:`TransferPlan` of a trainer layout's ``plan`` (bytes exact for the shard; the
+    snapshot adds at most 15 bytes of alignment a piece)."""
+    return TransferPlan(shard=plan.weights, pending=max_staleness + 1, bucket=bucket_bytes)
 
 
 def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int = 8) -> list[Layout]:

@@ -21,65 +21,17 @@ through it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Iterable, Literal, Protocol
 
 import torch
 
 from gspo_megatron.layout import ContextShard, PackedRows, TokenLayout
+from gspo_megatron.weight_pieces import PieceBox, WeightPiece
 
 RANK_STATE_KEY = "rank"
 """A checkpoint's ``extra[RANK_STATE_KEY]``: state that differs per rank (under
 ``rollout.placement: separate``, the rollouts in flight); the backend saves it per rank."""
-
-
-@dataclass
-class FlatWeights:
-    """A model's whole weights as one flat buffer per dtype: what :meth:`Policy.export_weights`
-    gives and :meth:`Policy.import_weights` takes, and what the weight broadcast of
-    ``rollout.placement: separate`` sends (:class:`~gspo_megatron.rollouts.remote.WeightChannel`: a few
-    large buffers, no pickling of tensors)."""
-
-    layout: list[tuple[str, tuple[int, ...], str]]
-    """``(key, whole shape, dtype name)`` of every tensor, in buffer order (sorted by key): the
-    same on every step, so a receiver allocates its buffers once."""
-    buffers: dict[str, torch.Tensor]
-    """dtype name -> ``[N]``: the tensors of that dtype, flattened, one after another."""
-
-    @staticmethod
-    def sizes(layout: list[tuple[str, tuple[int, ...], str]]) -> dict[str, int]:
-        """dtype name -> elements of its buffer."""
-        out: dict[str, int] = {}
-        for _, shape, dtype in layout:
-            out[dtype] = out.get(dtype, 0) + math.prod(shape)
-        return out
-
-    @classmethod
-    def empty(cls, layout: list[tuple[str, tuple[int, ...], str]],
-              device: torch.device | str = "cpu") -> "FlatWeights":
-        """Zero buffers for ``layout``."""
-        return cls(list(layout), {dtype: torch.zeros(n, dtype=getattr(torch, dtype), device=device)
-                                  for dtype, n in cls.sizes(layout).items()})
-
-    @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor]) -> "FlatWeights":
-        """Copy ``tensors`` (key -> tensor) into new buffers."""
-        layout = [(key, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                  for key, t in sorted(tensors.items())]
-        flat = cls.empty(layout)
-        for key, view in flat.tensors().items():
-            view.copy_(tensors[key])
-        return flat
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """key -> the tensor, a view of its buffer (no copy)."""
-        out, offset = {}, dict.fromkeys(self.buffers, 0)
-        for key, shape, dtype in self.layout:
-            n = math.prod(shape)
-            out[key] = self.buffers[dtype][offset[dtype]:offset[dtype] + n].view(shape)
-            offset[dtype] += n
-        return out
 
 
 @dataclass
@@ -368,7 +320,12 @@ class Policy(Protocol):
     def load_checkpoint(self, load_dir: str) -> tuple[int, dict]: ...
     def save_weights(self, directory: str) -> None: ...
     def load_weights(self, directory: str) -> None: ...
-    def export_weights(self) -> FlatWeights | None:
-        """The whole weights on the first rank (None on the others; collective), for
-        :meth:`import_weights` in a policy of another layout (separate rollout ranks)."""
-    def import_weights(self, weights: FlatWeights) -> None: ...
+    def weight_pieces(self) -> list[WeightPiece]:
+        """This rank's pieces of the weights it holds the main replica of (views of the
+        parameters, in their dtype; over the ranks, every tensor once), for
+        :meth:`load_weight_pieces` in a policy of another layout (separate rollout ranks). Not
+        collective."""
+    def load_weight_pieces(self, pieces: Iterable[tuple[PieceBox, torch.Tensor]]) -> None:
+        """Copy each ``(box, data)`` into the windows of this rank's tensors it overlaps (from
+        any layout), reading each ``data`` before asking for the next (a receiver reuses its
+        buffer); ``KeyError`` naming a tensor the pieces do not cover."""

@@ -36,7 +36,13 @@ GPU; the first H200 run took 115 s for all of them at N = 8), then the timed one
 ``cp2_cpu``        context parallelism 2 on two gloo CPU ranks, packed rows and R3 (the local
                    kernel's CP attention; TE's needs two GPUs).
 ``tiny_yarn``      ``tiny_dynamic`` with YaRN rope scaling (factor 4) on the GPU's dynamic engine.
-``tiny_separate_r3`` rollouts on their own rank (NCCL weight broadcast on one GPU), R3.
+``tiny_separate_r3`` rollouts on their own rank (the trainer and the rollout rank on one GPU), R3.
+``tiny_separate_buckets`` the weight transfer of rollouts on their own rank on CUDA: the two
+                   ranks on one GPU, max_staleness 1, 10 KiB buckets (the tiny model's 274 KiB of
+                   bf16 in 34, 4 tensors split: pinned device-to-host snapshots,
+                   gloo sends, host-to-device loads); then at staleness 0, compared field by field
+                   with the colocated ``tiny_dynamic`` (``k0_vs_tiny_dynamic``: 0 differ where the
+                   GPU repeats itself, ``tiny_repeat``). Runs on CPU too (``--size smoke``, no GPU).
 ``tiny_partial_r3`` partial rollouts with R3, and with the cut requests' KV cache kept.
 ``tiny_static``    ``tiny_dynamic`` with the static engine (the A/B reference), and ``tiny_fp32``:
                    ``kl/rollout_vs_train`` and rollout speed per engine and precision.
@@ -195,11 +201,20 @@ def stages(work: str, size: str = "full") -> list[Stage]:
                                  "--model.yarn_original_max_position_embeddings=16")], 300),
         # Rollouts on their own rank (rollout.placement: separate, staleness 1) with R3: the
         # trainer and the rollout rank share the one GPU (each side a 1-rank NCCL world, the
-        # gloo bridge between them carrying samples and CUDA weights).
+        # gloo bridge between them carrying samples and the weights from host memory).
         Stage("tiny_separate_r3", [[*torchrun2, *TRAIN[1:],
                                     *tiny("tiny_separate_r3")[len(TRAIN):],
                                     "--routing.replay=r3", "--rollout.placement=separate",
                                     "--rollout.ranks=1", "--rollout.max_staleness=1"]], 300),
+        # The weight transfer on CUDA (rollouts.weight_channel): buckets of 10 KiB, so that the
+        # tiny model's larger tensors are split and the others packed, at staleness 1 (a version received one step
+        # after it was published, nothing of it posted on the trainer's GPU meanwhile); then at
+        # staleness 0, which must be the colocated tiny_dynamic run where the GPU repeats itself.
+        Stage("tiny_separate_buckets", [
+            [*torchrun2, *TRAIN[1:], *tiny(name)[len(TRAIN):], "--rollout.placement=separate",
+             "--rollout.ranks=1", f"--rollout.max_staleness={k}", "--rollout.weight_bucket_mb="
+             "0.01"] for name, k in (("tiny_separate_buckets", 1),
+                                       ("tiny_separate_buckets_k0", 0))], 420),
         # Partial rollouts with R3: the dynamic engine's early stop, refills mid-rollout and
         # continued requests on CUDA (flash-attn's paged kernels where installed); then with the
         # cut requests' KV cache held through training (rollout.partial_keep_kv).
@@ -254,7 +269,7 @@ def run_figures(run_dir: str) -> dict:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     keys = ("kl/rollout_vs_train", "loss/policy", "clip/fraction", "optim/grad_norm",
             "reward/mean", "eval/accuracy", "perf/step_s", "perf/rollout_s", "perf/reward_s",
-            "perf/old_logprobs_s", "perf/update_s", "perf/checkpoint_s",
+            "perf/old_logprobs_s", "perf/update_s", "perf/checkpoint_s", "perf/publish_weights_s",
             "perf/rollout_tokens_per_s", "perf/peak_mem_gib", "perf/rollout_peak_mem_gib",
             "perf/train_peak_mem_gib", "response/mean_length", "ratio/first_minibatch_max_abs_log",
             "clip/first_minibatch_fraction",
@@ -438,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
             if recs.get(name, {}).get("rc") == 0 and recs.get("tiny_dynamic", {}).get("rc") == 0:
                 recs[name]["vs_tiny_dynamic"] = compare_metrics(
                     os.path.join(work, "tiny_dynamic"), os.path.join(work, name))
+        if (recs.get("tiny_separate_buckets", {}).get("rc") == 0
+                and recs.get("tiny_dynamic", {}).get("rc") == 0):
+            recs["tiny_separate_buckets"]["k0_vs_tiny_dynamic"] = compare_metrics(
+                os.path.join(work, "tiny_dynamic"), os.path.join(work, "tiny_separate_buckets_k0"))
         if "slice_plan" in recs:
             for name in ("slice_rl", "slice_rl_local_kernels"):
                 if recs.get(name, {}).get("figures"):

@@ -223,6 +223,16 @@ class RolloutConfig(Section, name="rollout"):
     relative to the policy being updated); the stale rollout's own log-probs reach the loss only
     through ``rollout_correction``. Ignored when colocated."""
 
+    weight_bucket_mb: float = 512.0
+    """``placement: separate``: the most MiB of weights one message carries from a trainer rank
+    to a rollout rank (512, the default of verl's ``rollout.update_weights_bucket_megabytes``,
+    ``verl/trainer/config/rollout/rollout.yaml``, and of slime's ``--update-weight-buffer-size``,
+    ``slime/utils/arguments.py``, there in bytes). Each trainer rank sends its own shard of the
+    weights after every optimizer step, packed into buckets of this size (a tensor larger than a
+    bucket is cut into blocks that fit), and a rollout rank holds one bucket in host memory at a
+    time. Larger: fewer messages; smaller: less host memory on the rollout ranks (``gspo-plan
+    --config`` reports it)."""
+
     partial_rollouts: bool = False
     """Carry a rollout's long tail into the next step (APRIL; slime's partial rollouts): each
     data-parallel rank keeps ``prompts_per_step x group_size`` requests running, fresh groups
@@ -262,6 +272,10 @@ class RolloutConfig(Section, name="rollout"):
         """The most groups a partial rollout holds per data-parallel rank."""
         return self.in_flight_groups or 4 * self.prompts_per_step
 
+    def weight_bucket_bytes(self) -> int:
+        """``weight_bucket_mb`` in bytes."""
+        return int(self.weight_bucket_mb * (1 << 20))
+
     def _problems(self) -> Iterator[Problem]:
         if self.partial_rollouts and self.in_flight() < self.prompts_per_step:
             yield self._problem("in_flight_groups", f"must be >= rollout.prompts_per_step "
@@ -272,6 +286,10 @@ class RolloutConfig(Section, name="rollout"):
                                          f"{self.ranks}")
         yield from self._at_least(0, "ranks", "max_staleness", "in_flight_groups",
                                   "partial_max_age")
+        if not self.weight_bucket_bytes() >= 1024:
+            yield self._problem("weight_bucket_mb", f"must be at least 1/1024 (a KiB: a bucket "
+                                                    f"holds whole elements), got "
+                                                    f"{self.weight_bucket_mb}")
         if self.dynamic_buffer_size_gb is not None and not self.dynamic_buffer_size_gb > 0:
             yield self._problem("dynamic_buffer_size_gb",
                                 f"must be > 0 (or null: sized from max_batch_size), got "

@@ -5,5 +5,7 @@
 - :mod:`.sampling`: one step's prompts -> rollout -> reward -> advantages (dynamic sampling too).
 - :mod:`.partial`: partial rollouts, the groups carried from step to step.
 - :mod:`.remote`: rollouts on ranks of their own (``rollout.placement: separate``): the bridge, the
-  weight channel, the trainer's end and the rollout ranks' server.
+  trainer's end and the rollout ranks' server.
+- :mod:`.weight_channel`: the weights from every trainer rank's host memory to the rollout ranks,
+  shard by shard in buckets (nothing posted on a trainer GPU).
 """

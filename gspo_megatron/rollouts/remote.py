@@ -10,7 +10,7 @@ all ``W`` ranks carries what crosses (:class:`Bridge`)::
     ---------------------                          ------------------------------------------
     start(step, in-flight)  --- start message -->  sampler state, first step
     publish(version 0)      --- weights v0 ----->  rollout(t) with weights v = max(0, t - k)
-                            (layout on the bridge, tensors broadcast on the weight channel)
+                            (every trainer rank its own shard, in buckets: weight_channel)
     take(t) <------------- samples of step t ----  (prompts, rollout, reward, advantages)
     old log-probs, updates of step t
     publish(version t + 1)  --- weights ------->   ... rollout(t + k + 1)
@@ -27,8 +27,13 @@ out for steps ``S .. S + k - 1`` (received before the save) and the prompt sampl
 them; the resumed trainer hands that state to the rollout ranks, which go on at step ``S + k`` with
 version ``S``.
 
-Nothing here imports Megatron: the trainer's :class:`~gspo_megatron.policy.Policy` exports and
-imports the weights.
+The weights go shard by shard, in buckets, from every trainer rank's host memory over gloo:
+nothing of a transfer is ever posted on a trainer GPU, so a rollout rank that takes version ``v``
+only before rollout ``v + k`` cannot stall the trainer's collectives
+(:mod:`gspo_megatron.rollouts.weight_channel` has the rule and its costs).
+
+Nothing here imports Megatron: the trainer's :class:`~gspo_megatron.policy.Policy` names its
+pieces of the weights and loads those sent.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.metrics import Stopwatch
-from gspo_megatron.policy import FlatWeights
 from gspo_megatron.rollouts.sampling import StepSampler
+from gspo_megatron.rollouts.weight_channel import PeerLost, WeightChannel, first_sentence
 from gspo_megatron.stages import SkipStep, StepSamples
 
 logger = logging.getLogger(__name__)
@@ -87,10 +92,10 @@ class Placement:
 
 def start_sides(placement: Placement, timeout_minutes: int = 30) -> "Bridge":
     """Rendezvous through the launcher's store (``env://``), start this side's own default
-    process group (gloo on CPU, NCCL on CUDA), the gloo bridge over the job and the weight
-    channel (trainer rank 0 and the rollout ranks); afterwards ``RANK`` / ``WORLD_SIZE`` name
-    this rank within its side, so everything built next (Megatron's parallel state, the logging
-    rank) sees only its side."""
+    process group (gloo on CPU, NCCL on CUDA) and the gloo bridge over the job (which also
+    carries the weights); afterwards ``RANK`` / ``WORLD_SIZE`` name this rank within its side,
+    so everything built next (Megatron's parallel state, the logging rank) sees only its
+    side."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     side = "rollout" if placement.is_rollout else "trainer"
@@ -106,39 +111,20 @@ def start_sides(placement: Placement, timeout_minutes: int = 30) -> "Bridge":
     long_wait = datetime.timedelta(hours=12)
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge/", store), placement.rank,
                                    placement.world_size, long_wait)
-    channel = None
-    members = [0, *map(placement.rollout_rank, range(placement.rollout_ranks))]
-    if placement.rank in members:
-        channel = WeightChannel.connect(dist.PrefixStore("weights/", store),
-                                        members.index(placement.rank), len(members), long_wait)
     os.environ.update(RANK=str(placement.side_rank), WORLD_SIZE=str(placement.side_size))
-    return Bridge(bridge, channel)
-
-
-class PeerLost(RuntimeError):
-    """The other side of the bridge is gone (its process died, or its node did): raised, with
-    which rank and what this rank was waiting for, instead of gloo's connection error."""
-
-
-def _first_sentence(exc: BaseException) -> str:
-    """gloo's ``[.../pair.cc:537] Read error [127.0.0.1]:1931: Connection reset by peer. This is
-    typically ...`` -> ``Read error [127.0.0.1]:1931: Connection reset by peer``."""
-    text = (str(exc).splitlines() or [type(exc).__name__])[0]
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(". ", 1)[0].rstrip(".")
+    return Bridge(bridge)
 
 
 class Bridge:
     """Python objects between two ranks of the job over a gloo process group: a pickled message
     is its length (int64) then its bytes. Sends do not wait for the receiver (each side may send
     while the other does: the rollout ranks' samples and the trainer's weights cross); their
-    buffers are kept until done. ``weights``: this rank's end of the weight channel (trainer
-    rank 0 and the rollout ranks; None on the other trainer ranks)."""
+    buffers are kept until done. ``weights``: this rank's end of the weight transfer, on the
+    same group (:class:`~gspo_megatron.rollouts.weight_channel.WeightChannel`)."""
 
-    def __init__(self, group, weights: "WeightChannel | None" = None):
+    def __init__(self, group):
         self.group = group
-        self.weights = weights
+        self.weights = WeightChannel(group)
         self._sends: list = []
 
     def send(self, obj: Any, *dsts: int) -> None:
@@ -161,15 +147,14 @@ class Bridge:
             self.group.recv([payload], src, 0).wait()
         except RuntimeError as exc:
             raise PeerLost(f"job rank {src} is gone (waiting for {waiting_for}): "
-                           f"{_first_sentence(exc)}") from None
+                           f"{first_sentence(exc)}") from None
         return pickle.loads(payload.numpy().tobytes())
 
     def flush(self, quiet: bool = False) -> None:
         """Wait until every send is done (``quiet``: a send to a rank that is gone is dropped:
         the stop sent while failing must not raise over the error being reported)."""
         sends, self._sends = self._sends, []
-        if self.weights is not None:
-            sends += self.weights.take_sends()
+        sends += self.weights.take_sends()
         for work, _ in sends:
             try:
                 work.wait()
@@ -178,78 +163,21 @@ class Bridge:
                     raise
 
 
-class WeightChannel:
-    """The weights from trainer rank 0 to every rollout rank: a ``torch.distributed`` broadcast
-    of each flat buffer of a :class:`~gspo_megatron.policy.FlatWeights` over a process group of
-    exactly those ranks (group rank 0 = trainer rank 0): gloo on CPU, NCCL where each rank has a
-    GPU of its own (gloo from host memory where ranks share one). The bridge carries the layout
-    (keys, shapes, dtypes) and the version; the tensors are never pickled, and the receiving
-    buffers are allocated once. The sender does not wait: the broadcast goes on in the process
-    group's thread while the trainer trains the next step."""
-
-    def __init__(self, group, group_rank: int, device: torch.device):
-        self.group, self.group_rank, self.device = group, group_rank, device
-        self._sends: list = []
-        self._inbox = None  # the receiving buffers (their layout is the same every step)
-
-    @classmethod
-    def connect(cls, store, group_rank: int, group_size: int,
-                timeout: datetime.timedelta) -> "WeightChannel":
-        own_gpus = (torch.cuda.is_available() and torch.cuda.device_count()
-                    >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        if own_gpus:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, group_rank, group_size, options)
-            return cls(group, group_rank, torch.device("cuda", torch.cuda.current_device()))
-        return cls(dist.ProcessGroupGloo(store, group_rank, group_size, timeout), group_rank,
-                   torch.device("cpu"))
-
-    def _broadcast(self, buf: torch.Tensor):
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        return self.group.broadcast([buf], opts)
-
-    def send(self, weights: FlatWeights) -> None:
-        """Broadcast ``weights``' buffers (group rank 0 only); returns at once."""
-        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
-        for dtype in sorted(weights.buffers):
-            buf = weights.buffers[dtype].to(self.device)
-            self._sends.append((self._broadcast(buf), buf))
-
-    def receive(self, layout, src_rank: int, version: int) -> FlatWeights:
-        """The weights of ``layout`` (a :class:`~gspo_megatron.policy.FlatWeights` in buffers
-        this channel reuses: load them before the next receive). :class:`PeerLost` if the
-        sender (job rank ``src_rank``) is gone."""
-        if self._inbox is None or self._inbox.layout != list(layout):
-            self._inbox = FlatWeights.empty(layout, self.device)
-        try:
-            for dtype in sorted(self._inbox.buffers):
-                self._broadcast(self._inbox.buffers[dtype]).wait()
-        except RuntimeError as exc:
-            raise PeerLost(f"job rank {src_rank} is gone (waiting for weights version {version}'s "
-                           f"tensors): {_first_sentence(exc)}") from None
-        return self._inbox
-
-    def take_sends(self) -> list:
-        """The broadcasts not yet waited for (for :meth:`Bridge.flush`)."""
-        sends, self._sends = self._sends, []
-        return sends
-
-
 # ----------------------------------------------------------------------------- trainer's end
 
 class RemoteRollouts:
     """The trainer ranks' :class:`~gspo_megatron.rollouts.source.RolloutSource`: each step's
     samples from the rollout rank of this rank's data-parallel rank, the weights out after every
-    optimizer step (from trainer rank 0). ``prompt_sampler``: the trainer's prompt sampler, kept
-    where the colocated loop's would be (it is checkpointed)."""
+    optimizer step (each trainer rank its own shard, in buckets of at most ``weight_bucket_bytes``).
+    ``prompt_sampler``: the trainer's prompt sampler, kept where the colocated loop's would be (it
+    is checkpointed)."""
 
     placement = "separate"
 
     def __init__(self, bridge: Bridge, placement: Placement, groups, prompt_sampler,
-                 max_staleness: int, steps: int):
+                 max_staleness: int, steps: int, weight_bucket_bytes: int = 512 << 20):
         self.bridge, self.sides, self.groups = bridge, placement, groups
+        self.bucket_bytes = weight_bucket_bytes
         self.prompt_sampler = prompt_sampler
         self.dp_rank = groups.dp_rank
         self.source = placement.rollout_rank(self.dp_rank)
@@ -284,30 +212,33 @@ class RemoteRollouts:
         if self.sides.rank == 0:
             for j in range(self.sides.rollout_ranks):
                 self.bridge.send({"start": self.next_step, "sampler": self.sampler_state,
-                                  "targets": [r for r, d in enumerate(dp_ranks) if d == j]},
+                                  "targets": [r for r, d in enumerate(dp_ranks) if d == j],
+                                  "trainers": self.sides.trainer_ranks},
                                  self.sides.rollout_rank(j))
         if [r for r, d in enumerate(dp_ranks) if d == self.dp_rank][0] == self.sides.rank:
             self.bridge.send({"partial": self.partial_state, "engine": state.get("engine")},
                              self.source)
 
     def publish(self, policy, version: int, stop: bool) -> float:
-        """After the optimizer step that made ``version`` (trainer rank 0 sends): the layout and
-        version over the bridge (and whether a checkpoint was taken at it), the buffers over the
-        weight channel; or a stop once training ends. Returns the seconds it took."""
+        """After the optimizer step that made ``version``: trainer rank 0 tells the rollout
+        ranks the version (and whether a checkpoint was taken at it), every trainer rank sends
+        its own pieces of the weights (its bucket layout first, once per run); or a stop once
+        training ends. Returns the seconds it took (this rank's device-to-host copy: the sends
+        go on in gloo's threads)."""
         watch = Stopwatch()
         stop = stop or version >= self.steps
-        weights = None if stop else policy.export_weights()  # (collective)
         self.stopped = self.stopped or stop
+        receivers = list(map(self.sides.rollout_rank, range(self.sides.rollout_ranks)))
         if self.sides.rank == 0:
-            msg = {"version": version, "stop": stop, "checkpoint": self.checkpointed_at == version}
-            if not stop:
-                msg["layout"] = weights.layout
-            self.bridge.send(msg, *map(self.sides.rollout_rank,
-                                       range(self.sides.rollout_ranks)))
-            if not stop:
-                self.bridge.weights.send(weights)
+            self.bridge.send({"version": version, "stop": stop,
+                              "checkpoint": self.checkpointed_at == version}, *receivers)
         if stop:
             self.bridge.flush()
+            return watch.elapsed()
+        pieces, channel = policy.weight_pieces(), self.bridge.weights
+        if channel.layout is None:
+            self.bridge.send({"pieces": channel.prepare(pieces, self.bucket_bytes)}, *receivers)
+        channel.send(pieces, receivers, max_pending=self.k + 1)
         return watch.elapsed()
 
     def close(self) -> None:
@@ -381,7 +312,7 @@ class RolloutServer:
     StepSampler`) and send it to the trainer ranks of this rollout rank's data-parallel rank;
     after the last step, drain until the stop. The pool of partial rollouts travels with every
     message (the trainer checkpoints it). ``load_weights``: the replica's
-    :meth:`~gspo_megatron.policy.Policy.import_weights`."""
+    :meth:`~gspo_megatron.policy.Policy.load_weight_pieces`."""
 
     TRAINER0 = 0
 
@@ -389,6 +320,9 @@ class RolloutServer:
                  max_staleness: int, steps: int):
         self.bridge, self.sampler, self.load_weights = bridge, sampler, load_weights
         self.k, self.steps = max_staleness, steps
+        self.senders: list | None = None
+        """``(job rank, bucket layout)`` of every trainer rank that sends pieces (received with
+        the first weights)."""
 
     def serve(self) -> int:
         """Run until the trainer's stop; returns the number of steps rolled out. Stop signals
@@ -419,8 +353,7 @@ class RolloutServer:
                         continue
                     if msg["stop"]:
                         return done
-                    self.load_weights(bridge.weights.receive(msg["layout"], self.TRAINER0,
-                                                             msg["version"]))
+                    self.load_weights(self._weights(start["trainers"], msg["version"]))
                     version = msg["version"]
                     if msg.get("checkpoint") and pool is not None:
                         pool.mark_checkpoint()  # as the run resumed from it: prefill
@@ -431,8 +364,9 @@ class RolloutServer:
                 if msg.get("snapshot"):
                     self._send_held(targets)
                     continue
-                # versions no rollout needs: the trainer's broadcasts complete only once received
-                bridge.weights.receive(msg["layout"], self.TRAINER0, msg["version"])
+                # versions no rollout needs: the trainers' sends complete only once received
+                for _ in self._weights(start["trainers"], msg["version"]):
+                    pass
             return done
         except PeerLost:  # the trainer is gone: nobody to tell
             raise
@@ -441,6 +375,16 @@ class RolloutServer:
             raise
         finally:  # sends to a trainer rank that is gone are dropped: the error above is the news
             bridge.flush(quiet=True)
+
+    def _weights(self, trainers: int, version: int):
+        """Version ``version``'s ``(box, data)`` from every trainer rank that sends any, bucket
+        by bucket (:meth:`WeightChannel.receive`); the first time, each of the ``trainers``
+        trainer ranks' bucket layout first."""
+        if self.senders is None:
+            layouts = [(r, self.bridge.recv(r, f"trainer rank {r}'s weight layout")["pieces"])
+                       for r in range(trainers)]
+            self.senders = [(r, layout) for r, layout in layouts if layout.sizes]
+        return self.bridge.weights.receive(self.senders, version)
 
     def _send_held(self, targets: list[int]) -> None:
         """A stop's checkpoint: the engine's held requests and the pool, to the trainer ranks."""

@@ -14,6 +14,12 @@ the trainer's own arguments, so the layout checked is the one that runs. ``--pri
 scripts) prints ``TP PP EP ETP CP`` as five integers on stdout before the checks, and the report on
 stderr.
 
+A recipe with ``rollout.placement: separate`` is planned on the GPUs left after
+``rollout.ranks``; each rollout rank's full replica and KV cache are checked on one GPU, and the
+host memory of the weight transfer is printed per rank: the busiest trainer rank's main-replica
+shard times the ``rollout.max_staleness + 1`` versions it may keep, a rollout rank's one bucket of
+``rollout.weight_bucket_mb``.
+
 ``--max-response`` reports the longest response the layout can roll out (the KV cache of the
 engine's requests, each ``--prompt-length`` + response tokens) and train on (activations and
 logits of a microbatch holding such sequences; a packed budget grows to hold one), each phase's
@@ -38,7 +44,7 @@ from gspo_megatron.config.model import MODEL_PRESETS, model_config_from_preset
 from gspo_megatron.params import count_parameters
 from gspo_megatron.planner import (GIB, MAX_RESPONSE_SEARCHED, Layout, longest_response,
                                    plan_for_response, plan_memory, plan_rollout_replica,
-                                   suggest_layouts)
+                                   plan_weight_transfer, suggest_layouts)
 
 MIB = 1024 ** 2
 
@@ -169,7 +175,8 @@ def from_recipe(args, overrides: list[str]):
                   keep_kv=(r.partial_rollouts and r.partial_keep_kv
                            and r.placement != "separate"),
                   prompt_length=cfg.data.max_prompt_length,
-                  rollout_ranks=r.ranks if r.placement == "separate" else 0)
+                  rollout_ranks=r.ranks if r.placement == "separate" else 0,
+                  transfer=(r.max_staleness, r.weight_bucket_bytes()))
     return cfg.model.preset, cfg.model, layout, kwargs
 
 
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     prompt_length = kwargs.pop("prompt_length", None)
     rollout_ranks = kwargs.pop("rollout_ranks", 0)
+    transfer = kwargs.pop("transfer", None)
     if args.prompt_length is not None:
         prompt_length = args.prompt_length
     prompt_length = 1024 if prompt_length is None else prompt_length
@@ -295,12 +303,16 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         _print_suggestions(model, args, kwargs)
         return 3
-    return _rollout_ranks_report(model, plan, rollout_ranks, args, kwargs, out) if rollout_ranks else 0
+    if not rollout_ranks:
+        return 0
+    return _rollout_ranks_report(model, plan, rollout_ranks, args, kwargs, out, *transfer)
 
 
-def _rollout_ranks_report(model, plan, rollout_ranks: int, args, kwargs, out) -> int:
+def _rollout_ranks_report(model, plan, rollout_ranks: int, args, kwargs, out,
+                          max_staleness: int, bucket_bytes: int) -> int:
     """``rollout.placement: separate``: one rollout rank per trainer data-parallel rank (2 when
-    not), each a full replica on one GPU that must fit with its KV cache (3 when not)."""
+    not), each a full replica on one GPU that must fit with its KV cache (3 when not); the host
+    memory of the weight transfer on each side."""
     if plan.dp != rollout_ranks:
         print(f"plan: rollout.ranks={rollout_ranks} must equal the trainer's data-parallel size "
               f"(DP{plan.dp} on {args.gpus} trainer GPUs): rollout rank j samples for trainer "
@@ -314,6 +326,12 @@ def _rollout_ranks_report(model, plan, rollout_ranks: int, args, kwargs, out) ->
     for label, value in (("weights", replica.weights), ("rollout KV cache (paged)", replica.kv_cache),
                          ("rollout peak", replica.peak)):
         print(f"  {label:32s} {value / GIB:8.2f} GiB", file=out)
+    moved = plan_weight_transfer(plan, max_staleness, bucket_bytes)
+    print(f"weight transfer, host memory per rank (rollout.max_staleness {max_staleness}: up to "
+          f"{moved.pending} versions pending; buckets of {bucket_bytes / MIB:g} MiB)", file=out)
+    print(f"  {'trainer rank (busiest)':32s} {moved.trainer / GIB:8.2f} GiB ({moved.pending} x "
+          f"its main-replica shard, {moved.shard / GIB:.2f} GiB; pinned on CUDA)", file=out)
+    print(f"  {'rollout rank':32s} {moved.rollout / GIB:8.2f} GiB (one bucket, at most)", file=out)
     if replica.peak > args.gpu_memory * GIB:
         print(f"plan: a rollout rank does not fit: {replica.peak / GIB:.1f} GiB > "
               f"{args.gpu_memory} GiB per GPU (rollout.placement: separate holds the whole model "

@@ -7,7 +7,9 @@ weights of step t - k.
   every optimizer step);
 * ``max_staleness: 1`` overlaps: every step after the first samples one version behind
   (``sampling/staleness``), and a run killed after its step-2 checkpoint (the rollout of step 2,
-  in flight, is in it) resumes to the uninterrupted run's metrics bitwise.
+  in flight, is in it) resumes to the uninterrupted run's metrics bitwise;
+* a TP=2 trainer (two ranks, each sending its own pieces of the weights in buckets) feeds a TP=1
+  replica: at staleness 0 the colocated TP=2 run's samples and updates, bitwise.
 """
 
 import os
@@ -15,7 +17,8 @@ import time
 
 import pytest
 
-from tests.e2e.test_train_e2e import ROOT, gspo_train, kill_and_resume, read_metrics
+from tests.e2e.test_train_e2e import (ROLLOUT_KL_TOL, ROOT, gspo_train, kill_and_resume,
+                                      read_metrics)
 
 pytestmark = pytest.mark.distributed
 
@@ -89,3 +92,30 @@ def test_staleness_0_with_dynamic_sampling_and_evaluation_is_the_colocated_run(t
     for x, y in zip(a, b, strict=True):
         keys = [k for k in x if not k.startswith("perf/") and k != "time"]
         assert {k: y.get(k) for k in keys} == {k: x[k] for k in keys}
+
+
+def test_a_tp2_trainer_feeds_a_tp1_replica_as_the_colocated_tp2_run(tmp_path):
+    """Two trainer ranks at TP=2 (each sends its halves of the TP-sharded tensors, rank 0 the
+    TP-replicated ones: the main replicas) and one rollout rank whose TP=1 replica loads them
+    whole: at staleness 0 every logged value but timings equals the colocated TP=2 run's (the
+    rollouts sample the same tokens from the same weights), except ``kl/rollout_vs_train``: the
+    replica scores the sampled tokens at TP=1, the colocated engine at TP=2 (another order of
+    the fp32 sums), ~1e-14 both."""
+    # 2 warm-up steps, not 0: without one the colocated TP=2 run fails at 3788b2b (Megatron's
+    # sequence-parallel gather buffer is first allocated in the rollout's inference mode, then
+    # written by the update: "Inplace update to inference tensor outside InferenceMode")
+    tp2 = ["--trainer.steps=2", "--sft.steps=2", "--parallel.tensor_model_parallel_size=2",
+           "--parallel.sequence_parallel=true"]
+    colocated = tmp_path / "colocated"
+    gspo_train(colocated, *tp2, nproc=2)
+    separate = tmp_path / "separate"
+    gspo_train(separate, *tp2, *SEPARATE, "--rollout.max_staleness=0",
+               "--rollout.weight_bucket_mb=0.01", nproc=3)  # 10 KiB: tensors split
+    a, b = read_metrics(colocated / "metrics.jsonl"), read_metrics(separate / "metrics.jsonl")
+    assert [m["step"] for m in b] == [0, 1]
+    for ma, mb in zip(a, b, strict=True):
+        for key in ma:
+            if key == "kl/rollout_vs_train":
+                assert 0 <= ma[key] < ROLLOUT_KL_TOL and 0 <= mb[key] < ROLLOUT_KL_TOL
+            elif not key.startswith(("perf/", "time")):
+                assert ma[key] == mb[key], (ma["step"], key)

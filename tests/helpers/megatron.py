@@ -42,13 +42,29 @@ def grads_to_params(gpt_model) -> None:
 
 
 def full_state(gpt_model) -> dict[str, torch.Tensor] | None:
-    """Every tensor of ``gpt_model``'s sharded state dict assembled whole on rank 0 (None on the
-    other ranks; :func:`~gspo_megatron.backends.megatron.weight_transfer.gather_full_state`): what
-    ``dist_checkpointing`` saves, unsharded over TP/EP/PP/DP/CP, in memory. After
+    """Every tensor of ``gpt_model``'s sharded state dict assembled whole, in fp32, on rank 0
+    (None on the other ranks): what ``dist_checkpointing`` saves, unsharded over TP/EP/PP/DP/CP,
+    in memory. Every rank's main-replica pieces
+    (:class:`~gspo_megatron.backends.megatron.weight_transfer.ShardIndex`) gathered with
+    ``all_gather_object``: fine for a test's model, never for a real one. After
     :func:`grads_to_params`, the gradients."""
-    from gspo_megatron.backends.megatron.weight_transfer import gather_full_state
+    import torch.distributed as dist
 
-    return gather_full_state(gpt_model)
+    from gspo_megatron.backends.megatron.weight_transfer import ShardIndex
+
+    mine = [(p.box, p.tensor.to("cpu", torch.float32, copy=True))
+            for p in ShardIndex(gpt_model).pieces(main_only=True)]
+    gathered = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if dist.get_rank() != 0:
+            return None
+    whole: dict[str, torch.Tensor] = {}
+    for box, data in (piece for rank in gathered for piece in rank):
+        out = whole.setdefault(box.key, torch.zeros(box.global_shape))
+        out[tuple(slice(s, s + n) for s, n in zip(box.start, box.shape))] = data
+    return whole
 
 
 def generate_groups(engine, prompts: list[list[int]], seed: int,

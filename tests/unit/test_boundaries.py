@@ -12,7 +12,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "gspo_megatron"
 FRAMEWORK_FREE = ["trainer.py", "stages.py", "policy.py", "layout.py", "sections.py",
-                  "distributed.py", "faults.py", "metrics.py",
+                  "distributed.py", "faults.py", "metrics.py", "weight_pieces.py",
                   "algorithms", "routing/stats.py", "config", "data", "rewards", "rollouts", "hf",
                   "kv_budget.py", "task.py"]
 

@@ -669,6 +669,14 @@ def test_partial_rollouts_refuse_what_they_cannot_run(args, message) -> None:
         validate_config(demo("--rollout.partial_rollouts=true", *args), world_size=2)
 
 
+@pytest.mark.parametrize("value", ["0", "0.0005", "nan"])
+def test_weight_bucket_holds_at_least_a_kib(value) -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.weight_bucket_mb: must be at least 1/1024|"
+                                          r"rollout\.weight_bucket_mb: expected a finite float"):
+        validate_config(demo(f"--rollout.weight_bucket_mb={value}"))
+    assert demo("--rollout.weight_bucket_mb=0.5").rollout.weight_bucket_bytes() == 1 << 19
+
+
 def test_partial_keep_kv_needs_partial_rollouts() -> None:
     keep = ("--rollout.partial_rollouts=true", "--rollout.partial_keep_kv=true")
     with pytest.raises(ConfigError, match=re.escape(

@@ -133,7 +133,7 @@ def test_gpu_check_reward_and_comparison(tmp_path):
     names = [s.name for s in stages(str(tmp_path), "quick")]
     assert names[:2] == ["env", "tiny_dynamic"] and "slice_mfu" in names
     assert {"tiny_r3", "tiny_r3_bf16_rollout", "tiny_packed", "cp2_cpu", "tiny_yarn",
-            "tiny_separate_r3", "tiny_partial_r3"} <= set(names)
+            "tiny_separate_r3", "tiny_separate_buckets", "tiny_partial_r3"} <= set(names)
 
 
 def test_engine_choice():
@@ -173,7 +173,7 @@ def test_every_training_stage_of_gpu_check_is_a_valid_config(tmp_path):
                 validate_config(cfg, world_size=world, check_paths=False)
                 checked.append(name)
     assert {"tiny_dynamic", "tiny_partial_r3", "tiny_partial_keep_kv_r3",
-            "tiny_separate_r3"} <= set(checked)
+            "tiny_separate_r3", "tiny_separate_buckets"} <= set(checked)
 
 
 def test_plan_against_measured_peaks():

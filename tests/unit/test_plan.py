@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from gspo_megatron.config.model import model_config_from_preset
 from gspo_megatron.params import count_parameters
@@ -427,3 +428,62 @@ def test_held_kv_cache_counts_in_the_training_peak(plan):
     assert p.returncode == 0 and "held in training" in p.stderr + p.stdout
     p = plan("--gpus", "1", "--config", tiny, "--rollout.partial_rollouts=true")
     assert p.returncode == 0 and "held in training" not in p.stderr + p.stdout
+
+
+@pytest.mark.parametrize("recipe,gpus,ranks,shard", [("qwen3_30b_a3b_gspo.yaml", 24, 8, 8.20),
+                                                     ("qwen3_235b_a22b_gspo.yaml", 160, 32, 10.40)])
+def test_weight_transfer_host_memory_of_the_qwen3_recipes(plan, recipe, gpus, ranks, shard):
+    """``rollout.placement: separate``: the busiest trainer rank keeps its main-replica shard
+    (the trainer table's weights) for each of ``max_staleness + 1`` pending versions, a rollout
+    rank one bucket; printed before the replica's verdict (both replicas exceed 80 GiB)."""
+    r = plan("--config", os.path.join(RECIPES, recipe), "--gpus", str(gpus),
+             "--rollout.placement=separate", f"--rollout.ranks={ranks}")
+    assert r.returncode == 3, r.stderr
+    moved = r.stdout.split("weight transfer, host memory per rank")[1]
+    assert moved.startswith(" (rollout.max_staleness 1: up to 2 versions pending; buckets of "
+                            "512 MiB)")
+    trainer_table = r.stdout.split("rollout rank (x")[0]
+    assert f"{'weights':32s} {shard:8.2f} GiB" in trainer_table  # the busiest rank's shard
+    busiest = moved.split("trainer rank (busiest)")[1]
+    assert abs(float(busiest.split()[0]) - 2 * shard) <= 0.01  # (both rounded to 0.01)
+    assert f"(2 x its main-replica shard, {shard:.2f} GiB; pinned on CUDA)" in busiest
+    assert f"{'rollout rank':32s} {0.5:8.2f} GiB (one bucket, at most)" in moved
+    r = plan("--config", os.path.join(RECIPES, recipe), "--gpus", str(gpus),
+             "--rollout.placement=separate", f"--rollout.ranks={ranks}",
+             "--rollout.max_staleness=3", "--rollout.weight_bucket_mb=64")
+    moved = r.stdout.split("weight transfer, host memory per rank")[1]
+    assert "up to 4 versions pending; buckets of 64 MiB" in moved
+    assert f"{'rollout rank':32s} {1 / 16:8.2f} GiB" in moved
+
+
+@pytest.mark.slow  # builds a Megatron model
+@pytest.mark.parametrize("bf16", [False, True])
+def test_weight_transfer_shard_is_a_direct_count_of_the_pieces(bf16):
+    """The planner's shard (:func:`plan_weight_transfer`) against the bytes of the main-replica
+    pieces a built tiny model's trainer rank sends (one rank: all of them), and what the sender
+    allocates: a snapshot of its buckets (the shard plus at most 15 bytes of alignment a box) per
+    pending version, buckets of at most the bound (the rollout rank's buffer)."""
+    from gspo_megatron.backends.megatron.model import build_gpt_model
+    from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
+    from gspo_megatron.backends.megatron.weight_transfer import ShardIndex
+    from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
+    from gspo_megatron.planner import plan_weight_transfer
+    from gspo_megatron.weight_pieces import pack
+
+    model = model_config_from_preset("tiny", num_layers=3, moe_layer_freq=[1, 0, 1])
+    initialize_distributed(ParallelConfig(), model, seed=5)
+    try:
+        gpt = build_gpt_model(model, ParallelConfig(), PrecisionConfig(bf16=bf16),
+                              pre_process=True, post_process=True)
+        if bf16:
+            gpt = gpt.to(torch.bfloat16)  # what Megatron's Float16Module holds under bf16
+        pieces = ShardIndex(gpt).pieces(main_only=True)
+    finally:
+        destroy_distributed()
+    direct = sum(p.tensor.numel() * p.tensor.element_size() for p in pieces)
+    moved = plan_weight_transfer(plan_memory(model, Layout(), 1, bf16=bf16), max_staleness=1,
+                                 bucket_bytes=64 << 10)
+    assert moved.shard == direct and moved.trainer == 2 * direct
+    layout = pack([p.box for p in pieces], moved.bucket)
+    boxes = sum(len(b) for b in layout.buckets)
+    assert direct <= layout.total < direct + 16 * boxes and layout.largest <= moved.rollout

@@ -195,10 +195,25 @@ def test_reduce_metrics_of_one_microbatch_is_the_general_reduction():
     assert list(fast) == sorted(out)
 
 
+def _through_buckets(pieces, bucket_bytes: int):
+    """``pieces`` as a rollout rank receives them: packed into buckets of ``bucket_bytes``, each
+    bucket copied out of the sender's snapshot into one reused buffer."""
+    from gspo_megatron.weight_pieces import pack
+
+    layout = pack([p.box for p in pieces], bucket_bytes)
+    snapshot = torch.empty(layout.total, dtype=torch.uint8)
+    layout.fill(pieces, snapshot)
+    inbox = torch.empty(layout.largest, dtype=torch.uint8)
+    for b, size in enumerate(layout.sizes):
+        inbox[:size].copy_(layout.bucket(b, snapshot))
+        yield from layout.views(b, inbox[:size])
+
+
 def test_a_frozen_policy_keeps_no_gradient_buffer_and_scores_as_the_policy(groups):
     """``build_policy(frozen=True)`` (the KL reference, a rollout rank's replica) builds Megatron
     DDP with no fp32 gradient buffer (4 bytes a parameter saved) and, its parameters trainable
-    again afterwards, gives the trained policy's log-probs bitwise on the same weights."""
+    again afterwards, gives the trained policy's log-probs bitwise on the same weights (loaded
+    piece by piece through 4 KiB buckets, as a rollout rank's replica is)."""
     model = model_config_from_preset("tiny")
     policy = _policy(groups)
     frozen = build_policy(model, ParallelConfig(), PrecisionConfig(), OptimConfig(), groups,
@@ -209,14 +224,15 @@ def test_a_frozen_policy_keeps_no_gradient_buffer_and_scores_as_the_policy(group
     assert grad_bytes >= 4 * n and not ddp_frozen.buffers and not ddp_frozen.expert_parallel_buffers
     assert all(p.requires_grad for p in frozen.unwrapped().parameters())
     _steps(policy, groups, n=2)  # weights the fresh model does not have
-    frozen.import_weights(policy.export_weights())
-    # the shard index is built once per model and rebuilt when a parameter's storage moves
-    shards = frozen._weight_shards()
-    assert frozen._weight_shards() is shards
+    frozen.load_weight_pieces(_through_buckets(policy.weight_pieces(), 4096))
+    # the piece index is built once per model and rebuilt when a parameter's storage moves
+    pieces = frozen._pieces()
+    assert frozen._pieces() is pieces
     param = next(frozen.unwrapped().parameters())
     param.data = param.data.clone()
-    assert frozen._weight_shards() is not shards
-    frozen.import_weights(policy.export_weights())
+    assert frozen._pieces() is not pieces
+    _steps(policy, groups, n=1)  # new weights: written into the moved parameter, not the old
+    frozen.load_weight_pieces(_through_buckets(policy.weight_pieces(), 4096))
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
             for k in torch.randint(6, 14, (6,), generator=gen)]

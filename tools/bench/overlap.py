@@ -61,7 +61,7 @@ def _train(args: list[str], nproc: int, run_dir: str) -> list[dict]:
 
 def _one_round(args: list[str]) -> dict:
     """One colocated and one separate run of ``args``: wall time per step (between consecutive
-    metrics records: the step, the weight broadcast, logging), rollout and training times, medians
+    metrics records: the step, the weights sent, logging), rollout and training times, medians
     over the steady steps (the first two are warm-up)."""
     from tools.bench.common import median
 

@@ -8,5 +8,6 @@
 - :mod:`.engine`: the rollout engine on Megatron's inference stack.
 - :mod:`.routing`: MoE route record / replay (R2, R3) and diagnostics.
 - :mod:`.kernels`: faster modules for the local layer spec.
-- :mod:`.weight_transfer`: the weights from the trainer's layout into a rollout replica's.
+- :mod:`.weight_transfer`: the model's weights as pieces of whole tensors (what each trainer rank
+  sends, what a rollout replica loads, from any layout to any layout).
 """

@@ -26,7 +26,7 @@ from gspo_megatron.backends.megatron.kernels.moe import stacked_expert_weights
 from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
                                   RoutingConfig)
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
-from gspo_megatron.policy import FlatWeights, PolicyBatch
+from gspo_megatron.policy import PolicyBatch
 
 
 class MegatronPolicy:
@@ -66,6 +66,7 @@ class MegatronPolicy:
         self._model_routing = None
         self._checkpoint_writer: ckpt.AsyncCheckpointWriter | None = None
         self._shard_index = None
+        self._piece_loader = None
 
     def unwrapped(self):
         """The ``GPTModel`` inside DDP (single chunk: no virtual pipeline)."""
@@ -261,27 +262,28 @@ class MegatronPolicy:
         ckpt.load_model_weights(self.unwrapped(), directory)
         self._weights_changed()
 
-    def export_weights(self) -> FlatWeights | None:
-        """Every parameter whole, in its dtype, as flat buffers on rank 0 (None elsewhere;
+    def weight_pieces(self) -> list:
+        """This rank's main-replica pieces, views of the parameters in their dtype (not
         collective)."""
-        from gspo_megatron.backends.megatron.weight_transfer import gather_flat_state
+        return self._pieces(main_only=True)
 
-        return gather_flat_state(self._weight_shards())
+    def load_weight_pieces(self, pieces) -> None:
+        """Copy ``(box, data)`` pieces of any layout into this rank's shards
+        (:class:`~gspo_megatron.weight_pieces.PieceLoader`)."""
+        from gspo_megatron.weight_pieces import PieceLoader
 
-    def import_weights(self, weights: FlatWeights) -> None:
-        """Load :meth:`export_weights`' result (of any layout) into this rank's shards."""
-        from gspo_megatron.backends.megatron.weight_transfer import load_full_state
-
-        load_full_state(self._weight_shards(), weights.tensors())
+        if self._piece_loader is None:
+            self._piece_loader = PieceLoader()
+        self._piece_loader.load(self._pieces(), pieces)
         self._weights_changed()
 
-    def _weight_shards(self) -> list:
-        """This rank's shards of the model, indexed once (:class:`.weight_transfer.ShardIndex`)."""
+    def _pieces(self, main_only: bool = False) -> list:
+        """This rank's pieces of the model, indexed once (:class:`.weight_transfer.ShardIndex`)."""
         if self._shard_index is None:
             from gspo_megatron.backends.megatron.weight_transfer import ShardIndex
 
             self._shard_index = ShardIndex(self.unwrapped())
-        return self._shard_index()
+        return self._shard_index.pieces(main_only)
 
 
 def build_policy(
