@@ -176,6 +176,18 @@ def test_two_process_expert_parallel_run(tmp_path, layout):
 
 
 @pytest.mark.distributed
+def test_sequence_parallel_run_without_warm_up(tmp_path):
+    """TP=2 with sequence parallelism, padded, no SFT: the first pass of the run is the
+    old-log-prob pass in inference mode, which allocates Megatron's sequence-parallel all-gather
+    buffer; the update's forward then writes it (found at 3788b2b: "Inplace update to inference
+    tensor outside InferenceMode" unless a warm-up had allocated it first)."""
+    run = tmp_path / "tp2sp"
+    gspo_train(run, "--trainer.steps=2", "--sft.steps=0", "--parallel.tensor_model_parallel_size=2",
+               "--parallel.sequence_parallel=true", *PADDED, nproc=2)
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [0, 1]
+
+
+@pytest.mark.distributed
 def test_context_parallel_run_kill_and_resume(tmp_path):
     """CP=2 on two ranks with packed microbatches and R3, the long-response recipe's path: every
     sequence of a packed row cut into Megatron's 2 x CP chunks (the local attention kernel

@@ -108,3 +108,19 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def drop_inference_buffers() -> None:
+    """Forget the buffers of Megatron's global memory buffer (the sequence-parallel all-gather's,
+    ``"mpu"``) that a pass in inference mode allocated: an inference tensor cannot be written
+    outside inference mode, so the update's forward would fail on it (a run whose first pass at
+    TP > 1 with sequence parallelism is the old-log-prob pass or a rollout: no SFT warm-up). The
+    next pass that needs one allocates it again."""
+    from megatron.core.parallel_state import get_global_memory_buffer
+
+    try:
+        buffers = get_global_memory_buffer().buffer
+    except AssertionError:  # not initialised: nothing allocated
+        return
+    for key in [k for k, t in buffers.items() if t.is_inference()]:
+        del buffers[key]

@@ -18,6 +18,7 @@ import torch
 
 from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.backends.megatron.model import build_gpt_model
+from gspo_megatron.backends.megatron.parallel import drop_inference_buffers
 from gspo_megatron.backends.megatron.routing.session import PolicyRouting
 from gspo_megatron.backends.megatron.schedule import (Microbatching, ScoringConfig,
                                                       compute_logprobs, make_microbatches,
@@ -88,6 +89,7 @@ class MegatronPolicy:
         with stacked_expert_weights(self.unwrapped()), grad_off:  # CPU grouped expert GEMMs
             lp, _ = compute_logprobs(self.model, batch, self.logprob_batching, scoring,
                                      self.groups, routing=routing)
+        drop_inference_buffers()
         return lp.clone() if lp is not None and lp.is_inference() else lp
 
     def train_minibatch(self, batch: PolicyBatch, objective, *, routing=None) -> dict[str, float]:

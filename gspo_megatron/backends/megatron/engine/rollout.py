@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.backends.megatron.kernels.moe import stacked_expert_weights
+from gspo_megatron.backends.megatron.parallel import drop_inference_buffers
 from gspo_megatron.backends.megatron.engine.sampling_copy import SamplingCopy, copy_dtype
 from gspo_megatron.backends.megatron.schedule import module_list, set_training
 from gspo_megatron.config import RolloutConfig
@@ -364,6 +365,7 @@ class RolloutEngine:
             if self._route_recorder is not None:  # the held requests' routes stay
                 self._route_recorder.reset(
                     keep=self.dynamic.held_ids() if self.dynamic is not None else ())
+            drop_inference_buffers()  # (sequence parallel stays on under EP > 1)
         return samples
 
     def held_state(self) -> dict | None:
