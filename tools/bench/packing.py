@@ -129,7 +129,9 @@ def _child(spec: dict) -> dict:
     per_minibatch = n // NUM_MINIBATCHES
 
     def training_phase(name: str, mode: str) -> None:
-        pol.batching = modes[mode]
+        # both passes in the mode (the old-log-prob pass reads its own batching: until 2026-11-27
+        # it stayed padded here in both modes, 16 x the longest sequence)
+        pol.batching = pol.logprob_batching = modes[mode]
         batch = dataclasses.replace(batches[name])
         batch.old_logprobs = pol.logprobs(batch)
         for mb in batch.select(order).split(per_minibatch):
