@@ -557,3 +557,31 @@ def test_bf16_rollouts_match_megatron_modules(setup):
                       for n in ("fast", "ref"))
         assert lf.dtype == lr.dtype == torch.float32
         torch.testing.assert_close(lf.log_softmax(-1), lr.log_softmax(-1), rtol=0, atol=0.1)
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(1, 4, 2), (37, 8, 2), (128, 16, 4)])
+def test_permute_without_host_reads_is_megatrons_permute(tokens, experts, k):
+    """The sort-based permute equals Megatron's ``masked_select`` one on random top-k maps:
+    tokens, probs and indices bitwise, and the probs' and tokens' gradients; and it reads nothing
+    back to the host (counted as tools/bench/host_syncs.py counts)."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from gspo_megatron.backends.megatron.kernels.moe import permute_without_host_reads
+    from tools.bench.host_syncs import HostSyncCounter
+
+    g = torch.Generator().manual_seed(tokens * experts + k)
+    scores = torch.rand(tokens, experts, generator=g, dtype=torch.float64)
+    top = scores.topk(k, dim=-1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top, True)
+    probs = (scores * routing_map).requires_grad_()
+    x = torch.randn(tokens, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = permute(x, routing_map, probs=probs, num_out_tokens=tokens * k)
+    with HostSyncCounter() as syncs:
+        ours = permute_without_host_reads(x, routing_map, probs, tokens * k)
+    assert syncs.total == 0, syncs.sites
+    for a, b in zip(ref, ours):
+        assert torch.equal(a, b)
+    w = torch.randn(tokens * k, 6, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((out[0] * w).sum() + (out[1] * w[:, 0]).sum(), (x, probs))
+             for out in (ref, ours)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

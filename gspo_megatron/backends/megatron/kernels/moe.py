@@ -162,6 +162,25 @@ def stacked_expert_weights(model):
             m.stacked = None
 
 
+def permute_without_host_reads(tokens: torch.Tensor, routing_map: torch.Tensor,
+                               probs: torch.Tensor, routed: int):
+    """Megatron's ``permute`` (``tokens [T, H]`` into expert-major order, each expert's tokens in
+    token order, with their router ``probs [T, E]``) when the number of routes ``routed`` is
+    known on the host (``T x k``, no padded token): the positions of the ``routing_map [T, E]``
+    entries, expert-major, by a stable sort of the transposed map instead of ``masked_select``,
+    so the output sizes never wait for the device (two host reads per MoE layer and decoding
+    step fewer; a CUDA graph can hold it). The same indices in the same order: bitwise
+    Megatron's ``(permuted tokens [routed, H], permuted probs [routed], sorted token indices)``,
+    gradients included (each entry is gathered once)."""
+    num_tokens = routing_map.size(0)
+    flat = routing_map.T.reshape(-1)  # [E T], expert-major
+    # the routed entries first, in their expert-major order (stable), then the rest
+    order = torch.argsort((~flat).to(torch.int8), stable=True)[:routed]
+    sorted_indices = order % num_tokens
+    permuted_probs = probs.T.reshape(-1).index_select(0, order)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
 class EagerBiasTopKRouter(TopKRouter):
     """``TopKRouter`` whose ``_apply_expert_bias`` returns at once when expert bias is off.
 
@@ -220,10 +239,13 @@ class DirectMoELayer(MoELayer):
         probs, routing_map = self.route(hidden_states, padding_mask)  # [T, E] each
         tokens = hidden_states.view(-1, hidden_states.shape[-1])  # [T, H]
         # A padded token (packed row's tail) gets no expert: k routes per real token.
-        routed = (routing_map.size(0) if padding_mask is None
-                  else int((~padding_mask).sum())) * self.config.moe_router_topk
-        permuted, permuted_probs, mapping = permute(
-            tokens, routing_map, probs=probs, num_out_tokens=routed)  # [T k, H]
+        if padding_mask is None:  # every token has k routes: the sizes are known on the host
+            permuted, permuted_probs, mapping = permute_without_host_reads(
+                tokens, routing_map, probs, routing_map.size(0) * self.config.moe_router_topk)
+        else:
+            routed = int((~padding_mask).sum()) * self.config.moe_router_topk
+            permuted, permuted_probs, mapping = permute(
+                tokens, routing_map, probs=probs, num_out_tokens=routed)  # [T k, H]
         out, bias = self.experts(permuted, routing_map.sum(dim=0).long(), permuted_probs)
         out = unpermute(out, mapping, restore_shape=tokens.shape, routing_map=routing_map)
         return out.view(hidden_states.shape), bias
