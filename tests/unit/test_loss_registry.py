@@ -318,3 +318,18 @@ def test_dr_grpo_needs_the_response_budget():
     assert float(PolicyGradientObjective(cfg, response_budget=7).local_count(_Rows(mask))) == 21.0
     assert float(PolicyGradientObjective(PolicyLossConfig(variant="cispo")).local_count(
         _Rows(mask))) == 12.0
+
+
+def test_a_loss_without_clip_shows_its_gate_in_the_step_metrics(tmp_path, capsys):
+    """The first-minibatch metrics keep what the loss reports (no clip share for SAPO / GPG),
+    and SAPO's gate is in the progress line."""
+    from gspo_megatron.metrics import MetricsLogger
+    from gspo_megatron.stages import first_minibatch_metrics
+
+    assert first_minibatch_metrics({"ratio/min": 0.5, "ratio/max": 1.25}) == {
+        "ratio/first_minibatch_max_abs_log": pytest.approx(math.log(2.0))}
+    assert first_minibatch_metrics({"ratio/min": 1.0, "ratio/max": 1.0, "clip/fraction": 0.25})[
+        "clip/first_minibatch_fraction"] == 0.25
+    MetricsLogger(str(tmp_path), enabled=True).log(3, {"loss/policy": -0.5,
+                                                       "gate/weight_mean": 0.875})
+    assert "| gate 0.875" in capsys.readouterr().out
