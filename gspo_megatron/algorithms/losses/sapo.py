@@ -3,8 +3,8 @@ Optimization, Qwen team, arXiv 2511.20347; used for Qwen3-VL).
 
 Per token ``f(r_it) A_it`` with the gate ``f(r) = (4 / tau) sigmoid(tau (r - 1))``, ``tau =
 tau_pos`` where ``A_it > 0`` and ``tau_neg`` elsewhere, averaged per sequence then over sequences.
-Its gradient is ``f'(r) r A grad log pi`` with ``f'(r) = 4 sigmoid(1 - sigmoid) =
-sech^2(tau (r - 1) / 2)``: 1 on-policy (the plain policy gradient there), decaying smoothly as
+Its gradient is ``f'(r) r A grad log pi`` with ``f'(r) = 4 s (1 - s) = sech^2(tau (r - 1) / 2)``,
+``s = sigmoid(tau (r - 1))``: 1 on-policy (the plain policy gradient there), decaying smoothly as
 the ratio leaves 1 (faster for the negative side, ``tau_neg > tau_pos``). The value at ``r = 1``
 is ``(2 / tau) A``, as in verl's and TRL's code. No hard clip: ``gate/weight_mean`` (the mean of
 ``f'(r_it)`` over response tokens) says how much of the gradient the gate lets through.
