@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 # Shown in the progress line, in this order, when present.
 _PROGRESS_KEYS = (
     ("reward/mean", "reward"), ("reward/accuracy", "acc"), ("loss/policy", "loss"),
-    ("clip/fraction", "clip"), ("kl/rollout_vs_train", "kl_rt"), ("eval/accuracy", "heldout"),
+    ("clip/fraction", "clip"), ("gate/weight_mean", "gate"), ("kl/rollout_vs_train", "kl_rt"),
+    ("eval/accuracy", "heldout"),
     ("perf/step_s", "s"),
 )
 

@@ -16,8 +16,11 @@ which points at the recipe line or override that set one of the fields,
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import inspect
+import textwrap
 import types
 import typing
 from typing import Any, Iterator, Literal, Sequence, Union
@@ -62,6 +65,32 @@ def _literal_fields(cls: type) -> dict[str, tuple]:
         if allowed and any(a is not None for a in allowed):
             out[f.name] = allowed
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` for a dataclass: the string literal right after each field in its
+    source, or the class's ``__field_docs__`` mapping when it has one (a section generated from
+    other classes' fields, as the ``loss`` section is from the registered losses')."""
+    generated = getattr(cls, "__field_docs__", None)
+    if generated is not None:
+        return dict(generated)
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if node is None:
+        return {}
+    docs: dict[str, str] = {}
+    body = node.body
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
 
 
 class Section:

@@ -186,7 +186,8 @@ def update_stage(policy: Policy, batch: PolicyBatch, cfg: TrainConfig, seed: int
     diagnosed step the ``routing/*`` diagnostics of the updated policy on that minibatch."""
     faults = faults or FaultInjector()
     objective = PolicyGradientObjective(cfg.loss, cfg.rollout.temperature, faults.corrupt,
-                                        correction=cfg.rollout_correction)
+                                        correction=cfg.rollout_correction,
+                                        response_budget=cfg.rollout.max_new_tokens)
     if minibatch_sizes is None:
         order = minibatch_order(batch.size, seed)
         minibatch_sizes = [batch.size // cfg.trainer.num_minibatches] * cfg.trainer.num_minibatches
@@ -236,8 +237,10 @@ def first_minibatch_metrics(first: dict[str, float]) -> dict[str, float]:
         return {}
     logs = [abs(math.log(first[k])) for k in ("ratio/min", "ratio/max")
             if 0 < first[k] < math.inf]
-    return {"ratio/first_minibatch_max_abs_log": max(logs, default=0.0),
-            "clip/first_minibatch_fraction": first["clip/fraction"]}
+    out = {"ratio/first_minibatch_max_abs_log": max(logs, default=0.0)}
+    if "clip/fraction" in first:  # (a loss without a hard clip, SAPO or GPG, has none)
+        out["clip/first_minibatch_fraction"] = first["clip/fraction"]
+    return out
 
 
 def response_metrics(samples: list[RolloutSample], groups: ParallelGroups) -> dict[str, float]:

@@ -46,11 +46,13 @@ RUN_TIMEOUT_S = 600
 
 ALG = "gspo_megatron/algorithms/"
 PL, ADV, RC = ALG + "policy_loss.py", ALG + "advantages.py", ALG + "rollout_correction.py"
+LB, LOSSES = ALG + "losses/base.py", ALG + "losses/"
 STATS = "gspo_megatron/routing/stats.py"
 LK = "gspo_megatron/backends/megatron/kernels/local.py"
 MOE = "gspo_megatron/backends/megatron/kernels/moe.py"
 T = "tests/unit/"
 LOSS_TESTS = (T + "test_policy_loss.py", T + "test_clip_rule.py")
+REGISTRY_TESTS = (T + "test_loss_registry.py", T + "test_loss_peers.py")
 
 
 @dataclass(frozen=True)
@@ -63,30 +65,44 @@ class Mutant:
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    Mutant("GSPO ratio not length-normalised (sum of log-ratios)", PL,
+    Mutant("GSPO ratio not length-normalised (sum of log-ratios)", LB,
            "return sums[0] * (1.0 / sums[1].clamp(min=1.0))", "return sums[0]", LOSS_TESTS),
-    Mutant("GSPO |y_i| is the padded length (mask ignored)", PL,
+    Mutant("GSPO |y_i| is the padded length (mask ignored)", LB,
            "torch.stack([diff.sum(-1), mask.to(diff.dtype).sum(-1)])",
            "torch.stack([diff.sum(-1), torch.ones_like(diff).sum(-1)])", LOSS_TESTS),
     Mutant("token-mean 1/|y_i| uses the padded length", PL,
            "torch.stack([mask.to(dtype).sum(-1), adv_tok.sum(-1)], dim=-1)",
            "torch.stack([torch.ones_like(adv_tok).sum(-1), adv_tok.sum(-1)], dim=-1)", LOSS_TESTS),
-    Mutant("min dropped: clipped term only", PL,
+    Mutant("min dropped: clipped term only", LB,
            "obj = torch.minimum(ratio * adv, clipped * adv)", "obj = clipped * adv", LOSS_TESTS),
-    Mutant("clipping dropped: unclipped term only", PL,
+    Mutant("clipping dropped: unclipped term only", LB,
            "obj = torch.minimum(ratio * adv, clipped * adv)", "obj = ratio * adv", LOSS_TESTS),
-    Mutant("clip sides swapped (eps_low <-> eps_high)", PL,
+    Mutant("clip sides swapped (eps_low <-> eps_high)", LB,
            "clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)",
            "clipped = ratio.clamp(1.0 - eps_high, 1.0 + eps_low)", LOSS_TESTS),
-    Mutant("GSPO-token s_i without stop-gradient", PL,
+    Mutant("GSPO-token s_i without stop-gradient", LOSSES + "gspo.py",
            "ratio_tok = torch.exp(log_s.detach())[:, None]",
            "ratio_tok = torch.exp(log_s)[:, None]", LOSS_TESTS),
-    Mutant("k3 sign flipped (exp(-d) + d - 1)", PL,
+    Mutant("k3 sign flipped (exp(-d) + d - 1)", LB,
            "return torch.exp(d) - d - 1.0", "return torch.exp(-d) + d - 1.0", LOSS_TESTS),
     Mutant("token_mean ignores the given (global) normaliser", PL,
            "normalizer = torch.tensor(float(loss_normalizer), dtype=dtype)",
-           "normalizer = total_tokens if token_mean else "
+           "normalizer = total_tokens if aggregation.normalizer == 'tokens' else "
            "torch.tensor(float(loss_normalizer), dtype=dtype)", LOSS_TESTS),
+    Mutant("SAPO gate temperatures swapped by the advantage's sign", LOSSES + "sapo.py",
+           "tau = torch.where(x.adv_tok > 0, x.zero + p.tau_pos, x.zero + p.tau_neg)",
+           "tau = torch.where(x.adv_tok > 0, x.zero + p.tau_neg, x.zero + p.tau_pos)",
+           REGISTRY_TESTS),
+    Mutant("CISPO weight not stop-gradient (gradient through the ratio)", LOSSES + "cispo.py",
+           "w = ratio.clamp(1.0 - p.clip_low, 1.0 + p.clip_high).detach()",
+           "w = ratio.clamp(1.0 - p.clip_low, 1.0 + p.clip_high)", REGISTRY_TESTS),
+    Mutant("dual clip on positive advantages", LOSSES + "grpo.py",
+           "neg = x.adv_tok < 0", "neg = x.adv_tok > 0", REGISTRY_TESTS),
+    Mutant("GMPO clips both sides whatever the advantage's sign", LOSSES + "gmpo.py",
+           "d_min = sign * torch.minimum(sign * d, sign * clipped)", "d_min = clipped",
+           REGISTRY_TESTS),
+    Mutant("Dr. GRPO divides by B, not B x the response budget", ALG + "objectives.py",
+           "rows *= self.response_budget", "rows *= 1", REGISTRY_TESTS),
     Mutant("group std is the sample std (n - 1)", ADV,
            "std_s = centered_s.pow(2).mean(dim=1, keepdim=True).sqrt()",
            "std_s = scaled.std(dim=1, keepdim=True)", (T + "test_advantages.py",)),

@@ -149,6 +149,7 @@ def summary_rows(study: dict[str, list[dict]]) -> list[tuple[str, str, list[str]
         ("abs token log-ratio, route flipped", "{:.4f}", col("routing/abs_log_ratio_changed")),
         ("abs token log-ratio, route kept", "{:.4f}", col("routing/abs_log_ratio_unchanged")),
         ("clipped token share", "{:.3%}", col("clip/token_fraction")),
+        ("SAPO gate: mean gradient weight f'(r)", "{:.4f}", col("gate/weight_mean")),
         ("k3 KL rollout vs trainer", "{:.2e}", col("kl/rollout_vs_train")),
         ("grad norm (mean)", "{:.3f}", col("optim/grad_norm")),
         ("grad norm (max)", "{:.3f}", lambda run: max(_finite(series(run["rows"], "optim/grad_norm")[1]) or [math.nan])),

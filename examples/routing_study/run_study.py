@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The routing-stability study, one command: GSPO vs GRPO with and without routing replay (R2,
-R3), several seeds each, plus a stress setting, on an 8-layer, 32-expert top-4 MoE.
+R3), SAPO and CISPO, several seeds each, plus a stress setting, on an 8-layer, 32-expert top-4 MoE.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python examples/routing_study/run_study.py   # CPU, ~60 min
 
@@ -12,6 +12,10 @@ R3), several seeds each, plus a stress setting, on an 8-layer, 32-expert top-4 M
    engine and the fp32 trainer disagree, which is what R3 removes). Only ``trainer.seed``
    changes between seeds: the prompt order and the sampled responses;
 3. ``report.py`` -> ``--report`` (Markdown + PNGs with min..max bands over seeds).
+
+Loss arms: besides ``ARMS``, any registered loss (``gspo_megatron.algorithms.LOSSES``) is an arm
+``<variant>`` or ``<variant>_r2`` / ``<variant>_r3``: the loss at its paper defaults, the recipe's
+GSPO eps reset (``geo_mean_r3`` is GMPO with R3).
 
 Staleness arms: an arm name ending in ``_s<k>`` (``grpo_r3_s4``) runs the arm with rollouts on
 their own rank ``k`` optimizer steps behind (``rollout.placement: separate``, ``rollout.ranks: 1``,
@@ -36,6 +40,7 @@ import subprocess
 import sys
 import time
 
+from gspo_megatron.algorithms import LOSSES, PolicyLossConfig
 from gspo_megatron.tools.provenance import git_commit, utc_now
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,6 +54,13 @@ ARMS: dict[str, list[str]] = {  # arm: overrides on the recipe (GSPO, eps 3e-4 /
     "grpo_r3": [*GRPO, "--routing.replay=r3"],
     "gspo_r3": ["--routing.replay=r3"],
 }
+# Every other registered loss at its paper's defaults: the recipe's GSPO eps reset to null (a
+# knob the variant does not read is an error; one it does read would carry GSPO's value).
+LOSS_DEFAULTS = [f"--loss.{knob}=null" for knob in PolicyLossConfig.knobs]
+# The soft gate and the clipped importance weight (issue 49): SAPO tau 1.0 / 1.05, CISPO's weight
+# capped at 5 with no lower bound.
+ARMS.update({v: [f"--loss.variant={v}", *LOSS_DEFAULTS] for v in ("sapo", "cispo")})
+LOSS_ARM_RE = re.compile(r"^(?P<loss>.+?)(?:_(?P<replay>r2|r3))?$")
 STALENESS_ARMS = ["gspo", "grpo", "grpo_r2", "grpo_r3"]
 """``--staleness-study``: these arms at staleness 0 (colocated), 1 and 4."""
 STALENESS_RE = re.compile(r"^(?P<arm>.+?)_s(?P<k>\d+)$")
@@ -86,6 +98,18 @@ def gspo_train(run_dir: str, overrides: list[str], log, nproc: int = 1) -> float
     return wall
 
 
+def arm_base(arm: str) -> list[str] | None:
+    """The overrides of an arm without its ``_stress`` / ``_s<k>`` suffix: ``ARMS[arm]``, or
+    ``<variant>[_r2|_r3]`` for any registered loss (None: no such arm)."""
+    if arm in ARMS:
+        return ARMS[arm]
+    m = LOSS_ARM_RE.match(arm)
+    if m is None or m["loss"] not in LOSSES:
+        return None
+    base = ARMS.get(m["loss"], [f"--loss.variant={m['loss']}", *LOSS_DEFAULTS])
+    return [*base, f"--routing.replay={m['replay']}"] if m["replay"] else base
+
+
 def split_arm(name: str) -> tuple[str, int]:
     """``grpo_r3_s4`` -> ``("grpo_r3", 4)``; an arm without the suffix runs colocated (0)."""
     m = STALENESS_RE.match(name)
@@ -119,14 +143,14 @@ def main(argv=None) -> int:
             setting[key] = getattr(args, key)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else setting["seeds"]
     arms = args.arms.split(",")
-    unknown = [a for a in arms if split_arm(a)[0].removesuffix("_stress") not in ARMS]
+    unknown = [a for a in arms if arm_base(split_arm(a)[0].removesuffix("_stress")) is None]
     if unknown:
-        ap.error(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)} (or X_stress, "
-                 f"X_s<staleness>)")
+        ap.error(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)}, a registered loss "
+                 f"{list(LOSSES)} (+ _r2 / _r3), or X_stress, X_s<staleness>")
 
     def arm_overrides(arm: str) -> list[str]:
         arm, staleness = split_arm(arm)
-        base = ARMS[arm.removesuffix("_stress")]
+        base = arm_base(arm.removesuffix("_stress"))
         lr = setting["lr"] * (STRESS_LR_FACTOR if arm.endswith("_stress") else 1.0)
         placement = (["--rollout.placement=separate", "--rollout.ranks=1",
                       f"--rollout.max_staleness={staleness}"] if staleness else [])

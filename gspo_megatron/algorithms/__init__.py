@@ -1,4 +1,5 @@
-"""Pure-torch GSPO / GSPO-token / GRPO algorithms (no Megatron imports).
+"""Pure-torch RL algorithms (no Megatron imports): the policy losses of the registry
+(:mod:`.losses`: GSPO, GSPO-token, GRPO, SAPO, CISPO, GMPO, GPG) and what they share.
 
 Each rule is stated once here and used by the loss, the trainer and the routing diagnostics alike:
 the sequence ratio (Eq. 7), the clip rule, the k3 estimator, group advantages (Eq. 6), the
@@ -7,13 +8,16 @@ rollout/training mismatch weights and the objectives a policy update minimises. 
 
 from .advantages import GroupAdvantageResult, group_advantages
 from .objectives import NLLObjective, Objective, PolicyGradientObjective, rollout_mismatch
-from .policy_loss import (LOG_RATIO_CLAMP, PolicyLossConfig, clip_flags, clipped_positions, k3,
-                          policy_loss, sequence_log_ratio)
+from .losses import (AGGREGATIONS, LOG_RATIO_CLAMP, LOSSES, PolicyLossConfig, clip_flags, k3,
+                     sequence_log_ratio)
+from .policy_loss import clipped_positions, policy_loss
 from .rollout_correction import CorrectionResult, RolloutCorrectionConfig, correction_weights
 from .reductions import all_reduce_no_grad, all_reduce_sum, masked_mean, masked_sum
 
 __all__ = [
+    "AGGREGATIONS",
     "LOG_RATIO_CLAMP",
+    "LOSSES",
     "CorrectionResult",
     "GroupAdvantageResult",
     "NLLObjective",

@@ -3,7 +3,7 @@
 A backend runs the forward (and backward) passes and hands each microbatch's log-probs to an
 :class:`Objective`; the objective owns everything algorithmic about the loss: which tokens count,
 the normaliser, the non-finite guard. Two are needed: the RL policy-gradient loss
-(:class:`PolicyGradientObjective`, GSPO / GSPO-token / GRPO through :func:`policy_loss`) and the
+(:class:`PolicyGradientObjective`, any registered loss through :func:`policy_loss`) and the
 supervised warm-up's token NLL (:class:`NLLObjective`). Pure torch: the batch is anything with
 ``response_mask`` / ``old_logprobs`` / ``advantages`` / ``ref_logprobs`` ``[b, T]`` fields, plus
 ``rollout_logprobs`` under a rollout correction (:class:`gspo_megatron.policy.PolicyBatch`).
@@ -20,7 +20,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from .policy_loss import PolicyLossConfig, clipped_positions, k3, policy_loss
+from .losses import AGGREGATIONS, PolicyLossConfig, k3
+from .policy_loss import clipped_positions, policy_loss
 from .reductions import all_reduce_no_grad
 from .rollout_correction import RolloutCorrectionConfig, correction_weights
 
@@ -45,9 +46,11 @@ class Objective(Protocol):
 
 
 class PolicyGradientObjective:
-    """The clipped policy-gradient loss of ``loss`` (GSPO Eq. 5, GSPO-token Eq. 14, GRPO Eq. 2).
+    """The policy-gradient loss of ``loss`` (its variant: :mod:`.losses.registry`).
 
-    Normaliser: sequences, or response tokens for GRPO ``token_mean`` (DAPO). Non-finite
+    Normaliser, by the loss's aggregation (:mod:`.losses.aggregations`): sequences, response
+    tokens (``token_mean``), or sequences x ``response_budget`` (``seq_mean_token_sum_norm``,
+    Dr. GRPO's constant: the rollout's ``max_new_tokens``). Non-finite
     log-probs (diverged weights, a bad kernel) would make the loss NaN: the loss is computed on
     sanitised values (ratio 1) so metrics keep their keys, multiplied by 0 (no gradient), and the
     minibatch is flagged ``faults/nonfinite_loss`` so the caller skips its optimiser step.
@@ -63,10 +66,18 @@ class PolicyGradientObjective:
     needs_entropy = True
 
     def __init__(self, loss: PolicyLossConfig, temperature: float = 1.0,
-                 corrupt: Corrupt | None = None, correction: RolloutCorrectionConfig | None = None):
+                 corrupt: Corrupt | None = None, correction: RolloutCorrectionConfig | None = None,
+                 response_budget: int | None = None):
         self.loss, self.temperature = loss, temperature
         self.corrupt = corrupt or (lambda point, t: t)
         self.correction = correction if correction is not None and correction.enabled else None
+        self.aggregation = AGGREGATIONS[loss.resolved_aggregation]
+        if self.aggregation.normalizer == "sequences_x_budget" and not (
+                isinstance(response_budget, int) and response_budget > 0):
+            raise ValueError(f"loss.aggregation={self.aggregation.name!r} divides by B x the "
+                             "response budget: PolicyGradientObjective needs response_budget (the "
+                             f"rollout's max_new_tokens), got {response_budget!r}")
+        self.response_budget = response_budget
 
     def _weights(self, mb, cp_group=None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """``(weights for policy_loss or None, correction/* metrics)`` of one microbatch."""
@@ -91,9 +102,12 @@ class PolicyGradientObjective:
         return clipped_positions(logprobs, old_logprobs, advantages, mask, self.loss)
 
     def local_count(self, batch) -> torch.Tensor:
-        if self.loss.variant == "grpo" and self.loss.aggregation == "token_mean":
+        if self.aggregation.normalizer == "tokens":
             return batch.response_mask.sum().double()
-        return torch.tensor(float(batch.response_mask.shape[0]), dtype=torch.float64)
+        rows = float(batch.response_mask.shape[0])
+        if self.aggregation.normalizer == "sequences_x_budget":
+            rows *= self.response_budget
+        return torch.tensor(rows, dtype=torch.float64)
 
     def __call__(self, logprobs, entropy, mb, normalizer, cp_group=None):
         lp = self.corrupt("nan_loss", logprobs)

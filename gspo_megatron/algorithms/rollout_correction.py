@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..sections import Problem, Section
-from .policy_loss import LOG_RATIO_CLAMP, sequence_log_ratio
+from .losses.base import LOG_RATIO_CLAMP, sequence_log_ratio
 from .reductions import all_reduce_no_grad
 
 __all__ = ["CorrectionResult", "RolloutCorrectionConfig", "correction_weights"]

@@ -37,7 +37,6 @@ other and the world size. Type coercion is :mod:`.coerce`. Files are read with
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import inspect
@@ -48,7 +47,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from gspo_megatron.sections import FieldError
+from gspo_megatron.sections import FieldError, field_docs
 from gspo_megatron.config.coerce import (NULL_WORDS, CoerceError, accepts_str, coerce, suggest,
                                          type_name)
 from gspo_megatron.config.model import (ARCHITECTURE_FIELDS, MODEL_PRESETS, SHAPE_FIELDS,
@@ -441,27 +440,6 @@ def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write("# Resolved gspo_megatron TrainConfig (gspo_megatron.config.loader.save_config).\n")
         f.write(text)
-
-
-@functools.lru_cache(maxsize=None)
-def field_docs(cls: type) -> dict[str, str]:
-    """``{field: docstring}`` for a dataclass: the string literal right after each field."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if node is None:
-        return {}
-    docs: dict[str, str] = {}
-    body = node.body
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
 
 
 def describe_config(sections: Iterable[str] | None = None, width: int = 100) -> str:

@@ -4,8 +4,8 @@ Loads the reference weights, computes the GSPO minibatch loss and gradients on a
 this layout, and writes the loss (JSON) and the reduced gradients (gathered whole on rank 0,
 ``tests.helpers.megatron.full_state``, one ``grads.pt``) to --out; then
 does the same in the same process for each rollout-correction case of ``CORRECTIONS`` (the same
-batch carrying ``rollout_logprobs``) and each other loss variant of ``VARIANTS`` (GRPO with both
-aggregations, GSPO-token), to --out/<case>.
+batch carrying ``rollout_logprobs``) and each other loss of ``VARIANTS`` (GRPO with both
+aggregations, GSPO-token, and every other registered loss and aggregation), to --out/<case>.
 ``--make-reference`` instead initialises the weights from the seed and saves them to --weights.
 :func:`compare_grads` (called by the test) compares the layouts' gradients with a reference run's.
 """
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from gspo_megatron.algorithms import PolicyLossConfig, RolloutCorrectionConfig
+from gspo_megatron.algorithms import LOSSES, PolicyLossConfig, RolloutCorrectionConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
 from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
 from gspo_megatron.policy import make_policy_batch
@@ -43,12 +43,29 @@ CORRECTIONS = {
 # case whose normaliser is the response-token count summed over data-parallel ranks; its eps sides
 # differ (0.1 / 0.2), so a swapped side changes which tokens clip. GSPO-token gets per-token
 # advantages (fixed_batch's last draw), the one variant that takes them.
-VARIANTS = {
+# Then the registry's other losses and aggregations, with bounds that bind on this batch (token
+# log-ratios ~ N(0, 0.3^2)): CISPO's weight capped at 1.2 (verl's example), the dual clip at 1.3
+# (with Dr. GRPO's aggregation, normaliser B x RESPONSE_BUDGET summed over data-parallel ranks),
+# GMPO at the paper's 0.4; LUSPO (gspo + seq_mean_token_sum). A
+# registered loss not named here runs at its defaults: every loss of the registry is covered.
+_NAMED = {
     "grpo_seq_mean": PolicyLossConfig(variant="grpo", clip_low=0.1, clip_high=0.2),
     "grpo_token_mean": PolicyLossConfig(variant="grpo", clip_low=0.1, clip_high=0.2,
                                         aggregation="token_mean"),
     "gspo_token": PolicyLossConfig(variant="gspo_token", clip_low=0.03, clip_high=0.06),
+    "sapo": PolicyLossConfig(variant="sapo"),
+    "cispo": PolicyLossConfig(variant="cispo", clip_high=0.2),
+    "geo_mean": PolicyLossConfig(variant="geo_mean"),
+    "gpg": PolicyLossConfig(variant="gpg"),
+    # (one case for two things, to keep the launches short: each case is a forward-backward)
+    "grpo_dual_clip_dr_grpo": PolicyLossConfig(variant="grpo", clip_low=0.1, clip_high=0.2,
+                                               clip_ratio_c=1.3,
+                                               aggregation="seq_mean_token_sum_norm"),
+    "gspo_luspo": dataclasses.replace(GSPO, aggregation="seq_mean_token_sum"),
 }
+VARIANTS = {**_NAMED, **{v: PolicyLossConfig(variant=v) for v in LOSSES
+                         if v != "gspo" and all(c.variant != v for c in _NAMED.values())}}
+RESPONSE_BUDGET = 32  # Dr. GRPO's constant (the sequence length here)
 # R2 (routing replay of the old policy's routes), run last: the old-log-prob pass records the
 # routes under the reference weights; the update then runs on the *moved* weights (reference +
 # 0.5 std noise, saved once by --make-reference) replaying them, so routes differ from what free
@@ -216,7 +233,8 @@ def main():
         if variant_cfg.variant == "gspo_token":
             mb = local.select(slice(None))
             mb.advantages = token_advantages[rows]
-        metrics = train_minibatch(policy.model, mb, batching, variant_cfg, scoring, groups)
+        metrics = train_minibatch(policy.model, mb, batching, variant_cfg, scoring, groups,
+                                  response_budget=RESPONSE_BUDGET)
         save_run(policy, groups, os.path.join(args.out, case), metrics)
     if not (args.max_tokens and args.tp > 1):  # packed rows' routes at TP > 1: refused
         for case in (R2, R3):

@@ -1,4 +1,5 @@
-"""Context-parallel policy loss over 2 gloo processes vs. a single-process float64 run.
+"""Context-parallel policy loss (every registered loss) over 2 gloo processes vs. a
+single-process float64 run.
 
 Each rank holds half of the T dimension of every sequence; losses are computed
 with ``cp_group`` and must equal the single-process loss, and the gradient of
@@ -16,15 +17,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.helpers.dist import free_port
-from gspo_megatron.algorithms import PolicyLossConfig, masked_mean, policy_loss
+from gspo_megatron.algorithms import LOSSES, PolicyLossConfig, masked_mean, policy_loss
 
 WORLD = 2
 B, T = 5, 12
 CASES = [
-    (PolicyLossConfig(variant="gspo", kl_coef=0.1), 2e-3, False),
-    (PolicyLossConfig(variant="gspo_token"), 2e-3, True),
-    (PolicyLossConfig(variant="grpo", kl_coef=0.1), 0.3, True),
-    (PolicyLossConfig(variant="grpo", aggregation="token_mean"), 0.3, False),
+    # (config, noise of the old log-probs, per-token advantages, token correction weights)
+    (PolicyLossConfig(variant="gspo", kl_coef=0.1), 2e-3, False, False),
+    (PolicyLossConfig(variant="gspo_token"), 2e-3, True, False),
+    (PolicyLossConfig(variant="grpo", kl_coef=0.1), 0.3, True, False),
+    (PolicyLossConfig(variant="grpo", aggregation="token_mean"), 0.3, False, False),
+    # The registry's other losses and aggregations: every per-sequence sum they take (token
+    # sums, GMPO's clipped log-ratio sum and its weights' geometric mean, LUSPO's |y_i|, Dr.
+    # GRPO's default B x T horizon) must be the single process's.
+    (PolicyLossConfig(variant="grpo", clip_ratio_c=1.3, aggregation="seq_mean_token_sum_norm"),
+     0.5, True, True),
+    (PolicyLossConfig(variant="gspo", aggregation="seq_mean_token_sum"), 2e-3, False, True),
+    (PolicyLossConfig(variant="geo_mean", kl_coef=0.1), 0.3, False, True),
+    *((PolicyLossConfig(variant=v), 0.3, v in ("sapo", "cispo", "gpg"), v != "gpg")
+      for v in LOSSES if v not in ("gspo", "gspo_token", "grpo", "geo_mean")),
 ]
 
 
@@ -47,9 +58,12 @@ def _worker(rank: int, port: int) -> None:
     try:
         group = dist.new_group(list(range(WORLD)))
         sl = slice(rank * T // WORLD, (rank + 1) * T // WORLD)
-        for cfg, noise, per_tok in CASES:
+        for cfg, noise, per_tok, weighted in CASES:
             logp, old, ref, mask, adv = _inputs(noise, per_tok)
             kw = dict(ref_logprobs=ref, entropy=-logp.detach()) if cfg.kl_coef else {}
+            if weighted:
+                kw["correction_weights"] = 0.5 + torch.rand(
+                    B, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
             full_lp = logp.clone().requires_grad_(True)
             full_loss, full_m = policy_loss(full_lp, old, adv, mask, cfg, **kw)
             full_loss.backward()

@@ -14,8 +14,10 @@ so each layout is compared with a single-process run that has the same microbatc
 The rollout/training mismatch correction keeps the guarantee: every worker run (the references
 included) also computes, in the same process, the loss and gradients with each correction case of
 ``invariance_worker.CORRECTIONS`` (token-level masked IS, sequence-level truncated IS) on the same
-batch, carrying ``rollout_logprobs = old_logprobs + 0.3 * randn``, and those are compared the same way; so are GRPO (``seq_mean_token_mean`` and ``token_mean``) and
-GSPO-token with per-token advantages (``invariance_worker.VARIANTS``).
+batch, carrying ``rollout_logprobs = old_logprobs + 0.3 * randn``, and those are compared the same way; so are GRPO (``seq_mean_token_mean`` and ``token_mean``),
+GSPO-token with per-token advantages and every other loss of the registry (SAPO, CISPO, GMPO, GPG,
+GRPO's dual clip, LUSPO and Dr. GRPO aggregations: ``invariance_worker.VARIANTS``), all in the
+same worker launch per layout.
 """
 
 import json
@@ -30,7 +32,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-from invariance_worker import compare_grads  # noqa: E402  (the worker's directory, above)
+from invariance_worker import VARIANTS, compare_grads  # noqa: E402  (the worker's directory)
+
+from gspo_megatron.algorithms import LOSSES  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "invariance_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -147,6 +151,37 @@ def test_other_variants_loss_and_grads_match_across_layouts(reference, layout_ru
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (name, case, key)
 
 
+REGISTRY_CASES = [c for c in VARIANTS if c not in ("grpo_seq_mean", "grpo_token_mean", "gspo_token")]
+
+
+def test_every_registered_loss_has_an_invariance_case():
+    assert {c.variant for c in VARIANTS.values()} | {"gspo"} == set(LOSSES)
+
+
+@pytest.mark.parametrize("case", REGISTRY_CASES)
+def test_registered_losses_match_across_layouts(reference, layout_runs, grad_report, case):
+    """Every other loss of the registry (and the LUSPO / Dr. GRPO aggregations, GRPO's dual
+    clip) keeps the layout guarantee: loss and every gradient at TP=2+SP, EP=2, PP=2, DP=2, CP=2,
+    TP=2 x EP=2 and CP=2 x TP=2 equal the single process's; its clip or gate acts on the batch."""
+    _, _, refs = reference
+    cfg = VARIANTS[case]
+    for mbs, ref_out in refs.items():
+        ref = load_metrics(os.path.join(ref_out, case))
+        assert ref["loss/policy"] != pytest.approx(load_metrics(ref_out)["loss/policy"], rel=1e-3)
+        if LOSSES[cfg.variant].clips:
+            assert 0 < ref["clip/token_fraction"] < 1, (mbs, case, ref)
+        if cfg.clip_ratio_c is not None:
+            assert ref["clip/fraction_dual"] > 0, (mbs, case, ref)
+        if cfg.variant == "sapo":
+            assert 0 < ref["gate/weight_mean"] < 0.999, (mbs, ref)
+        assert_matches(ref_out, layout_runs[mbs], grad_report[mbs], case)
+        for name, out in layout_runs[mbs].items():
+            got = load_metrics(os.path.join(out, case))
+            for key in ("clip/fraction", "clip/fraction_dual", "gate/weight_mean", "entropy/mean"):
+                if key in ref:
+                    assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (name, key)
+
+
 # Packed microbatches (trainer.max_tokens_per_microbatch): every layout packs its rank's sequences
 # under a 64-token budget (several microbatches of different lengths; under TP=2+SP each packed row
 # ends in a pad the routers skip; under PP the stages exchange each microbatch's shape) and is
@@ -200,10 +235,9 @@ def test_routing_replay_loss_and_grads_match_across_layouts(reference, layout_ru
                      for name, out in layout_runs[mbs].items()}, ref["routing/changed_fraction"])
 
 
-@pytest.mark.parametrize("case", ["", "mask_token", "truncate_seq", "grpo_seq_mean",
-                                  "grpo_token_mean", "gspo_token", "r2", "r3"])
+@pytest.mark.parametrize("case", ["", "mask_token", "truncate_seq", *VARIANTS, "r2", "r3"])
 def test_packed_microbatches_match_padded_across_layouts(packed_report, case):
-    """GSPO, the corrections, GRPO (both aggregations), GSPO-token, R2 and R3: packed in one
+    """GSPO, the corrections, every other registered loss, R2 and R3: packed in one
     process and under TP=2+SP (not R2/R3), EP=2, PP=2, DP=2 (rows dealt to the ranks by
     tokens), CP=2 and CP=2 x TP=2 (not R2/R3), the loss and every parameter's gradient equal the
     padded single-process run's within fp32 tolerance (1e-5 of the largest gradient entry).

@@ -14,13 +14,15 @@ from gspo_megatron.policy import PolicyBatch, RolloutSample
 
 def train_minibatch(policy_model: list, batch: PolicyBatch, micro_batch_size,
                     loss_cfg: PolicyLossConfig, scoring: ScoringConfig, groups: ParallelGroups,
-                    routing=None, corrupt=None, correction=None) -> dict[str, float]:
+                    routing=None, corrupt=None, correction=None,
+                    response_budget: int | None = None) -> dict[str, float]:
     """One RL minibatch: :class:`PolicyGradientObjective` at the scoring temperature through
     :func:`run_objective` (the trainer goes through ``MegatronPolicy.train_minibatch``).
     ``micro_batch_size``: an int (padded rows) or a :class:`~gspo_megatron.backends.megatron.
-    schedule.Microbatching` (packed under a token budget)."""
+    schedule.Microbatching` (packed under a token budget). ``response_budget``: Dr. GRPO's
+    constant (the rollout's ``max_new_tokens``)."""
     objective = PolicyGradientObjective(loss_cfg, scoring.temperature, corrupt,
-                                        correction=correction)
+                                        correction=correction, response_budget=response_budget)
     return run_objective(policy_model, batch, micro_batch_size, objective, scoring, groups, routing)
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from gspo_megatron.algorithms import LOSSES
 from gspo_megatron.config.loader import DEMO_RECIPE, ConfigError, load_config, validate_config
 from gspo_megatron.data import DatasetError, load_prompt_dataset
 from gspo_megatron.rewards import compute_rewards, get_reward_fn
@@ -44,7 +45,7 @@ CONFIG_CASES = [
     ("loss:\n  clip_low: 2\n", [], 1, r"recipe.yaml:2: loss.clip_low: must be < 1"),
     ("loss:\n  clip_high: -1\n", [], 1, r"^[^ ]*recipe.yaml:2: loss.clip_high: must be >= 0, got -1.0$"),
     ("", ["--loss.clip_low=2"], 1, r"^override '--loss.clip_low=2': loss.clip_low: must be < 1 \(lower bound 1 - clip_low > 0\), got 2.0$"),
-    ("", ["--loss.aggregation=token_mean"], 1, r"^override '--loss.aggregation=token_mean': loss.aggregation: 'token_mean' only applies to variant='grpo'; variant='gspo' requires 'seq_mean_token_mean'$"),
+    ("", ["--loss.aggregation=token_mean"], 1, r"^override '--loss.aggregation=token_mean': loss.aggregation: 'token_mean' is not an aggregation of variant='gspo'; it takes 'seq_mean_token_mean', 'seq_mean_token_sum' \(default 'seq_mean_token_mean'\)$"),
     ("model:\n  preset: tiny\n", [], 1, r"model.seq_length \(64\) must be >= data.max_prompt_length \+ rollout.max_new_tokens = 1024 \+ 1024"),
     ("", ["--rollout.group_size=1"], 1, r"rollout.group_size"),
     ("", ["--trainer.num_minibatches=3"], 1, r"trainer.num_minibatches"),
@@ -233,8 +234,8 @@ def test_an_unparsed_value_only_reports_itself():
 
 @pytest.mark.parametrize("overrides, error", [
     (["--loss.variant=GRPO_", "--loss.aggregation=token_mean"],
-     "override '--loss.variant=GRPO_': loss.variant: expected one of 'gspo', 'gspo_token', 'grpo', "
-     "got 'GRPO_'; did you mean 'grpo'?"),
+     "override '--loss.variant=GRPO_': loss.variant: expected one of "
+     f"{', '.join(map(repr, LOSSES))}, got 'GRPO_'; did you mean 'grpo'?"),
     (["--data.source=fiel", "--data.num_train_examples=0"],  # checked for built-in tasks only
      "override '--data.source=fiel': data.source: expected one of 'arithmetic', 'arithmetic_chain', "
      "'file', got 'fiel'; did you mean 'file'?"),

@@ -81,16 +81,16 @@ def test_clip_rule_hand_computed():
     zeros = torch.zeros_like(lr)
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     # grpo: token ratios; A>0 clips above 1+eps only, A<0 below 1-eps only; padding never counts
-    g = clipped_positions(lr, zeros, adv, mask, PolicyLossConfig("grpo", 0.2, 0.2))
+    g = clipped_positions(lr, zeros, adv, mask, PolicyLossConfig(variant="grpo", clip_low=0.2, clip_high=0.2))
     assert g.tolist() == [[True, False, False], [False, False, False]]
     # gspo: the sequence ratio exp(mean) decides for every response token of the sequence
-    gspo = PolicyLossConfig("gspo", 3e-4, 4e-4)
+    gspo = PolicyLossConfig(variant="gspo", clip_low=3e-4, clip_high=4e-4)
     assert not clipped_positions(lr, zeros, adv, mask, gspo).any()  # row 0: mean 0
     s = clipped_positions(lr, zeros, torch.tensor([1.0, 1.0], dtype=torch.float64), mask, gspo)
     assert s.tolist() == [[False, False, False], [True, True, True]]
     # gspo_token with per-token advantages: the sequence ratio, each token's own advantage
     adv_t = torch.tensor([[1.0, 1.0, 1.0], [1.0, -1.0, 1.0]], dtype=torch.float64)
-    t = clipped_positions(lr, zeros, adv_t, mask, PolicyLossConfig("gspo_token", 3e-4, 4e-4))
+    t = clipped_positions(lr, zeros, adv_t, mask, PolicyLossConfig(variant="gspo_token", clip_low=3e-4, clip_high=4e-4))
     assert t.tolist() == [[False, False, False], [True, False, True]]
 
 

@@ -336,7 +336,8 @@ def test_config_defaults_per_variant():
     assert (c.eps_low, c.eps_high) == (0.2, 0.27)
     c = PolicyLossConfig(variant="grpo", clip_low=0.1)
     assert (c.eps_low, c.eps_high) == (0.1, 0.27)
-    assert PolicyLossConfig().aggregation == "seq_mean_token_mean" and PolicyLossConfig().kl_coef == 0.0
+    assert PolicyLossConfig().aggregation is None and PolicyLossConfig().kl_coef == 0.0
+    assert PolicyLossConfig().resolved_aggregation == "seq_mean_token_mean"
 
 
 @pytest.mark.parametrize(

@@ -109,3 +109,29 @@ def test_staleness_arms_name_their_placement_and_share_their_arm_colour():
     assert styles["gspo_s1"]["color"] == styles["gspo"]["color"] != styles["grpo"]["color"]
     assert [styles[a]["linestyle"] for a in ("gspo", "gspo_s1", "grpo_s4", "gspo_stress")] == \
         ["-", "--", ":", "--"]
+
+
+def test_every_registered_loss_is_an_arm_and_loads():
+    """SAPO and CISPO are default arms; any registered loss is an arm ``<variant>[_r2|_r3]`` at
+    its paper defaults, and every arm's overrides load as a valid recipe."""
+    from gspo_megatron.algorithms import LOSSES
+    from gspo_megatron.config.loader import load_config
+
+    spec = importlib.util.spec_from_file_location("routing_study_run",
+                                                  ROOT / "examples" / "routing_study" / "run_study.py")
+    run_study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_study)
+    assert {"gspo", "grpo", "sapo", "cispo"} <= set(run_study.ARMS)
+    reset = run_study.LOSS_DEFAULTS
+    assert "--loss.clip_low=null" in reset and "--loss.tau_pos=null" in reset
+    assert run_study.arm_base("geo_mean_r3") == ["--loss.variant=geo_mean", *reset,
+                                                 "--routing.replay=r3"]
+    assert run_study.arm_base("sapo_r2") == ["--loss.variant=sapo", *reset, "--routing.replay=r2"]
+    assert run_study.arm_base("grpo_r2") == run_study.ARMS["grpo_r2"]
+    assert run_study.arm_base("ppo") is None and run_study.arm_base("sapo_r4") is None
+    recipe = str(ROOT / run_study.RECIPE)
+    for arm in [*run_study.ARMS, *LOSSES, *(f"{v}_r3" for v in LOSSES)]:
+        cfg = load_config(recipe, run_study.arm_base(arm)).loss
+        variant = arm.removesuffix("_r2").removesuffix("_r3")
+        if variant in LOSSES and variant not in ("gspo", "grpo"):  # at the paper's defaults
+            assert cfg.variant == variant and cfg.params == LOSSES[variant].params(), arm
