@@ -10,9 +10,10 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from typing import Any
+
+from gspo_megatron.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +28,13 @@ _PROGRESS_KEYS = (
 class MetricsLogger:
     """Append one JSON object per step to ``<run_dir>/metrics.jsonl`` (and wandb, if configured)."""
 
-    def __init__(self, run_dir: str, enabled: bool, progress: bool = True,
+    def __init__(self, run_dir: str, enabled: bool, progress: Progress | None = None,
                  wandb_project: str | None = None, run_config: dict | None = None,
                  resume_step: int | None = None,
                  extra_progress: tuple[tuple[str, str], ...] = ()):
-        """``extra_progress``: more ``(metric, short name)`` pairs for the progress line, shown
-        after the standard ones (e.g. the sampled evaluation's ``eval/pass@k``)."""
+        """``progress``: the RL steps' display, told each step's line (None: no line).
+        ``extra_progress``: more ``(metric, short name)`` pairs for that line, shown after the
+        standard ones (e.g. the sampled evaluation's ``eval/pass@k``)."""
         self.enabled = enabled
         self.progress = progress
         self.progress_keys = _PROGRESS_KEYS + tuple(extra_progress)
@@ -77,11 +79,11 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
-        if self.progress:
+        if self.progress is not None:
             parts = [f"step {step}"] + [
                 f"{short} {record[key]:.4g}" for key, short in self.progress_keys
                 if isinstance(record.get(key), (int, float))]
-            print(" | ".join(parts), file=sys.stdout, flush=True)
+            self.progress.update(step + 1, " | ".join(parts))
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -538,7 +538,9 @@ class LoggingConfig(Section, name="logging"):
     wandb_project: str | None = None
     """Log to Weights & Biases (offline when no API key is set)."""
     progress: bool = True
-    """One progress line per step on rank 0."""
+    """Show the progress of the warm-up, the RL steps (one line per step), evaluation, with an
+    ETA: a live line on a terminal, plain lines otherwise (gspo_megatron/progress.py). On the
+    logging rank only."""
 
     def _problems(self) -> Iterator[Problem]:
         if not self.run_dir:
