@@ -9,6 +9,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv test test-fast demo clean bench mutate
 DEMO_ARGS ?=
+DEMO_RUN ?= runs/demo
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,9 +29,13 @@ test-fast: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 # The main job with no --config: the demo recipe, GSPO on a tiny MoE on CPU (about 3 minutes on 2 cores).
-# It writes runs/demo; running it again resumes there (rm -rf runs/demo for a fresh run).
+# It writes runs/demo; running it again resumes there (rm -rf runs/demo for a fresh run). Then its
+# plots: runs/demo/report/report.html (gspo-report, docs/report.md; skipped, with a line, where
+# matplotlib is not installed: the run itself succeeded).
 demo: venv
-	OMP_NUM_THREADS=1 $(VENV)/bin/gspo-train $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/gspo-train --logging.run_dir=$(DEMO_RUN) $(DEMO_ARGS)
+	@if $(PY) -c "import matplotlib" 2>/dev/null; then $(VENV)/bin/gspo-report $(DEMO_RUN); \
+	else echo "make demo: no report: matplotlib is not installed (pip install matplotlib)"; fi
 
 # The CPU benchmark set (docs/benchmarks.md): one table on stdout, the record (commit, date,
 # machine, every round) in docs/results/bench.json.

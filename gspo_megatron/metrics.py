@@ -1,7 +1,9 @@
-"""Where step metrics go: ``metrics.jsonl`` in the run directory, a progress line, and wandb.
+"""Where step metrics go: ``metrics.jsonl`` in the run directory, a progress line, wandb and
+TensorBoard.
 
-Only the logging rank writes. wandb is imported lazily; without an API key it runs offline, and
-tests disable it (``WANDB_MODE=disabled``).
+Only the logging rank writes. wandb and TensorBoard are imported lazily (a warning when asked for
+and not installed); wandb runs offline without an API key, and tests disable it
+(``WANDB_MODE=disabled``).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from typing import Any
+
+from gspo_megatron.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -26,24 +29,32 @@ _PROGRESS_KEYS = (
 
 
 class MetricsLogger:
-    """Append one JSON object per step to ``<run_dir>/metrics.jsonl`` (and wandb, if configured)."""
+    """Append one JSON object per step to ``<run_dir>/metrics.jsonl``, and to wandb and
+    TensorBoard if configured."""
 
-    def __init__(self, run_dir: str, enabled: bool, progress: bool = True,
+    def __init__(self, run_dir: str, enabled: bool, progress: Progress | None = None,
                  wandb_project: str | None = None, run_config: dict | None = None,
                  resume_step: int | None = None,
-                 extra_progress: tuple[tuple[str, str], ...] = ()):
-        """``extra_progress``: more ``(metric, short name)`` pairs for the progress line, shown
-        after the standard ones (e.g. the sampled evaluation's ``eval/pass@k``)."""
+                 extra_progress: tuple[tuple[str, str], ...] = (),
+                 tensorboard_dir: str | None = None):
+        """``progress``: the RL steps' display, told each step's line (None: no line).
+        ``extra_progress``: more ``(metric, short name)`` pairs for that line, shown after the
+        standard ones (e.g. the sampled evaluation's ``eval/pass@k``). ``resume_step``: the last
+        step a resumed run keeps (-1: none); later ones are dropped from ``metrics.jsonl`` and
+        hidden in ``tensorboard_dir``, since the run logs them again."""
         self.enabled = enabled
         self.progress = progress
         self.progress_keys = _PROGRESS_KEYS + tuple(extra_progress)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._wandb = None
+        self._tensorboard = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         if resume_step is not None:
             self._truncate_after(resume_step)
+        if tensorboard_dir:
+            self._tensorboard = _tensorboard_writer(tensorboard_dir, resume_step)
         if wandb_project and os.environ.get("WANDB_MODE") != "disabled":
             try:
                 import wandb
@@ -78,15 +89,38 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
-        if self.progress:
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                value = value.item() if hasattr(value, "item") else value
+                if isinstance(value, (int, float)):  # (non-finite ones too: TensorBoard shows them)
+                    self._tensorboard.add_scalar(key, float(value), step, walltime=record["time"])
+            # Every step on disk at once: a killed run keeps the steps its checkpoint covers.
+            self._tensorboard.flush()
+        if self.progress is not None:
             parts = [f"step {step}"] + [
                 f"{short} {record[key]:.4g}" for key, short in self.progress_keys
                 if isinstance(record.get(key), (int, float))]
-            print(" | ".join(parts), file=sys.stdout, flush=True)
+            self.progress.update(step + 1, " | ".join(parts))
 
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _tensorboard_writer(log_dir: str, resume_step: int | None):
+    """A ``SummaryWriter`` into ``log_dir``; None (one warning) without the tensorboard package.
+    ``purge_step`` = the first step this process logs: TensorBoard's readers then drop the events
+    an earlier process wrote for it and later steps (a run resumed from a checkpoint redoes them),
+    as ``metrics.jsonl`` is truncated; the event files themselves are append-only."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        logger.warning("logging.tensorboard_dir is set but tensorboard is not installed "
+                       "(pip install tensorboard); no TensorBoard events")
+        return None
+    return SummaryWriter(log_dir, purge_step=None if resume_step is None else resume_step + 1)
 
 
 def _jsonable(v: Any) -> Any:

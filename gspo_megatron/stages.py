@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, exc
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.layout import RankBalance, balance_across_ranks
 from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, StepRouting
+from gspo_megatron.progress import Progress
 
 
 def all_finite(tensor: torch.Tensor | None, mask: torch.Tensor | None = None) -> bool:
@@ -40,13 +41,17 @@ def prompt_ids(tokenizer, prompt) -> list[int]:
 
 
 def rollout_stage(generator: Generator, tokenizer, prompts: list, group_size: int,
-                  seed: int) -> list[RolloutSample]:
+                  seed: int, progress: Callable[[int], None] | None = None) -> list[RolloutSample]:
     """Sample ``group_size`` responses for every prompt. Returns the samples, prompt-major:
     sample ``i * G + g`` is response ``g`` to prompt ``i``. Each prompt is tokenized once, its
     ``G`` requests sharing the id list (a chat template and an encode per response were 1.7 ms
-    of TRL's 128-request rollout; 0.2 ms per prompt)."""
+    of TRL's 128-request rollout; 0.2 ms per prompt). ``progress(n)``: told the number of
+    responses finished as they finish (:meth:`Generator.generate`)."""
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
-    return generator.generate([ids for ids in encoded for _ in range(group_size)], seed=seed)
+    requests = [ids for ids in encoded for _ in range(group_size)]
+    if progress is None:  # (the plain call: RL rollouts, ranks that show no progress)
+        return generator.generate(requests, seed=seed)
+    return generator.generate(requests, seed=seed, progress=progress)
 
 
 def reward_stage(reward_fn, tokenizer, prompts: list, samples: list[RolloutSample],
@@ -261,10 +266,10 @@ def response_metrics(samples: list[RolloutSample], groups: ParallelGroups) -> di
 
 
 def sft_stage(policy: Policy, samples: list, cfg: TrainConfig, groups: ParallelGroups, pack,
-              log) -> None:
+              progress: Progress) -> None:
     """Supervised warm-up on prompt -> answer + EOS (``samples``: ``input_ids``/``prompt_len``)
     through the policy's own minibatch update, with a fresh optimizer (RL's Adam state and LR
-    schedule start untouched afterwards)."""
+    schedule start untouched afterwards). ``progress`` is told every step and its loss."""
     optim = OptimConfig(lr=cfg.sft.lr, lr_warmup_steps=min(10, cfg.sft.steps), weight_decay=0.0,
                         clip_grad=1.0)
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
@@ -278,5 +283,5 @@ def sft_stage(policy: Policy, samples: list, cfg: TrainConfig, groups: ParallelG
             policy.zero_grad()
             metrics = policy.train_minibatch(batch, objective)
             policy.optimizer_step()
-            if step % 50 == 0 or step == cfg.sft.steps - 1:
-                log(f"sft step {step}: nll {metrics.get('loss/sft_nll', float('nan')):.4f}")
+            progress.update(step + 1, f"sft step {step}: nll "
+                                      f"{metrics.get('loss/sft_nll', float('nan')):.4f}")

@@ -25,6 +25,7 @@ from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import MemoryPeaks, MetricsLogger, Stopwatch
+from gspo_megatron.progress import Progress
 from gspo_megatron.policy import (RANK_STATE_KEY, Generator, Policy, PolicyBatch,
                                   make_policy_batch)
 from gspo_megatron.rollouts.sampling import StepSampler, step_seed
@@ -85,6 +86,8 @@ class Trainer:
         self.save_dir, self.load_dir = save_dir_of(cfg)[1], resume_dir_of(cfg)[1]
         self._rank_state: dict | None = None
         """This rank's part of the checkpoint resumed from (the rollouts in flight)."""
+        self.progress: Progress | None = None
+        """The RL steps' display while :meth:`fit` runs them (messages go through it)."""
 
     def close(self) -> None:
         """Stop what the run started outside this process: the reward workers, and the writer of
@@ -96,8 +99,17 @@ class Trainer:
             self.task.reward_workers.close()
 
     def log(self, msg: str) -> None:
-        if self.groups.is_logging_rank:
+        if not self.groups.is_logging_rank:
+            return
+        if self.progress is not None and self.progress.enabled:
+            self.progress.write(msg)  # (on a terminal, above the RL steps' live line)
+        else:
             print(msg, flush=True)
+
+    def new_progress(self, label: str, total: int, **kwargs) -> Progress:
+        """A :class:`Progress` shown on the logging rank when ``logging.progress`` is on."""
+        return Progress(label, total, enabled=self.groups.is_logging_rank
+                        and self.cfg.logging.progress, **kwargs)
 
     # -- the run
     def fit(self) -> dict:
@@ -109,11 +121,6 @@ class Trainer:
         start_step = self._resume_or_init()
         n = cfg.evaluation.num_samples
         shown = ((f"eval/mean@{n}", f"mean@{n}"), (f"eval/pass@{n}", f"pass@{n}")) if n else ()
-        metrics_log = MetricsLogger(cfg.logging.run_dir, enabled=self.groups.is_logging_rank,
-                                    progress=cfg.logging.progress,
-                                    wandb_project=cfg.logging.wandb_project,
-                                    resume_step=start_step - 1,  # a fresh run (-1) starts empty
-                                    extra_progress=shown)
         self.install_signal_handlers()
         summary: dict = {"start_step": start_step}
         if start_step == 0 and cfg.sft.steps > 0:
@@ -128,11 +135,22 @@ class Trainer:
             summary["accuracy_before"] = self.evaluate()
             self.log(f"held-out accuracy before RL: {summary['accuracy_before']:.3f}")
             summary.update(self._sampled_eval_summary("before"))
+        # (from here: the ETA counts RL steps only, not the warm-up and evaluation above)
+        self.progress = self.new_progress("RL", cfg.trainer.steps, start=start_step, every=1)
+        metrics_log = MetricsLogger(cfg.logging.run_dir, enabled=self.groups.is_logging_rank,
+                                    progress=self.progress,
+                                    wandb_project=cfg.logging.wandb_project,
+                                    resume_step=start_step - 1,  # a fresh run (-1) starts empty
+                                    extra_progress=shown,
+                                    tensorboard_dir=cfg.logging.tensorboard_dir)
         try:
             exit_code = self._train(start_step, metrics_log, summary)
         except NonFiniteError:
             self.commit_checkpoint()  # the last good checkpoint stays the one to resume from
             raise
+        finally:
+            self.progress.close()
+            self.progress = None
         summary.update(steps=self.step, exit_code=exit_code)
         if self.groups.is_logging_rank:
             with open(os.path.join(cfg.logging.run_dir, "summary.json"), "w") as f:
@@ -225,7 +243,8 @@ class Trainer:
 
         train = self.task.train
         samples = sft_samples(self.task.tokenizer, train[: self.cfg.sft.num_examples or len(train)])
-        sft_stage(self.policy, samples, self.cfg, self.groups, self.pack, self.log)
+        with self.new_progress("sft", self.cfg.sft.steps, every=50) as progress:
+            sft_stage(self.policy, samples, self.cfg, self.groups, self.pack, progress)
 
     # -- the loop body, top to bottom
     def rl_step(self) -> dict[str, float]:
@@ -313,7 +332,9 @@ class Trainer:
         """Held-out accuracy (greedy decoding), averaged over data-parallel ranks."""
         examples = self.task.eval[: max_examples or len(self.task.eval)]
         local = examples[self.groups.dp_rank:: self.groups.dp_size]
-        samples = rollout_stage(self.greedy, self.task.tokenizer, local, 1, seed=0)
+        with self.new_progress("eval", len(local)) as progress:
+            samples = rollout_stage(self.greedy, self.task.tokenizer, local, 1, seed=0,
+                                    progress=progress.callback())
         _, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, 1,
                                 self.cfg.reward.timeout_s, self.task.reward_workers)
         correct = torch.tensor([stats["reward/accuracy"] * len(local), len(local)],
@@ -330,8 +351,10 @@ class Trainer:
         if not n or self.sampled_eval is None or not self.task.eval:
             return {}
         local = self.task.eval[self.groups.dp_rank:: self.groups.dp_size]
-        samples = rollout_stage(self.sampled_eval, self.task.tokenizer, local, n,
-                                seed=self.cfg.evaluation.seed + self.groups.dp_rank)
+        with self.new_progress(f"eval@{n}", len(local) * n) as progress:
+            samples = rollout_stage(self.sampled_eval, self.task.tokenizer, local, n,
+                                    seed=self.cfg.evaluation.seed + self.groups.dp_rank,
+                                    progress=progress.callback())
         rewards, _ = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, n,
                                   self.cfg.reward.timeout_s, self.task.reward_workers)
         from gspo_megatron.rewards import is_correct

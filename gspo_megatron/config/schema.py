@@ -537,12 +537,22 @@ class LoggingConfig(Section, name="logging"):
     """Run directory: metrics.jsonl, tokenizer, config, checkpoints."""
     wandb_project: str | None = None
     """Log to Weights & Biases (offline when no API key is set)."""
+    tensorboard_dir: str | None = None
+    """Default null (off). A directory: every metric of every step also written there as a
+    TensorBoard scalar at its step, by the logging rank (Megatron-LM's ``--tensorboard-dir``; needs
+    ``pip install tensorboard``, a warning and no events without it). A resumed run hides the
+    steps it redoes from TensorBoard's readers (``purge_step``), as ``metrics.jsonl`` drops them.
+    One directory per run; ``tensorboard --logdir`` on their parent shows runs side by side."""
     progress: bool = True
-    """One progress line per step on rank 0."""
+    """Show the progress of the warm-up, the RL steps (one line per step), evaluation, with an
+    ETA: a live line on a terminal, plain lines otherwise (gspo_megatron/progress.py). On the
+    logging rank only."""
 
     def _problems(self) -> Iterator[Problem]:
         if not self.run_dir:
             yield self._problem("run_dir", "must be a non-empty path")
+        if self.tensorboard_dir is not None and not self.tensorboard_dir:
+            yield self._problem("tensorboard_dir", "must be a non-empty path or null (off)")
 
 
 @dataclass

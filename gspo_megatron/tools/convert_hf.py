@@ -34,6 +34,7 @@ import torch
 from gspo_megatron.hf.config import load_hf_config, model_config_from_hf
 from gspo_megatron.hf.weights import hf_expected_shapes, place, uses_fused_experts
 from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig
+from gspo_megatron.progress import Progress
 
 logger = logging.getLogger("gspo-convert-hf")
 
@@ -219,8 +220,10 @@ def commit_output(tmp: str, out: str) -> None:
 
 
 @torch.no_grad()
-def fill_model_from_hf(gpt_model, cfg: ModelConfig, ckpt: HFCheckpoint) -> int:
-    """Copy this rank's part of the HF checkpoint into ``gpt_model`` in place, one tensor at a time.
+def fill_model_from_hf(gpt_model, cfg: ModelConfig, ckpt: HFCheckpoint,
+                       show_progress: bool = False) -> int:
+    """Copy this rank's part of the HF checkpoint into ``gpt_model`` in place, one tensor at a time
+    (``show_progress``: their count and an ETA on stderr).
 
     Returns the number of HF tensors read. Raises if a model tensor is left without a source.
     """
@@ -238,19 +241,22 @@ def fill_model_from_hf(gpt_model, cfg: ModelConfig, ckpt: HFCheckpoint) -> int:
         for piece in target.pieces:
             by_file.setdefault(ckpt.tensors[piece.hf_name][0], []).append((target.mcore_name, piece))
     read = 0
-    for file in ckpt.files:  # one shard open at a time
-        todo = by_file.get(file)
-        if not todo:
-            continue
-        with safe_open(os.path.join(ckpt.directory, file), framework="pt") as st:
-            for mcore_name, piece in todo:
-                if piece.expert is not None:  # one expert of a fused 3-D tensor
-                    src = st.get_slice(piece.hf_name)[piece.expert]
-                else:
-                    src = st.get_tensor(piece.hf_name)
-                place(state[mcore_name], piece, src, cfg)
-                read += 1
-                del src
+    total = sum(map(len, by_file.values()))
+    with Progress("read HF tensors", total, stream=sys.stderr, enabled=show_progress) as progress:
+        for file in ckpt.files:  # one shard open at a time
+            todo = by_file.get(file)
+            if not todo:
+                continue
+            with safe_open(os.path.join(ckpt.directory, file), framework="pt") as st:
+                for mcore_name, piece in todo:
+                    if piece.expert is not None:  # one expert of a fused 3-D tensor
+                        src = st.get_slice(piece.hf_name)[piece.expert]
+                    else:
+                        src = st.get_tensor(piece.hf_name)
+                    place(state[mcore_name], piece, src, cfg)
+                    read += 1
+                    progress.update(read)
+                    del src
     return read
 
 
@@ -293,13 +299,15 @@ def save_releasing_model(gpt_model, directory: str) -> None:
 
 def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: int = 1,
                         pipeline_model_parallel_size: int = 1, dtype: str | torch.dtype | None = None,
-                        overwrite: bool = False, **model_overrides) -> ModelConfig:
+                        overwrite: bool = False, show_progress: bool = False,
+                        **model_overrides) -> ModelConfig:
     """Convert ``hf_dir`` into a dist checkpoint at ``out``; returns the :class:`ModelConfig`.
 
     Runs in one process by default (it starts a world-size-1 gloo group when torch.distributed is not
     initialised); under torchrun every rank must call it, and ``expert/pipeline_model_parallel_size``
     split the work (TP is always 1 here: Megatron reshards to any TP when loading).
     ``model_overrides`` set ModelConfig fields the HF config leaves open (e.g. ``seq_length``).
+    ``show_progress``: rank 0 shows the tensors read and an ETA on stderr (the command line's).
     """
     import torch.distributed as dist
 
@@ -338,7 +346,7 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
             transformer_config_overrides=dict(params_dtype=dtype, perform_initialization=False,
                                               use_cpu_initialization=True))
         gpt.to("cpu")
-        n = fill_model_from_hf(gpt, cfg, ckpt)
+        n = fill_model_from_hf(gpt, cfg, ckpt, show_progress=show_progress and rank0)
         logger.info("rank %d: read %d HF tensors", groups.rank, n)
         if rank0:
             os.makedirs(tmp)
@@ -444,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     def convert():
         cfg = convert_hf_to_mcore(args.hf_dir, args.out, expert_model_parallel_size=args.ep,
                                   pipeline_model_parallel_size=args.pp, dtype=args.dtype,
-                                  overwrite=args.overwrite, **overrides)
+                                  overwrite=args.overwrite, show_progress=True, **overrides)
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info("wrote %s (%d layers, %d experts)", args.out, cfg.num_layers,
                         cfg.num_moe_experts)

@@ -35,6 +35,7 @@ import torch
 from gspo_megatron.hf.config import hf_config_from_model_config, model_config_from_hf
 from gspo_megatron.hf.weights import conversion_plan, extract, hf_expected_shapes
 from gspo_megatron.config.model import MODEL_CONFIG_FILE, ModelConfig, find_converted_dir
+from gspo_megatron.progress import Progress
 from gspo_megatron.tools.convert_hf import (DTYPE_NAMES, HF_CONFIG_FILE, HF_FILES_DIR, HF_SOURCE_FILE,
                                             SIDE_FILES, ConversionError,
                                             check_destination, commit_output, fresh_temp_dir,
@@ -94,8 +95,9 @@ def shard_layout(cfg: ModelConfig, dtype: torch.dtype, max_shard_bytes: int) -> 
 
 
 def write_hf_from_model(gpt_model, cfg: ModelConfig, directory: str, dtype: torch.dtype,
-                        max_shard_bytes: int) -> list[str]:
-    """Write the model's weights as HF safetensors shards into ``directory``; returns file names."""
+                        max_shard_bytes: int, show_progress: bool = False) -> list[str]:
+    """Write the model's weights as HF safetensors shards into ``directory``; returns file names.
+    ``show_progress``: the count of tensors written and an ETA on stderr."""
     from safetensors.torch import save_file
 
     state = gpt_model.state_dict()
@@ -103,6 +105,8 @@ def write_hf_from_model(gpt_model, cfg: ModelConfig, directory: str, dtype: torc
     layout = shard_layout(cfg, dtype, max_shard_bytes)
     n = len(layout)
     files, weight_map, total = [], {}, 0
+    progress = Progress("write HF tensors", sum(map(len, layout)), stream=sys.stderr,
+                        enabled=show_progress)
     for i, names in enumerate(layout):
         file = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         shard = {}
@@ -114,6 +118,8 @@ def write_hf_from_model(gpt_model, cfg: ModelConfig, directory: str, dtype: torc
         save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
         del shard
         files.append(file)
+        progress.update(len(weight_map))  # (per shard: what is on disk)
+    progress.close()
     if n > 1:
         with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
@@ -134,7 +140,7 @@ def _read_json(path: str) -> dict | None:
 def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str = "5GB",
                         dtype: str | None = None, hf_config: str | dict | None = None,
                         hf_dir: str | None = None, copy_side_files_from: str | None = None,
-                        overwrite: bool = False) -> ModelConfig:
+                        overwrite: bool = False, show_progress: bool = False) -> ModelConfig:
     """Convert the checkpoint ``mcore_dir`` into an HF directory ``out`` (one process).
 
     ``mcore_dir``: any directory :func:`~gspo_megatron.backends.megatron.checkpoint.resolve_weights_dir`
@@ -144,6 +150,7 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
     ``hf_config``: only a config.json (or dict) describing the model.
     ``copy_side_files_from``: an HF directory whose ``SIDE_FILES`` are copied (overrides ``hf_dir``'s).
     ``dtype``: output dtype; default the source HF dtype, else the checkpoint's.
+    ``show_progress``: the tensors written and an ETA on stderr (the command line's).
     """
     import torch.distributed as dist
 
@@ -207,7 +214,8 @@ def convert_mcore_to_hf(mcore_dir: str, out: str, *, max_shard_size: int | str =
         gpt.to("cpu")
         load_model_weights(gpt, weights_dir)
         os.makedirs(tmp)
-        files = write_hf_from_model(gpt, cfg, tmp, torch_dtype, max_bytes)
+        files = write_hf_from_model(gpt, cfg, tmp, torch_dtype, max_bytes,
+                                    show_progress=show_progress)
         del gpt
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_out, f, indent=2, sort_keys=True)
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli("gspo-export-hf", lambda: convert_mcore_to_hf(
         args.mcore_dir, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
         hf_config=args.hf_config, hf_dir=args.hf_dir, copy_side_files_from=args.copy_side_files_from,
-        overwrite=args.overwrite))
+        overwrite=args.overwrite, show_progress=True))
 
 
 if __name__ == "__main__":

@@ -506,6 +506,7 @@ def test_python_object_tag_is_rejected(tmp_path: Path) -> None:
     ("--trainer.micro_batch_size=0", "trainer.micro_batch_size: must be >= 1"),
     ("--routing.diagnostics_interval=0", "routing.diagnostics_interval: must be >= 1"),
     ("--logging.run_dir=", "logging.run_dir: must be a non-empty path"),
+    ("--logging.tensorboard_dir=runs/tb", None),
 ])
 def test_section_checks_run_at_load_and_point_at_the_override(override: str, text) -> None:
     if text is None:
@@ -558,6 +559,8 @@ def test_sections_check_themselves_when_built_directly() -> None:
         OptimConfig(lr_decay_style="cosin")
     with pytest.raises(ValueError, match="model.num_layers must be >= 1, got 0"):
         ModelConfig(num_layers=0)
+    with pytest.raises(ValueError, match="logging.tensorboard_dir must be a non-empty path"):
+        LoggingConfig(tensorboard_dir="")  # (on the command line an empty value is null: off)
 
 
 def test_all_section_errors_reported_together() -> None:

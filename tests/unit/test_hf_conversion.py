@@ -450,8 +450,8 @@ def test_export_failure_leaves_nothing(converted, tmp_path, monkeypatch):
 
     real = export.write_hf_from_model
 
-    def broken_write(model, cfg, directory, dtype, max_bytes):
-        real(model, cfg, directory, dtype, max_bytes)
+    def broken_write(*args, **kwargs):
+        real(*args, **kwargs)
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(export, "write_hf_from_model", broken_write)

@@ -361,6 +361,26 @@ def test_dynamic_engine_refills_slots_and_releases_its_kv_cache(setup):
     assert eng.dynamic.kv_bytes == 0
 
 
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_progress_is_told_the_responses_finished_as_they_finish(setup, kind):
+    """``generate(progress=...)`` (evaluation's display): the static engine reports after each
+    batch of ``max_batch_size``, the dynamic engine after each step that finishes requests; the
+    count rises to the number of prompts, and the samples are those of a call without it."""
+    policy, groups = setup
+    prompts = make_prompts(24, seed=5)
+    eng = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                        config=RolloutConfig(engine=kind, max_new_tokens=8, max_batch_size=8,
+                                             temperature=1.0))
+    counts = []
+    samples = eng.generate(prompts, seed=0, progress=counts.append)
+    if kind == "static":
+        assert counts == [8, 16, 24]
+    else:
+        assert len(counts) > 3 and counts == sorted(set(counts)) and counts[-1] == 24, counts
+    plain = eng.generate(prompts, seed=0)
+    assert [s.response_ids for s in samples] == [s.response_ids for s in plain]
+
+
 def test_a_partial_rollout_stops_at_its_groups_and_continues_where_it_stopped(setup):
     """``GroupStop`` (partial rollouts): the dynamic engine stops once ``need`` groups are
     complete and returns the rest ``aborted`` with the tokens and log-probs written so far;

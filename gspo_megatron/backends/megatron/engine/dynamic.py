@@ -222,13 +222,14 @@ class DynamicRollout:
         return {}
 
     def generate(self, prompts: list[list[int]], budgets: list[int], sp,
-                 stop=None, refill=None) -> list["Generated"]:
+                 stop=None, refill=None, progress=None) -> list["Generated"]:
         """Per request, in order (``prompts``, then those ``refill`` added), what it wrote in
         this call (:class:`Generated`; ``finished`` False for a request ``stop``, a
         :class:`~gspo_megatron.policy.GroupStop`, aborted). ``budgets``: each prompt's new-token
         budget; ``sp``: the call's Megatron ``SamplingParams`` (at temperature 1: the wrapper
         divides the logits by the temperature first); ``refill(running)``: asked before every
-        step until ``stop`` is done, the requests ``(prompt, budget)`` to add. With
+        step until ``stop`` is done, the requests ``(prompt, budget)`` to add; ``progress(n)``:
+        told the number of requests finished after each step that finishes some. With
         ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
         allocated) for the next call to continue
         (``stop.continue_ids``). Collective over the world under EP > 1 (lock-step), over the
@@ -248,7 +249,7 @@ class DynamicRollout:
                 else:
                     call.add(next(self._request_ids), prompt, budget)
             lock_step = self.groups.ep_size > 1
-            self.steps = 0
+            self.steps = finished = 0
             while True:
                 if refill is not None and not stop.done:
                     for prompt, budget in refill(call.running):
@@ -258,9 +259,13 @@ class DynamicRollout:
                 if not (any_rank(mine) if lock_step else mine):
                     break
                 if mine:
-                    for request_id in self._step(call):
+                    done = self._step(call)
+                    for request_id in done:
                         if stop is not None:
                             stop.finished(call.row[request_id])
+                    if done and progress is not None:
+                        finished += len(done)
+                        progress(finished)
                 else:
                     self.controller.dummy_forward()
                 self.steps += 1

@@ -73,6 +73,7 @@ import contextlib
 import copy
 import functools
 import warnings
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -329,10 +330,13 @@ class RolloutEngine:
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seed: int, budgets: list[int] | None = None,
-                 stop: GroupStop | None = None) -> list[RolloutSample]:
+                 stop: GroupStop | None = None,
+                 progress: Callable[[int], None] | None = None) -> list[RolloutSample]:
         """One response per prompt (in order), sampled from the current weights. ``budgets``:
         each request's new-token budget (default ``max_new_tokens``); ``stop``: a partial
-        rollout's early end (dynamic engine only), the requests it cuts returned ``aborted``.
+        rollout's early end (dynamic engine only), the requests it cuts returned ``aborted``;
+        ``progress(n)``: told how many responses have finished, after each static batch or
+        each dynamic engine step that finishes some.
 
         Collective over the model-parallel group (and over the whole world when EP > 1).
         """
@@ -356,9 +360,9 @@ class RolloutEngine:
             with stacked_expert_weights(model):
                 if self.backend == "static":
                     with _sequence_parallel_off(model):
-                        samples = self._generate_static(prompts, sp)
+                        samples = self._generate_static(prompts, sp, progress)
                 else:
-                    samples = self._generate_dynamic(prompts, sp, budgets, stop)
+                    samples = self._generate_dynamic(prompts, sp, budgets, stop, progress)
         finally:
             set_training([model], was_training)  # model.train(), over a cached module list
             self.wrapper.route_recorder = None
@@ -394,7 +398,7 @@ class RolloutEngine:
                     f"max sequence length {self.max_sequence_length}")
 
     # ------------------------------------------------------------------ static (CPU) path
-    def _generate_static(self, prompts, sp) -> list[RolloutSample]:
+    def _generate_static(self, prompts, sp, progress=None) -> list[RolloutSample]:
         from megatron.core.inference.inference_request import InferenceRequest
 
         bs = int(self.config.max_batch_size)
@@ -427,6 +431,8 @@ class RolloutEngine:
                 scheduler.completed_request_pool.pop(req.request_id, None)
                 scheduler.requests.pop(req.request_id, None)
                 samples.append(self._static_sample(req, pad_of[req.request_id]))
+            if progress is not None:
+                progress(len(samples))
 
         if ep_sync:
             self.sampling_model.eval()
@@ -489,8 +495,8 @@ class RolloutEngine:
         return RolloutSample(list(prompt), tokens[:n], logprobs[:n], "length")
 
     # ------------------------------------------------------------------ dynamic path
-    def _generate_dynamic(self, prompts, sp, budgets: list[int],
-                          stop: GroupStop | None) -> list[RolloutSample]:
+    def _generate_dynamic(self, prompts, sp, budgets: list[int], stop: GroupStop | None,
+                          progress=None) -> list[RolloutSample]:
         # Sampling draws from controller.sampling_rng (seeded in generate()).
         prompts, budgets = list(prompts), list(budgets)
         refill = None
@@ -514,7 +520,7 @@ class RolloutEngine:
         sp_off = (_sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1
                   else contextlib.nullcontext())
         with torch.inference_mode(), sp_off, _context_parallel_off(self.sampling_model):
-            written = self.dynamic.generate(prompts, budgets, sp, stop, refill)
+            written = self.dynamic.generate(prompts, budgets, sp, stop, refill, progress)
         held_ids = self.dynamic.held_ids()
         recorder = self._route_recorder
         samples = []

@@ -1,0 +1,43 @@
+"""``logging.tensorboard_dir`` on real runs of ``gspo-train`` (the tiny recipe, CPU): the event
+files, read back with TensorBoard's reader, hold every metric of ``metrics.jsonl`` at its step,
+and a run killed after a checkpoint then resumed holds each step once."""
+
+import pytest
+
+from gspo_megatron.metrics import read_metrics
+from tests.e2e.test_train_e2e import gspo_train
+from tests.helpers.tensorboard import as_logged, tensorboard_scalars
+
+pytestmark = pytest.mark.slow
+
+
+def test_event_files_hold_every_metric_of_metrics_jsonl(tmp_path):
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    # (eval_interval 1: the step-1 held-out accuracy is logged too)
+    gspo_train(run, "--trainer.steps=2", "--trainer.eval_interval=1",
+               f"--logging.tensorboard_dir={tb}")
+    records = read_metrics(run / "metrics.jsonl")
+    got = tensorboard_scalars(tb)
+    assert got == as_logged(records)  # every tag, step, value (float32) and wall time
+    assert {"reward/mean", "clip/fraction", "kl/rollout_vs_train", "optim/grad_norm",
+            "perf/update_s", "eval/accuracy"} <= set(got)
+    assert [s for s, _, _ in got["reward/mean"]] == [0, 1]
+
+
+def test_a_resumed_run_holds_each_step_once(tmp_path):
+    """4 steps with checkpoints every 2, killed at the start of step 3 (step 2 logged after the
+    step-2 checkpoint), then resumed: the resumed run logs steps 2 and 3; TensorBoard's reader
+    shows each step once, with the values and times ``metrics.jsonl`` keeps (the resumed run's
+    step 2, not the killed one's)."""
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    steps = ["--trainer.steps=4", "--checkpoint.save_interval=2", f"--logging.tensorboard_dir={tb}"]
+    killed = gspo_train(run, *steps, env_extra={"GSPO_FAULT": "step_start:3"}, check=False)
+    assert killed.returncode != 0
+    assert [s for s, _, _ in tensorboard_scalars(tb)["reward/mean"]] == [0, 1, 2]
+    assert "resumed from" in gspo_train(run, *steps).stdout
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    got = tensorboard_scalars(tb)
+    assert got == as_logged(records)
+    on_disk = tensorboard_scalars(tb, purge_orphaned_data=False)["reward/mean"]
+    assert sorted(s for s, _, _ in on_disk) == [0, 1, 2, 2, 3]  # step 2 twice; the reader hides one
