@@ -330,6 +330,9 @@ def test_a_loss_without_clip_shows_its_gate_in_the_step_metrics(tmp_path, capsys
         "ratio/first_minibatch_max_abs_log": pytest.approx(math.log(2.0))}
     assert first_minibatch_metrics({"ratio/min": 1.0, "ratio/max": 1.0, "clip/fraction": 0.25})[
         "clip/first_minibatch_fraction"] == 0.25
-    MetricsLogger(str(tmp_path), enabled=True).log(3, {"loss/policy": -0.5,
-                                                       "gate/weight_mean": 0.875})
+    from gspo_megatron.progress import Progress
+
+    steps = Progress("RL steps", 10, every=1, tty=False)  # one plain line per step
+    MetricsLogger(str(tmp_path), enabled=True, progress=steps).log(
+        3, {"loss/policy": -0.5, "gate/weight_mean": 0.875})
     assert "| gate 0.875" in capsys.readouterr().out

@@ -27,15 +27,31 @@ import collections
 import traceback
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
          "nonzero", "masked_select", "unique")
 """``Tensor`` methods that read values back to the host (or size their output by them)."""
 
 
-def _has_mask(index) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return any(torch.is_tensor(i) and i.dtype == torch.bool for i in items)
+_INHERITED = object()
+"""Marks a wrapped attribute the class did not define itself (restored by deleting the wrapper)."""
+
+
+class _MaskIndexing(TorchDispatchMode):
+    """Sees ``aten.index`` / ``index_put_`` with a boolean index (``x[mask]``: its output size is
+    the mask's count); ``Tensor.__getitem__`` itself is not wrapped (an inherited slot assigned on
+    ``torch.Tensor`` makes every tensor a Python sequence for good)."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("index", "index_put_", "index_put") and len(args) > 1 \
+                and any(torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] or ()):
+            self.count("mask indexing")
+        return func(*args, **(kwargs or {}))
 
 
 class HostSyncCounter:
@@ -44,7 +60,7 @@ class HostSyncCounter:
     ``gspo_megatron``, with what it called). Counted at the Python call (on CPU most of them
     dispatch nothing a dispatch mode would see: ``bool()`` / ``int()`` of a CPU tensor read its
     memory directly), plus ``torch.nonzero`` / ``masked_select`` / ``unique`` and indexing with a
-    boolean mask; what C++ does inside one op is not seen."""
+    boolean mask (seen at dispatch); what C++ does inside one op is not seen."""
 
     def __init__(self):
         self.total = 0
@@ -58,13 +74,15 @@ class HostSyncCounter:
                      if "megatron" in f.filename), what)
         self.sites[site] += 1
 
-    def _wrap(self, owner, name: str, when=None):
+    def _wrap(self, owner, name: str):
         fn = getattr(owner, name)
-        self._originals[(owner, name)] = fn
+        # what to put back: the class's own attribute, or nothing (an inherited method stays
+        # inherited: deleting the wrapper, not assigning the base's method on torch.Tensor)
+        self._originals[(owner, name)] = vars(owner).get(name, _INHERITED) if isinstance(
+            owner, type) else fn
 
         def counted(*args, **kwargs):
-            if when is None or when(*args, **kwargs):
-                self._count(name)
+            self._count(name)
             return fn(*args, **kwargs)
         setattr(owner, name, counted)
 
@@ -73,12 +91,17 @@ class HostSyncCounter:
             self._wrap(torch.Tensor, name)
         for name in ("nonzero", "masked_select", "unique"):
             self._wrap(torch, name)
-        self._wrap(torch.Tensor, "__getitem__", when=lambda t, index: _has_mask(index))
+        self._mode = _MaskIndexing(self._count)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
         for (owner, name), fn in self._originals.items():
-            setattr(owner, name, fn)
+            if fn is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
         self._originals.clear()
 
 
