@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.py
 
 venv: $(VENV)/.installed
 
-# The whole suite (unit, distributed on gloo, end-to-end): under 20 minutes on 2 cores.
+# The whole suite (unit, distributed on gloo, end-to-end): under 15 minutes on 2 cores.
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 
