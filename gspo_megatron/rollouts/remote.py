@@ -209,13 +209,15 @@ class RemoteRollouts:
         self.sampler_state = state.get("sampler") or self.prompt_sampler.state_dict()
         self.partial_state = state.get("partial")
         self.next_step = step + len(self.received)
+        # trainer ranks of each data-parallel rank j (rollout rank j sends its samples to them)
+        targets = [[r for r, d in enumerate(dp_ranks) if d == j]
+                   for j in range(self.sides.rollout_ranks)]
         if self.sides.rank == 0:
             for j in range(self.sides.rollout_ranks):
                 self.bridge.send({"start": self.next_step, "sampler": self.sampler_state,
-                                  "targets": [r for r, d in enumerate(dp_ranks) if d == j],
-                                  "trainers": self.sides.trainer_ranks},
+                                  "targets": targets[j], "trainers": self.sides.trainer_ranks},
                                  self.sides.rollout_rank(j))
-        if [r for r, d in enumerate(dp_ranks) if d == self.dp_rank][0] == self.sides.rank:
+        if targets[self.dp_rank][0] == self.sides.rank:
             self.bridge.send({"partial": self.partial_state, "engine": state.get("engine")},
                              self.source)
 
