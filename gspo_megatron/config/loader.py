@@ -442,28 +442,48 @@ def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
         f.write(text)
 
 
+class FieldDoc(typing.NamedTuple):
+    """One ``--section.field``: its type, default (as YAML) and docstring."""
+
+    name: str
+    type: str
+    default: str
+    doc: str
+
+
+def documented_sections(sections: Iterable[str] | None = None) -> list[tuple[str, str, list[FieldDoc]]]:
+    """``(section, section docstring, its fields)`` for each section, in :class:`TrainConfig`'s
+    order: what ``gspo-train --help`` prints and ``docs/reference/config.md`` is generated from."""
+    defaults = TrainConfig()
+    out = []
+    for section in (list(sections) if sections is not None else list(section_types())):
+        cls = section_types()[section]
+        docs = field_docs(cls)
+        current = getattr(defaults, section)
+        fields = []
+        for fname, tp in _field_types(cls).items():
+            default = getattr(current, fname)
+            shown = "null" if default is None else yaml.safe_dump(
+                default, default_flow_style=True).strip().removesuffix("...").strip()
+            fields.append(FieldDoc(fname, type_name(tp), shown, docs.get(fname, "")))
+        out.append((section, inspect.cleandoc(cls.__doc__ or ""), fields))
+    return out
+
+
 def describe_config(sections: Iterable[str] | None = None, width: int = 100) -> str:
     """Help text: every ``--section.field`` with its type, default and docstring."""
-    defaults = TrainConfig()
     lines: list[str] = []
-    wanted = list(sections) if sections is not None else list(section_types())
-    for section in wanted:
-        cls = section_types()[section]
+    for section, doc, fields in documented_sections(sections):
         # The section's docstring, one wrapped paragraph after another, under its name.
-        paragraphs = [" ".join(p.split()) for p in inspect.cleandoc(cls.__doc__ or "").split("\n\n")]
+        paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
         lines.extend(textwrap.wrap(f"{section}:  {paragraphs[0]}", width=width,
                                    subsequent_indent=" " * 2) or [f"{section}:"])
         for para in paragraphs[1:]:
             lines.extend(textwrap.wrap(para, width=width, initial_indent=" " * 2,
                                        subsequent_indent=" " * 2))
-        docs = field_docs(cls)
-        current = getattr(defaults, section)
-        for fname, tp in _field_types(cls).items():
-            default = getattr(current, fname)
-            shown = "null" if default is None else yaml.safe_dump(
-                default, default_flow_style=True).strip().removesuffix("...").strip()
-            lines.append(f"  --{section}.{fname}  ({type_name(tp)}; default {shown})")
-            for para in docs.get(fname, "").split("\n\n"):  # re-flowed paragraph by paragraph
+        for f in fields:
+            lines.append(f"  --{section}.{f.name}  ({f.type}; default {f.default})")
+            for para in f.doc.split("\n\n"):  # re-flowed paragraph by paragraph
                 lines.extend(textwrap.wrap(" ".join(para.split()), width=width,
                                            initial_indent=" " * 6, subsequent_indent=" " * 6))
         lines.append("")
