@@ -13,8 +13,8 @@ setup(
     package_data={"gspo_megatron.config": ["recipes/*.yaml"]},  # DEMO_RECIPE: gspo-train's default
     install_requires=[
         "torch>=2.4",
-        # 0.16.x is the newest for Python 3.11 (CI) and the only line tested; README "Megatron-Core on
-        # CPU" says how to try a newer one.
+        # 0.16.x is the newest for Python 3.11 (CI) and the only line tested; docs/architecture.md
+        # ("Megatron-Core on CPU") says how to try a newer one.
         "megatron-core>=0.16.1,<0.17",  # the line the code checks (compat.check_megatron_version)
         "numpy",
         "packaging",

@@ -7,7 +7,7 @@ Each run is the demo recipe (``gspo-train`` with no ``--config``: 300 SFT steps,
 16 prompts x 8 responses, 4 minibatches per step) with only the loss changed. Every registered
 loss runs at its paper's defaults (the recipe's GSPO eps reset to null), except GSPO and
 GSPO-token, which keep the demo's 1e-2 (its 2-3-token answers make the sequence ratio a token
-ratio; the README explains). Three more arms: GRPO with the dual clip (3.0), GRPO with Dr. GRPO's
+ratio; docs/getting-started.md explains). Three more arms: GRPO with the dual clip (3.0), GRPO with Dr. GRPO's
 aggregation, GSPO with LUSPO's. Only ``trainer.seed`` changes between seeds (the SFT warm-up's
 and the RL's sampling and order). Run directories go to ``--out`` (default runs/loss_runs/).
 """
