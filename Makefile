@@ -48,7 +48,8 @@ mutate: venv
 	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) tools/mutate.py --out docs/results/mutate.json
 
 # The docs site (mkdocs.yml; the `docs` extra: mkdocs + mkdocs-material): first the generated
-# references are checked against the code (docs/reference/, gspo_megatron.tools.docs_ref), then
+# references are checked against the code (docs/reference/, gspo_megatron.tools.docs_ref) and the
+# shell commands of the README and the guides against the tree (tools/doc_commands.py), then
 # the site is built into site/ with --strict: a warning (a broken link or anchor, a page left out
 # of the nav, a link into the source tree that does not exist) fails it. `make docs-serve` previews.
 $(VENV)/.docs-installed: $(VENV)/.installed setup.py
@@ -57,6 +58,7 @@ $(VENV)/.docs-installed: $(VENV)/.installed setup.py
 
 docs: $(VENV)/.docs-installed
 	PYTHONPATH=. $(PY) -m gspo_megatron.tools.docs_ref --check
+	PYTHONPATH=. $(PY) tools/doc_commands.py README.md docs/*.md docs/reference/*.md examples/*/README.md
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 docs-serve: $(VENV)/.docs-installed

@@ -46,3 +46,29 @@ def test_site_builds_without_warnings(tmp_path: Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "reference" / "metrics" / "index.html").exists()
+
+
+def test_every_command_in_the_readme_and_the_guides_resolves() -> None:
+    from tools.doc_commands import check_files
+
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "examples").rglob("README.md"))]
+    assert check_files(paths) == []
+
+
+def test_command_checker_flags_what_does_not_exist() -> None:
+    from tools.doc_commands import check_command, shell_lines
+
+    assert check_command("make demo && make test PYTEST_ARGS=-q") == []
+    assert check_command("gspo-train --config examples/configs/tiny_gspo.yaml --rollout.group_size=8") == []
+    assert check_command("OMP_NUM_THREADS=1 python -m tools.bench.rollout --json-out FILE") == []
+    assert check_command("make nodemo") == ["make: no target 'nodemo' in the Makefile"]
+    assert check_command("gspo-trian --help") == ["gspo-trian: not a console script in setup.py"]
+    assert check_command("gspo-train --rollout.group_sise=8") == [
+        "--rollout.group_sise: no field 'group_sise' in section 'rollout'"]
+    assert check_command("python -m tools.bench.nope") == [
+        "python -m tools.bench.nope: no such module in the repository"]
+    assert check_command("bash examples/configs/missing.yaml") == [
+        "examples/configs/missing.yaml: not in the repository"]
+    text = "```console\n$ gspo-plan \\\n  --gpus 16\nout: gspo-nothing\n```\n```yaml\nmake: x\n```\n"
+    assert shell_lines(text) == [(2, "gspo-plan  --gpus 16")]
