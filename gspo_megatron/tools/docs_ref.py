@@ -64,8 +64,9 @@ def metrics_reference() -> str:
            "# Metrics reference\n\n",
            "Every metric a run writes, one JSON object per step to `<run_dir>/metrics.jsonl` (and "
            "to wandb / TensorBoard when configured). `{i}`-style names are families (one per MoE "
-           "layer, per k, ...). Only the logging rank writes; a value is over every data-parallel "
-           "rank unless its description says otherwise.\n"]
+           "layer, per k, ...). Only the logging rank writes. The ranks' metrics are merged before "
+           "logging, the first rank that reports a name winning (the last pipeline stage holds the "
+           "loss's); the descriptions say where a value is reduced over ranks.\n"]
     for ns in metric_docs.NAMESPACES:
         rows = [m for m in metric_docs.METRICS if m.name.split("/", 1)[0] == ns]
         if not rows:
