@@ -15,6 +15,9 @@ without running anything:
 * any argument that looks like a path into the repository (``examples/...``, ``launch/...``,
   ``tools/...``, ``tests/...``, ``gspo_megatron/...``, ``docs/...``): it exists.
 
+A fenced ``yaml`` block whose top-level keys are all config sections is a recipe fragment: each
+of its fields must exist in the schema.
+
 ``make docs`` runs it over ``README.md`` and ``docs/``; ``tests/unit/test_docs_site.py`` too.
 """
 
@@ -70,6 +73,38 @@ def _commands(block: list[tuple[int, str]]) -> list[tuple[int, str]]:
         out.append((start, pending + body))
         pending = ""
     return out
+
+
+def recipe_blocks(text: str) -> list[tuple[int, dict]]:
+    """``(line of the fence, mapping)`` for each fenced ``yaml`` block of a Markdown text whose
+    top-level keys are all config sections (a recipe fragment)."""
+    import yaml
+
+    sections = set(_config_fields())
+    out, start, body = [], 0, None
+    for no, line in enumerate(text.splitlines(), 1):
+        fence = _FENCE.match(line.strip())
+        if fence and body is None and fence[1] == "yaml":
+            start, body = no, []
+        elif line.strip() == "```" and body is not None:
+            try:
+                data = yaml.safe_load("\n".join(body))
+            except yaml.YAMLError:
+                data = None
+            if isinstance(data, dict) and data and set(data) <= sections:
+                out.append((start, data))
+            body = None
+        elif body is not None:
+            body.append(line)
+    return out
+
+
+def check_recipe(data: dict) -> list[str]:
+    """The fields of a recipe fragment that are not in the schema."""
+    fields = _config_fields()
+    return [f"{section}.{name}: no field {name!r} in section {section!r}"
+            for section, values in data.items() if isinstance(values, dict)
+            for name in values if name not in fields[section]]
 
 
 def _make_targets(root: Path) -> set[str]:
@@ -159,6 +194,8 @@ def check_files(paths: list[Path], root: Path = ROOT) -> list[str]:
         shown = path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path
         for no, command in shell_lines(text):
             out.extend(f"{shown}:{no}: {p}" for p in check_command(command, root))
+        for no, data in recipe_blocks(text):
+            out.extend(f"{shown}:{no}: {p}" for p in check_recipe(data))
     return out
 
 

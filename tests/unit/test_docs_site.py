@@ -72,3 +72,14 @@ def test_command_checker_flags_what_does_not_exist() -> None:
         "examples/configs/missing.yaml: not in the repository"]
     text = "```console\n$ gspo-plan \\\n  --gpus 16\nout: gspo-nothing\n```\n```yaml\nmake: x\n```\n"
     assert shell_lines(text) == [(2, "gspo-plan  --gpus 16")]
+
+
+def test_recipe_fragments_in_the_docs_are_checked_against_the_schema() -> None:
+    from tools.doc_commands import check_recipe, recipe_blocks
+
+    text = ("```yaml\nrollout:\n  partial_rollouts: true\n  partial_keep_kvv: true\n```\n"
+            "```yaml\nnot_a_section: 1\n```\n")
+    blocks = recipe_blocks(text)
+    assert [no for no, _ in blocks] == [1]
+    assert check_recipe(blocks[0][1]) == [
+        "rollout.partial_keep_kvv: no field 'partial_keep_kvv' in section 'rollout'"]
