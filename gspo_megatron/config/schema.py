@@ -193,6 +193,20 @@ class RolloutConfig(Section, name="rollout"):
     beyond it wait (continuous batching) and a running one may be paused; one request of
     ``model.seq_length`` tokens must fit. Released between rollouts (the trainer's passes run
     without it) and allocated again before the next one."""
+    decode_steps_per_sync: int = 16
+    """The dynamic engine's decoding steps per host round trip (multi-step scheduling, vLLM's
+    ``num_scheduler_steps``): once every running request is decoding, up to this many steps run
+    as one pure-torch step function over the model's weights and Megatron's paged KV cache
+    (``backends/megatron/kernels/decode.py``), with no host read in between; requests that end
+    inside a round are masked until its end, new prompts join at round boundaries. 0 = Megatron's
+    forward and bookkeeping at every step. Models the step function does not cover (TP, PP or EP
+    rollouts, Transformer Engine modules, grouped or biased routing) decode through Megatron's
+    forward whatever this says."""
+    decode_cuda_graphs: bool = True
+    """On CUDA, replay the multi-step decoding step from CUDA graphs (one per batch-size and
+    key-window bucket, captured when first met: ``backends/megatron/kernels/graphs.py``) instead
+    of launching its kernels one by one. Not under expert parallelism (eager there), and nothing
+    on CPU."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Numerics the engine samples in. ``auto`` (default) = the model's training precision: the
     engine runs the live policy module itself, no copy (today's behaviour, bitwise). ``bf16`` /
@@ -285,7 +299,7 @@ class RolloutConfig(Section, name="rollout"):
             yield self._problem("ranks", f"must be >= 1 with rollout.placement='separate', got "
                                          f"{self.ranks}")
         yield from self._at_least(0, "ranks", "max_staleness", "in_flight_groups",
-                                  "partial_max_age")
+                                  "partial_max_age", "decode_steps_per_sync")
         if not self.weight_bucket_bytes() >= 1024:
             yield self._problem("weight_bucket_mb", f"must be at least 1/1024 (a KiB: a bucket "
                                                     f"holds whole elements), got "

@@ -47,13 +47,14 @@ def as_json(samples):
 
 
 def r3_check(policy, groups, tp):
-    """R3 on this layout: the routes the engine recorded per sample (this stage's MoE layers, as
+    """R3 on this layout (greedy: the same tokens through the multi-step rounds where the layout
+    has them and Megatron's per-step loop where not): the routes the engine recorded per sample (this stage's MoE layers, as
     top-k sets), and the old-policy pass replaying them (this rank's sequence shard): forced where
     recorded, its log-probs against the engine's, the rollout-vs-trainer disagreement."""
     from gspo_megatron.policy import make_policy_batch
 
     engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
-                           config=RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6,
+                           config=RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=1,
                                                 max_batch_size=4), record_routes=True)
     samples = engine.generate(prompts(7, 6, 2, 7), seed=11)
     layers = policy.model_routing.moe_layers
@@ -110,16 +111,23 @@ def main():
     result = {}
     for name, cfg in {
         "greedy": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4),
-        "sampled": RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6, max_batch_size=4),
+        # Sampled through Megatron's per-step loop on every layout (TP / PP rollouts always
+        # decode there): the multi-step rounds draw from the same distribution, but a round's
+        # draws include its finished rows, so its tokens are another draw than the loop's.
+        "sampled": RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6, max_batch_size=4,
+                                 decode_steps_per_sync=0),
     }.items():
         engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
                                config=cfg)
         result[name] = as_json(engine.generate(prompts(7, 6, 2, 7), seed=11))
-        if name == "sampled":
-            result["own"] = as_json(engine.generate(own_prompts(groups.dp_rank), seed=23))
-            if groups.world_size == 1:
-                result["own_by_dp"] = [as_json(engine.generate(own_prompts(dp), seed=23))
-                                       for dp in (0, 1)]
+        # Own prompts per rank: EP ranks decode them in lock-step (greedy: through the
+        # multi-step rounds where the layout has them, the ranks agreeing when rounds run)
+        own = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
+                            config=cfg)
+        result[f"own_{name}"] = as_json(own.generate(own_prompts(groups.dp_rank), seed=23))
+        if groups.world_size == 1:
+            result[f"own_{name}_by_dp"] = [as_json(own.generate(own_prompts(dp), seed=23))
+                                           for dp in (0, 1)]
     result["r3"] = r3_check(policy, groups, args.tp)
     result["sequence_parallel_restored"] = bool(policy.unwrapped().config.sequence_parallel) == (
         args.tp > 1)

@@ -57,7 +57,8 @@ def test_rollouts_match_single_process(reference, layout):
         assert got["sequence_parallel_restored"] and got["training_restored"], got
         for key in ("greedy", "sampled"):
             assert_same(got[key], ref[key], (layout, rank, key))
-        assert_same(got["own"], ref["own_by_dp"][got["dp_rank"]], (layout, rank, "own"))
+        for key in ("own_greedy", "own_sampled"):
+            assert_same(got[key], ref[f"{key}_by_dp"][got["dp_rank"]], (layout, rank, key))
     if layout[0] == "--ep":  # EP=2 on 2 ranks is DP=2: the ranks really held different prompts
         assert load(out, 0)["dp_rank"] != load(out, 1)["dp_rank"]
 

@@ -74,7 +74,8 @@ class DynamicRollout:
     ``tokenizer``: the controller's id tokenizer (:class:`~.hooks.IdTokenizer`)."""
 
     def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
-                 max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None):
+                 max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None,
+                 decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = True):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         from gspo_megatron.backends.megatron.engine.admission import AdmittingContext
@@ -144,6 +145,9 @@ class DynamicRollout:
         across calls; Megatron's own counter restarts at every ``engine.reset()``)."""
         self._held: set[int] = set()
         """Ids of the requests a partial rollout cut and kept (``GroupStop.hold_cut``)."""
+        self.fast = _fast_decoder(model, groups, self.context, self.controller, self.wrapper,
+                                  decode_steps_per_sync, decode_cuda_graphs)
+        """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
         self.kv_bytes = self._kv_bytes()
@@ -240,6 +244,8 @@ class DynamicRollout:
             # eval mode (the module flags over a cached list: ``model.eval()`` without its
             # recursive walk); the context keeps the held requests, else it starts empty
             set_training([self.wrapper.model], False)
+            if self.fast is not None:
+                self.fast.begin()
             if not held:
                 self.context.reset()
             call = self.call = _Call(sp)
@@ -256,19 +262,28 @@ class DynamicRollout:
                         call.add(next(self._request_ids), prompt, budget)
                 mine = (self.context.total_request_count > 0 or bool(call.waiting)) and \
                     not (stop and stop.done)
-                if not (any_rank(mine) if lock_step else mine):
+                plan = self.fast.plan() if mine and self.fast and self.fast.ready(call) else None
+                go, rounds, steps, rows = self._agree(mine, plan, lock_step)
+                if not go:
                     break
-                if mine:
-                    done = self._step(call)
-                    for request_id in done:
+                if not mine:
+                    if rounds:
+                        self.fast.idle(steps, rows)
+                    else:
+                        self.controller.dummy_forward()
+                    self.steps += steps if rounds else 1
+                    continue
+                steps = self._round(call, stop, plan, steps, rows) if rounds else None
+                if steps is None:  # Megatron's step
+                    steps = [self._step(call)]
+                    for request_id in steps[0]:
                         if stop is not None:
                             stop.finished(call.row[request_id])
-                    if done and progress is not None:
-                        finished += len(done)
-                        progress(finished)
-                else:
-                    self.controller.dummy_forward()
-                self.steps += 1
+                done = [request_id for step in steps for request_id in step]
+                if done and progress is not None:
+                    finished += len(done)
+                    progress(finished)
+                self.steps += len(steps)
             out = call.results()
             if call.running:  # aborted
                 if stop.hold_cut:  # the next call continues them by id (Generated.request_id)
@@ -278,9 +293,57 @@ class DynamicRollout:
                     self.context.reset()
             return out
         finally:
+            if self.fast is not None:
+                self.fast.end()
             if not self._held:
                 self.suspend()
             self.kv_bytes = self._kv_bytes()
+
+    def _agree(self, mine: bool, plan, lock_step: bool) -> tuple[bool, bool, int, int]:
+        """``(any rank has work, the next steps are a round of :mod:`.rounds`, its steps, the
+        most requests a rank decodes)``. Under EP lock-step one MAX all-reduce decides it for
+        every rank alike (a round only when no rank with work needs Megatron's step: a prefill,
+        a paused request, blocks the allocator lacks); alone, this rank's own state."""
+        ready = plan is not None and plan.blocks_free
+        steps, rows = (plan.steps, plan.n) if ready else (1, 0)
+        if not lock_step:
+            return mine, ready, steps, rows
+        flags = torch.tensor([int(mine), int(mine and not ready), steps if ready else 0, rows])
+        if self.fast is None:  # the per-step loop's one flag
+            return any_rank(mine), False, 1, 0
+        from gspo_megatron.distributed import all_reduce_
+
+        go, blocked, steps, rows = all_reduce_(flags, None, torch.distributed.ReduceOp.MAX).tolist()
+        return bool(go), bool(go) and not blocked, max(steps, 1), rows
+
+    def _round(self, call: "_Call", stop, plan, steps: int, rows: int) -> list[list[int]]:
+        """Decoding steps of one round (:class:`~.rounds.FastDecoder`): per step, the ids of the
+        requests that finished at it, ``stop`` told of each in order (the round ends at the step
+        that makes it done)."""
+        per_step, pending = self.fast.run(call, plan, steps, self._recorder(), rows)
+        last = len(per_step) - 1
+        for s, ids in enumerate(per_step):
+            if stop is not None:
+                for request_id in ids:
+                    stop.finished(call.row[request_id])
+            call.finish(ids)
+            if stop is not None and stop.done:
+                last = s
+                break
+        self._requeue(call, pending.finish(last))
+        return per_step[:last + 1]
+
+    def _recorder(self):
+        """The R3 route recorder of the call, or None."""
+        return self.wrapper.route_recorder
+
+    def _requeue(self, call: "_Call", result) -> None:
+        """Requests Megatron's ``update_requests`` evicted, prefilled again later: prompt +
+        written so far."""
+        evicted = None if result is None else result.get("evict_request_ids")
+        if evicted is not None and evicted.numel():
+            for request_id in reversed(evicted.tolist()):
+                call.requeue(request_id)
 
     def _step(self, call: "_Call") -> list[int]:
         """One forward of the packed buffer (the waiting requests that fit admitted first: a
@@ -316,12 +379,27 @@ class DynamicRollout:
         call.record(ids, sampled, logprobs)
         finished = [] if bool(active.all()) else ids[~active].tolist()
         call.finish(finished)
-        result = ctx.update_requests(active.byte(), sampled.clone())
-        evicted = None if result is None else result.get("evict_request_ids")
-        if evicted is not None and evicted.numel():  # prefilled again: prompt + written so far
-            for request_id in reversed(evicted.tolist()):
-                call.requeue(request_id)
+        self._requeue(call, ctx.update_requests(active.byte(), sampled.clone()))
         return finished
+
+
+def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: int,
+                  cuda_graphs: bool):
+    """A :class:`~.rounds.FastDecoder` when ``steps_per_sync`` > 0 and the step function covers
+    ``model`` on ``groups`` (else None, with a line saying why)."""
+    if steps_per_sync <= 0:
+        return None
+    from gspo_megatron.backends.megatron.engine.rounds import FastDecoder
+    from gspo_megatron.backends.megatron.kernels.decode import unsupported
+
+    why = unsupported(model, groups)
+    if why is not None:
+        import logging
+
+        logging.getLogger(__name__).info("rollout.decode_steps_per_sync: %s decode through "
+                                         "Megatron's forward at every step", why)
+        return None
+    return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs)
 
 
 def _plain_state(attrs: dict, skip: tuple[str, ...]) -> dict:

@@ -289,7 +289,9 @@ class RolloutEngine:
             model=self.sampling_model, runner=self._runner, wrapper_config=self.wrapper_config,
             groups=self.groups, tokenizer=IdTokenizer(self.eos_id, self.pad_id, self.vocab_size),
             max_batch_size=self.config.max_batch_size,
-            max_sequence_length=self.max_sequence_length, buffer_size_gb=buffer_size_gb)
+            max_sequence_length=self.max_sequence_length, buffer_size_gb=buffer_size_gb,
+            decode_steps_per_sync=self.config.decode_steps_per_sync,
+            decode_cuda_graphs=self.config.decode_cuda_graphs)
         self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
 
     def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":

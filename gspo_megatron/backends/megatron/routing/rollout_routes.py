@@ -125,6 +125,14 @@ class PackedRouteRecorder:
         self._steps.append((ids, positions, indices[:, 0, :n]))
         self._table = None
 
+    def record_tokens(self, ids: torch.Tensor, positions: torch.Tensor,
+                      routes: torch.Tensor) -> None:
+        """Routes the engine took outside a module forward (the multi-step decoder,
+        :mod:`..engine.rounds`): token ``m`` of request ``ids[m]`` at ``positions[m]`` went to
+        experts ``routes[:, m]`` (``[L, m, k]``, each MoE layer's top-k)."""
+        self._steps.append((ids, positions, routes.to(self.routing.dtype).cpu()))
+        self._table = None
+
     def take_request(self, request_id: int, length: int) -> torch.Tensor:
         """``[L, length, k]``: the routes of request ``request_id`` at positions ``0 .. length -
         1`` (every token it forwarded). Raises if one was never recorded."""

@@ -1,0 +1,327 @@
+"""One decoding step of a Megatron ``GPTModel`` as a single pure-torch function over its weights
+and the dynamic engine's paged KV buffer: no module tree, no host reads, static shapes.
+
+Megatron's forward of a decoding step walks ~20 modules per layer, and its dynamic engine reads
+the device ~9 times per step (attention metadata, ``update_requests``, the block allocator); on
+a GPU each read waits for the step to finish, so a step costs its launches and waits, not its
+arithmetic (90-96 ms on the Qwen3-30B-A3B slice whose weights take ~0.7 ms to read). Here a
+step is one function of tensors:
+
+    logits [B, V], routes [L_moe, B, k] = decode_forward(weights, kv, batch)
+
+with every shape fixed by ``B`` (the request slots) and ``Lk`` (the keys each request may read),
+so it compiles with ``torch.compile(fullgraph=True)`` and a CUDA graph can hold it. The maths is
+Megatron's local spec with this project's kernels (:mod:`.local`, :mod:`.moe`), op for op:
+RMSNorm, fused QKV split per query group, QK-norm, RoPE (:mod:`.rotary`), the key/value written
+into the paged buffer, attention over each request's keys gathered from its blocks (SDPA, GQA),
+top-k softmax routing with Megatron's ``topk`` and dropless experts as two grouped GEMMs over
+the tokens in expert-major order (:func:`~.moe.permute_without_host_reads`), final norm and
+output layer. Greedy tokens equal Megatron's forward's (``tests/unit/test_fast_decode.py``).
+
+Supported (:func:`unsupported` says why not): TP = PP = 1 (EP any: :func:`_moe_ep`), the local spec (not TE's fused
+norm-linear modules), SwiGLU or plain experts without bias, softmax top-k routing without groups
+or expert bias, unfused non-interleaved RoPE, no MLA, no shared experts. Everything else decodes
+through Megatron's forward, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from gspo_megatron.backends.megatron.kernels.moe import permute_without_host_reads
+from gspo_megatron.backends.megatron.kernels.rotary import rotate
+
+
+@dataclasses.dataclass
+class DecodeLayer:
+    """One transformer layer's weights (the model's own tensors, not copies; the experts
+    stacked once per rollout call)."""
+
+    input_norm: torch.nn.Module
+    qkv: torch.Tensor
+    """``[(np + 2 ng) hn, H]``: Megatron's fused layout, per query group its ``np / ng`` query
+    heads, then its key, then its value."""
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    proj: torch.Tensor
+    """``[H, np hn]``."""
+    mlp_norm: torch.nn.Module
+    router: torch.Tensor | None
+    """``[E, H]``; None: a dense layer."""
+    w1: torch.Tensor
+    """``[E, H, (2) F]`` (experts, transposed views as ``F.linear`` reads them) or ``[(2) F, H]``
+    (a dense layer's ``linear_fc1``)."""
+    w2: torch.Tensor
+    """``[E, F, H]`` or ``[H, F]``."""
+
+
+@dataclasses.dataclass
+class DecodeWeights:
+    """What :func:`decode_forward` reads of a ``GPTModel`` (:meth:`of`)."""
+
+    embedding: torch.Tensor
+    """``[V, H]``."""
+    layers: list[DecodeLayer]
+    final_norm: torch.nn.Module
+    output: torch.Tensor
+    """``[V, H]``."""
+    heads: int
+    groups: int
+    head_dim: int
+    rot_dim: int
+    topk: int
+    pre_softmax: bool
+    scaling_factor: float | None
+    router_dtype: torch.dtype | None
+    gated: bool
+    activation: object
+    glu_offset: float
+    softmax_scale: float
+    grouped_query: bool
+    ep_group: object = None
+    """The expert-parallel group (None: every expert is here)."""
+    local_experts: tuple[int, int] = (0, 0)
+    """``(first, count)``: the global indices of this rank's experts."""
+    ep_rows: int = 0
+    """Under EP: the tokens every rank contributes to a MoE layer's gather (the most any rank
+    decodes this round; fewer are padded): set per round (:class:`~..engine.rounds.FastDecoder`)."""
+    """More query heads than key/value heads (SDPA's ``enable_gqa``; a bool, not a comparison of
+    two ints, which ``torch.compile(dynamic=True)`` would make symbolic)."""
+
+    @classmethod
+    def of(cls, model) -> "DecodeWeights":
+        """The weights of ``model`` (a ``GPTModel``, :func:`unsupported` None), experts stacked."""
+        c = model.config
+        layers = []
+        for layer in model.decoder.layers:
+            att, mlp = layer.self_attention, layer.mlp
+            moe = hasattr(mlp, "router")
+            if moe and getattr(mlp.experts, "stacked", None) is not None:
+                w1, w2 = mlp.experts.stacked  # (stacked_expert_weights: the rollout call's)
+            elif moe:
+                experts = mlp.experts.local_experts
+                w1 = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)
+                w2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
+            else:
+                w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+            layers.append(DecodeLayer(
+                layer.input_layernorm, att.linear_qkv.weight,
+                getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None),
+                att.linear_proj.weight, layer.pre_mlp_layernorm,
+                mlp.router.weight if moe else None, w1, w2))
+        head_dim = c.kv_channels
+        rot = model.rotary_pos_emb
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype)
+        moe = next((layer.mlp for layer in model.decoder.layers if hasattr(layer.mlp, "router")),
+                   None)
+        ep_group = moe.ep_group if moe is not None and moe.ep_group.size() > 1 else None
+        local = (moe.local_expert_indices[0], moe.num_local_experts) if moe is not None else (0, 0)
+        output = (model.shared_embedding_or_output_weight()
+                  if model.share_embeddings_and_output_weights else model.output_layer.weight)
+        return cls(model.embedding.word_embeddings.weight, layers, model.decoder.final_layernorm,
+                   output, c.num_attention_heads, c.num_query_groups, head_dim,
+                   rot.inv_freq.numel() * 2, c.moe_router_topk, bool(c.moe_router_pre_softmax),
+                   c.moe_router_topk_scaling_factor, router_dtype, bool(c.gated_linear_unit),
+                   c.activation_func, float(c.glu_linear_offset),
+                   c.softmax_scale if c.softmax_scale is not None else head_dim ** -0.5,
+                   c.num_attention_heads != c.num_query_groups, ep_group, local)
+
+
+def unsupported(model, groups) -> str | None:
+    """Why :func:`decode_forward` cannot decode ``model`` on ``groups`` (None: it can)."""
+    c = model.config
+    if groups.tp_size != 1 or groups.pp_size != 1:
+        return "tensor or pipeline parallel rollout"
+    if c.multi_latent_attention or c.apply_rope_fusion or c.rotary_interleaved:
+        return "MLA or fused / interleaved RoPE"
+    if c.add_bias_linear or c.add_qkv_bias or c.attention_output_gate:
+        return "biases or an attention output gate"
+    if c.num_moe_experts and (c.moe_router_score_function != "softmax" or c.moe_router_num_groups
+                              or c.moe_router_enable_expert_bias or c.moe_shared_expert_intermediate_size
+                              or c.moe_expert_capacity_factor is not None or c.moe_latent_size):
+        return "MoE routing other than dropless softmax top-k (groups, expert bias, shared experts)"
+    if getattr(model, "position_embedding_type", "rope") not in ("rope", "yarn"):
+        return f"position embedding {model.position_embedding_type!r}"
+    for layer in model.decoder.layers:
+        att, mlp = layer.self_attention, layer.mlp
+        if not (hasattr(att, "linear_qkv") and torch.is_tensor(getattr(att.linear_qkv, "weight", None))
+                and callable(layer.input_layernorm) and hasattr(layer.input_layernorm, "weight")):
+            return "Transformer Engine's fused norm + linear modules"
+        if hasattr(mlp, "router"):
+            experts = getattr(mlp.experts, "local_experts", None)
+            if not experts:
+                return f"experts of type {type(mlp.experts).__name__}"
+        elif not hasattr(mlp, "linear_fc1"):
+            return f"MLP of type {type(mlp).__name__}"
+    return None
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    """One decoding step's inputs, ``B`` request slots, each reading up to ``Lk`` keys.
+
+    A slot whose request has finished (or holds none) still runs, on its own blocks: its output
+    is ignored, so nothing here depends on which slots are live."""
+
+    tokens: torch.Tensor
+    """``[B]`` long: each request's newest token (the one this step forwards)."""
+    positions: torch.Tensor
+    """``[B]`` long: its position in its request (= the keys cached before it)."""
+    slots: torch.Tensor
+    """``[B]`` long: the flat KV slot (``block * block_size + offset``) its key and value go to."""
+    key_rows: torch.Tensor
+    """``[B, Lk]`` long: the flat KV slots of the request's keys ``0 .. Lk - 1``."""
+    key_mask: torch.Tensor
+    """``[B, Lk]`` bool: which of those are the request's (positions ``<= positions[b]``)."""
+    cos: torch.Tensor
+    """``[S, 1, 1, rot]``: the rotary table's cosines (:func:`~.rotary.cos_sin`), by position."""
+    sin: torch.Tensor
+
+
+def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
+                   record_routes: bool = False):
+    """``(logits [B, V] fp32, routes [L_moe, B, k] or None)`` of one decoding step; the step's
+    keys and values are written into ``kv [2, L, blocks, block_size, Hk, D]`` (Megatron's paged
+    buffer) at ``batch.slots``. ``routes``: each MoE layer's top-k experts in ``torch.topk``'s
+    order (what R3 records)."""
+    B = batch.tokens.shape[0]
+    np_, ng, hn = w.heads, w.groups, w.head_dim
+    x = F.embedding(batch.tokens, w.embedding).unsqueeze(1)  # [B, 1, H] (sequence-major, b = 1)
+    cos, sin = batch.cos[batch.positions], batch.sin[batch.positions]  # [B, 1, 1, rot]
+    Lk = batch.key_rows.shape[1]
+    rows = batch.key_rows.reshape(-1)  # [B Lk]
+    visible = batch.key_mask[:, None, None, :]  # [B, 1, 1, Lk]
+    hidden = batch.key_mask.logical_not()[:, :, None, None]  # [B, Lk, 1, 1]
+    routes = []
+    for i, layer in enumerate(w.layers):
+        y = layer.input_norm(x)
+        qkv = F.linear(y, layer.qkv).view(B, 1, ng, (np_ // ng + 2) * hn)
+        q, k, v = torch.split(qkv, [np_ // ng * hn, hn, hn], dim=3)
+        q = q.reshape(B, 1, np_, hn)  # [B, 1, np, hn]
+        if layer.q_norm is not None:
+            q = layer.q_norm(q)
+        if layer.k_norm is not None:
+            k = layer.k_norm(k)
+        k = rotate(k, cos, sin, w.rot_dim)  # [B, 1, ng, hn]
+        keys, values = kv[0, i].view(-1, ng, hn), kv[1, i].view(-1, ng, hn)
+        keys.index_copy_(0, batch.slots, k.squeeze(1))
+        values.index_copy_(0, batch.slots, v.squeeze(1))
+        q = rotate(q, cos, sin, w.rot_dim)
+        # [B, Lk, ng, hn] each; slots past a request's keys zeroed (never written: NaN bits)
+        k_all = keys.index_select(0, rows).view(B, Lk, ng, hn).masked_fill(hidden, 0)
+        v_all = values.index_select(0, rows).view(B, Lk, ng, hn).masked_fill(hidden, 0)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=visible,
+            scale=w.softmax_scale, enable_gqa=w.grouped_query)  # [B, np, 1, hn]
+        x = x + F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj)
+        y = layer.mlp_norm(x)
+        if layer.router is None:
+            mlp, top = _dense(w, layer, y), None
+        else:
+            mlp, top = _moe(w, layer, y)
+        x = x + mlp
+        if record_routes and top is not None:
+            routes.append(top)
+    logits = F.linear(w.final_norm(x), w.output).squeeze(1).float()  # [B, V]
+    return logits, (torch.stack(routes) if record_routes and routes else None)
+
+
+def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
+    if w.gated:
+        gate, up = torch.chunk(h, 2, dim=-1)
+        return w.activation(gate) * (up + w.glu_offset)
+    return w.activation(h)
+
+
+def _dense(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor) -> torch.Tensor:
+    return F.linear(_act(w, F.linear(y, layer.w1)), layer.w2)
+
+
+def moe_only_step(w: DecodeWeights) -> None:
+    """A decoding step of a rank with no request, under EP: its experts still serve the other
+    ranks' tokens, one gather and one reduction per MoE layer, as theirs."""
+    H = w.embedding.shape[1]
+    y = w.embedding.new_zeros(0, 1, H)
+    for layer in w.layers:
+        if layer.router is not None:
+            _moe_ep(w, layer, y)
+
+
+def _moe_ep(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
+    """``_moe`` under expert parallelism: every rank's ``ep_rows`` tokens gathered (this
+    rank's ``B`` padded with zeros), routed alike on every rank (the router is replicated), this
+    rank's experts run densely over all of them (an expert's weights are read once, as a
+    decoding step's bandwidth wants; a token's weight is 0 for an expert it did not choose), and
+    the partial sums added over the group; each rank keeps its own rows. Two collectives per
+    MoE layer and step, no host read (Megatron's all-to-all dispatcher exchanges counts on the
+    host first)."""
+    import torch.distributed as dist
+
+    B, _, H = y.shape
+    rows, group = w.ep_rows, w.ep_group
+    mine = torch.zeros(rows, H, dtype=y.dtype, device=y.device)
+    mine[:B] = y.view(-1, H)
+    parts = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(parts, mine, group=group)
+    tokens = torch.cat(parts)  # [ep rows, H]
+    dtype = w.router_dtype or tokens.dtype
+    logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
+    probs, top = _top_k(w, logits)
+    first, count = w.local_experts
+    weights = torch.zeros_like(logits).scatter(1, top, probs)[:, first:first + count]  # [T, E_l]
+    x = tokens.unsqueeze(0).expand(count, -1, -1)  # [E_l, T, H]
+    h = torch.bmm(x, layer.w1)  # [E_l, T, (2) F]
+    h = (_act(w, h) * weights.t().unsqueeze(-1)).to(tokens.dtype)
+    out = torch.bmm(h, layer.w2).sum(dim=0)  # [T, H]
+    dist.all_reduce(out, group=group)
+    rank = dist.get_rank(group)
+    return out[rank * rows:rank * rows + B].view(B, 1, H), top[rank * rows:rank * rows + B]
+
+
+def _top_k(w: DecodeWeights, logits: torch.Tensor):
+    """``(probs [T, k], experts [T, k])``: ``topk_routing_with_score_function``'s softmax
+    branch."""
+    if w.pre_softmax:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+        probs, top = torch.topk(scores, k=w.topk, dim=1)
+    else:
+        scores, top = torch.topk(logits, k=w.topk, dim=1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+    if w.scaling_factor:
+        probs = probs * w.scaling_factor
+    return probs, top
+
+
+def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
+    """``(out [B, 1, H], top-k experts [B, k])``: Megatron's router (gating in its router dtype,
+    ``topk_routing_with_score_function``'s softmax branch), dropless dispatch, grouped experts."""
+    if w.ep_group is not None:
+        return _moe_ep(w, layer, y)
+    B, _, H = y.shape
+    tokens = y.view(-1, H)  # [T, H]
+    dtype = w.router_dtype or tokens.dtype
+    logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
+    probs, top = _top_k(w, logits)
+    routing_probs = torch.zeros_like(logits).scatter(1, top, probs)
+    routing_map = torch.zeros_like(logits).int().scatter(1, top, 1).bool()
+    if torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16:
+        # torch._grouped_mm's shape function takes bf16 only (its CPU kernel any dtype): traced
+        # in fp32, each route multiplies its expert's gathered weights instead (T k weight reads:
+        # the CPU compile check's path, not a fast one)
+        probs_k = routing_probs.gather(1, top)  # [T, k]
+        x = tokens.unsqueeze(1).expand(-1, w.topk, -1).reshape(-1, 1, H)  # [T k, 1, H]
+        h = torch.bmm(x, layer.w1.index_select(0, top.reshape(-1)))  # [T k, 1, (2) F]
+        h = (_act(w, h) * probs_k.reshape(-1, 1, 1)).to(tokens.dtype)
+        h = torch.bmm(h, layer.w2.index_select(0, top.reshape(-1)))  # [T k, 1, H]
+        return h.view(B, w.topk, H).sum(dim=1, keepdim=True), top
+    permuted, permuted_probs, mapping = permute_without_host_reads(
+        tokens, routing_map, routing_probs, tokens.shape[0] * w.topk)
+    offs = routing_map.sum(dim=0).cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(permuted, layer.w1, offs=offs)  # [T k, (2) F]
+    h = (_act(w, h) * permuted_probs.unsqueeze(-1)).to(permuted.dtype)
+    h = torch._grouped_mm(h, layer.w2, offs=offs)  # [T k, H]
+    out = torch.zeros_like(tokens).scatter_add_(0, mapping.unsqueeze(1).expand(-1, H), h)
+    return out.view(B, 1, H), top

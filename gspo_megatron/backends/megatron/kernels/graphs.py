@@ -1,0 +1,120 @@
+"""The decoding step (:func:`.decode.decode_forward`) replayed from CUDA graphs.
+
+A step of the Qwen3-30B-A3B slice launches a few hundred small kernels; replayed from a CUDA
+graph it costs one launch, so the GPU runs at the speed of its memory instead of the host's
+(vLLM and SGLang decode this way; Megatron's dynamic engine captures its own decode steps with
+``cuda_graph_impl="local"``, but through flash-attn and drop-and-pad MoE). The step has no host
+read and fixed shapes per ``(rows, key window)``, so it captures as it is: :class:`GraphedDecode`
+captures one graph per bucket (rows rounded up to a power of two, the key window to a whole
+number of KV blocks) the first time the bucket is met, and replays it with the step's inputs
+copied into the graph's own tensors. Padded rows read and write one scratch KV slot (Megatron's
+dummy block), their outputs are dropped.
+
+A graph holds the addresses it captured: the KV buffer (re-captured when the engine allocates it
+anew after a suspend), the weights (:class:`~..engine.rounds.FastDecoder` keeps the stacked
+experts in tensors of its own, refreshed in place each call) and the step's input tensors.
+CUDA only; on CPU the eager step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gspo_megatron.backends.megatron.kernels.decode import DecodeBatch, decode_forward
+
+
+def _bucket(rows: int) -> int:
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+class GraphedDecode:
+    """Callable as :func:`.decode.decode_forward`: the same outputs, replayed from CUDA graphs.
+    ``scratch_slot``: a flat KV slot no request uses (padded rows write there)."""
+
+    def __init__(self, scratch_slot: int, block_size: int):
+        self.scratch_slot = int(scratch_slot)
+        self.block_size = int(block_size)
+        self.graphs: dict = {}
+        self.pool = None
+        self.captures = 0
+        """Graphs captured so far (one per bucket, again after the KV buffer moved)."""
+
+    def __call__(self, w, kv: torch.Tensor, batch: DecodeBatch, record_routes: bool = False):
+        B, Lk = batch.key_rows.shape
+        rows = _bucket(B)
+        window = -(-Lk // self.block_size) * self.block_size
+        key = (rows, window, bool(record_routes), kv.data_ptr(), id(w))
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(w, kv, batch, rows, window, record_routes)
+        static, outputs, graph = entry
+        self._fill(static, batch, B, Lk)
+        graph.replay()
+        logits, routes = outputs
+        return logits[:B], (routes[:, :B] if routes is not None else None)
+
+    def _fill(self, static: DecodeBatch, batch: DecodeBatch, B: int, Lk: int) -> None:
+        """The step's inputs into the graph's tensors; padded rows and keys point at the scratch
+        slot, a padded row sees its one (scratch) key so no softmax row is empty."""
+        static.tokens[:B].copy_(batch.tokens)
+        static.positions[:B].copy_(batch.positions)
+        static.slots[:B].copy_(batch.slots)
+        static.key_rows[:B, :Lk].copy_(batch.key_rows)
+        static.key_mask[:B, :Lk].copy_(batch.key_mask)
+        static.key_mask[:B, Lk:] = False
+        static.key_rows[:B, Lk:] = self.scratch_slot
+        if B < static.tokens.shape[0]:
+            static.tokens[B:] = 0
+            static.positions[B:] = 0
+            static.slots[B:] = self.scratch_slot
+            static.key_rows[B:] = self.scratch_slot
+            static.key_mask[B:] = False
+            static.key_mask[B:, 0] = True
+
+    def _capture(self, w, kv, batch: DecodeBatch, rows: int, window: int, record_routes: bool):
+        device = batch.tokens.device
+        static = DecodeBatch(
+            tokens=torch.zeros(rows, dtype=torch.long, device=device),
+            positions=torch.zeros(rows, dtype=torch.long, device=device),
+            slots=torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device),
+            key_rows=torch.full((rows, window), self.scratch_slot, dtype=torch.long,
+                                device=device),
+            key_mask=torch.zeros(rows, window, dtype=torch.bool, device=device),
+            cos=batch.cos, sin=batch.sin)
+        static.key_mask[:, 0] = True
+        # warm-up on a side stream (lazy initialisation must not happen inside the capture);
+        # the KV writes go to the scratch slot only
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                decode_forward(w, kv, static, record_routes)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = decode_forward(w, kv, static, record_routes)
+        self.pool = graph.pool()
+        self.captures += 1
+        return static, outputs, graph
+
+    def reset(self) -> None:
+        """Drop every graph (their memory back to the allocator)."""
+        self.graphs.clear()
+        self.pool = None
+
+
+def persistent_weights(current, fresh):
+    """``fresh`` (:class:`~.decode.DecodeWeights` of this call) with its stacked experts copied
+    into ``current``'s tensors (same shapes: the same model), so graphs captured on ``current``
+    read this call's weights; ``fresh`` with private copies of its experts the first time."""
+    if current is None:
+        layers = [dataclasses.replace(layer, w1=layer.w1.clone(), w2=layer.w2.clone())
+                  if layer.router is not None else layer for layer in fresh.layers]
+        return dataclasses.replace(fresh, layers=layers)
+    for mine, new in zip(current.layers, fresh.layers):
+        if mine.router is not None:
+            mine.w1.copy_(new.w1)
+            mine.w2.copy_(new.w2)
+    return current

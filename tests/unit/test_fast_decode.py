@@ -1,0 +1,122 @@
+"""The multi-step decoding path (``rollout.decode_steps_per_sync``: :mod:`..engine.rounds` over
+:func:`..kernels.decode.decode_forward`) against Megatron's forward at every step (0):
+
+* greedy tokens identical and log-probs equal (1e-5), with EOS ending requests mid-round, with
+  more prompts than request slots (new prompts join at round boundaries), with KV blocks crossed
+  inside a round, and under YaRN;
+* R3: the routes recorded per request equal the per-step path's;
+* at most one host synchronisation per decoding step over a 64-token rollout of 128 requests
+  (issue 48: ~9 per step before), counted by :class:`tools.bench.host_syncs.HostSyncCounter`;
+* the step compiles with ``torch.compile(fullgraph=True)`` (no graph break: nothing a CUDA graph
+  could not hold), and the compiled step gives the eager step's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.unit.test_rollout import EOS, PAD, VOCAB, make_prompts, setup  # noqa: F401
+
+pytestmark = pytest.mark.slow  # builds Megatron models
+
+
+def engines(setup, steps=16, record_routes=True, **cfg):  # noqa: F811
+    """The same model decoding through Megatron's per-step loop (0) and through rounds."""
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
+    from gspo_megatron.config import RolloutConfig
+
+    policy, groups = setup
+    base = {"max_new_tokens": 12, "max_batch_size": 16, "top_k": 1, **cfg}
+    return [RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                          config=RolloutConfig(**base, decode_steps_per_sync=k),
+                          max_sequence_length=640, record_routes=record_routes)
+            for k in (0, steps)]
+
+
+def assert_same(a, b):
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.finish_reason for s in a] == [s.finish_reason for s in b]
+    for x, y in zip(a, b):
+        assert x.response_logprobs == pytest.approx(y.response_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [
+    {},  # EOS inside rounds
+    {"max_batch_size": 5},  # 24 prompts through 5 slots: rounds end to let prompts in
+    {"ignore_eos": True, "max_new_tokens": 300},  # crosses a 256-token KV block inside a round
+], ids=["eos", "slots5", "block_crossing"])
+def test_rounds_give_the_per_step_tokens_and_logprobs(setup, cfg):  # noqa: F811
+    per_step, rounds = engines(setup, **cfg)
+    assert per_step.dynamic.fast is None and rounds.dynamic.fast is not None
+    prompts = make_prompts(24, seed=3)
+    a, b = per_step.generate(prompts, seed=0), rounds.generate(prompts, seed=0)
+    assert_same(a, b)
+    assert {s.finish_reason for s in a} == ({"length"} if cfg.get("ignore_eos") else
+                                             {"eos", "length"})
+    # R3: every forwarded position's route, equal
+    for x, y in zip(a, b):
+        assert torch.equal(x.extra["routes"], y.extra["routes"])
+    # the KV blocks all went back (nothing leaked by the rounds' write-back)
+    alloc = rounds.dynamic.context.block_allocator
+    assert alloc.total_avail == alloc.total_count - 1
+
+
+def test_rounds_sample_from_the_same_distribution(setup):  # noqa: F811
+    """Sampled (T = 1): every token is a valid id with its log-prob under the model; the
+    rounds' draws differ from the per-step loop's only once a request has ended (a round keeps
+    drawing for it, masked): the first token of every request is the same draw."""
+    per_step, rounds = engines(setup, top_k=0, temperature=1.0)
+    prompts = make_prompts(16, seed=5)
+    a, b = per_step.generate(prompts, seed=7), rounds.generate(prompts, seed=7)
+    assert [s.response_ids[0] for s in a] == [s.response_ids[0] for s in b]
+    assert [s.response_logprobs[0] for s in a] == pytest.approx(
+        [s.response_logprobs[0] for s in b], abs=1e-5)
+
+
+def test_at_most_one_host_sync_per_decoding_step(setup):  # noqa: F811
+    from tools.bench.host_syncs import HostSyncCounter
+
+    _, rounds = engines(setup, record_routes=False, ignore_eos=True, max_new_tokens=64,
+                        max_batch_size=128)
+    prompts = make_prompts(128, seed=1)
+    rounds.generate(prompts, seed=0)  # warm-up (first-call set-up is not a step)
+    with HostSyncCounter() as c:
+        out = rounds.generate(prompts, seed=0)
+    steps = rounds.dynamic.steps
+    assert all(len(s.response_ids) == 64 for s in out) and steps == 64
+    per_step = c.total / steps
+    print(f"MEASURED host syncs per decoding step: {per_step:.2f} ({c.total} over {steps})")
+    assert per_step <= 1.0, c.sites.most_common(8)
+
+
+def test_the_step_compiles_fullgraph_and_matches_eager(setup):  # noqa: F811
+    from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
+                                                                decode_forward)
+    from gspo_megatron.backends.megatron.kernels.rotary import cos_sin
+
+    policy, _ = setup
+    model = policy.unwrapped()
+    w = DecodeWeights.of(model)
+    B, Lk, bs, blocks = 3, 20, 16, 8
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, len(w.layers), blocks, bs, w.groups, w.head_dim, generator=g)
+    table = torch.randperm(blocks, generator=g)[:B * 2].view(B, 2)
+    j = torch.arange(Lk)
+    key_rows = table[:, j // bs] * bs + j % bs
+    pos = torch.tensor([4, 19, 11])
+    pair = cos_sin(model.rotary_pos_emb(64), 1.0, torch.float32)
+    batch = DecodeBatch(torch.tensor([3, 5, 7]), pos, key_rows.gather(1, pos[:, None])[:, 0],
+                        key_rows, j[None, :] <= pos[:, None], pair.cos, pair.sin)
+    with torch.no_grad():
+        eager_kv = kv.clone()
+        eager, eager_routes = decode_forward(w, eager_kv, batch, True)
+        with torch.compiler.set_stance("default"):  # (the CPU compat runs compile eagerly)
+            torch._dynamo.reset()
+            compiled = torch.compile(decode_forward, fullgraph=True, backend="aot_eager")
+            got, routes = compiled(w, kv, batch, True)
+    assert torch.allclose(got, eager, atol=1e-5, rtol=1e-5)
+    assert torch.equal(routes, eager_routes)
+    assert torch.allclose(kv, eager_kv, atol=1e-6)  # the same keys and values written
