@@ -17,8 +17,12 @@ GPU; the first H200 run took 115 s for all of them at N = 8), then the timed one
                    with ``slice_rl``'s measured peaks: ``plan_vs_measured``).
 ``slice_mfu``      tools.bench.gpu_qwen3_slice: forward+backward MFU of a 4-layer slice at 4096
                    tokens against the measured bf16 matmul peak; log-prob memory at full vocabulary.
-``rollout_bench``  tools.bench.gpu_rollout: dynamic vs static engine on the slice, Megatron's
-                   modules vs our local kernels, tokens/s and a profile of a few decoding steps.
+``rollout_bench``  tools.bench.gpu_rollout: the engine paths on the slice (the dynamic engine's
+                   per-step loop, its multi-step rounds eager and from CUDA graphs, the static
+                   engine), Megatron's modules vs our local kernels: ms per decoding step, tokens/s,
+                   the step's memory-bound limit, greedy tokens per path against the per-step
+                   loop's, a profile of a few decoding steps. ``tiny_rollout_bench``: the same on
+                   the tiny model (fp32).
 ``slice_rl``       examples/configs/gpu_qwen3_slice_rl.yaml: a 1.87B-parameter Qwen3-30B-A3B-shaped
                    slice, bf16, dynamic engine, R2, 2 RL steps + checkpoint, then resumed for one
                    more; step breakdown and peak memory per phase. ``slice_rl_local_kernels``: the
@@ -149,6 +153,9 @@ def stages(work: str, size: str = "full") -> list[Stage]:
               480, timed=True),
         Stage("rollout_bench", [[sys.executable, "-m", "tools.bench.gpu_rollout", "--size", size]],
               480, timed=True),
+        # The same paths on the tiny model (issue 48's target: <= 3 ms per decoding step).
+        Stage("tiny_rollout_bench", [[sys.executable, "-m", "tools.bench.gpu_rollout", "--size",
+                                      "smoke" if smoke else "quick", "--tiny"]], 240, timed=True),
         # The slice's RL steps with our local kernels (SDPA attention, grouped expert GEMMs via
         # torch._grouped_mm): 7.0x Megatron's local spec in forward + backward on the H200, not
         # yet measured in rollouts.

@@ -8,7 +8,9 @@ two GEMMs and a host sync per expert) and with our local kernels (SDPA attention
 two ``torch._grouped_mm`` calls over weights stacked once per ``generate``). For each, the dynamic
 and the static engine alternate on ``batch`` prompts of 16 random ids, ``new`` tokens each,
 temperature 1 over a 1000-id vocabulary: one warm-up call each, then ``rounds`` timed calls.
-Reported per engine: tokens/s, seconds, and the cost of one decoding step of the batch.
+Reported per engine (:data:`ENGINES`): tokens/s, seconds, and the cost of one decoding step of
+the batch; beside them the step's memory-bound limit (:func:`memory_bound_step`) and whether
+greedy tokens are the same on every dynamic path (:func:`_greedy_equal`).
 
 Then one short call per engine (``PROFILE_TOKENS`` new tokens) under ``torch.profiler``: the ops
 with the most self time on the host and on the device, and the count of what makes the host wait
@@ -47,6 +49,61 @@ def profile_generate(engine, prompts: list[list[int]], top: int = 12) -> dict:
                        units=lambda samples: max(len(s.response_ids) for s in samples), top=top)
     out["decode_steps"] = out["units"]
     return out
+
+
+ENGINES = {
+    "dynamic_per_step": dict(engine="dynamic", decode_steps_per_sync=0),
+    "dynamic_rounds_eager": dict(engine="dynamic", decode_cuda_graphs=False),
+    "dynamic_rounds_graphs": dict(engine="dynamic"),
+    "static": dict(engine="static"),
+}
+"""The engine paths compared: Megatron's forward and bookkeeping every step (the 2026-11-26
+figure), multi-step rounds of the pure-torch step launched eagerly and replayed from CUDA graphs
+(``rollout.decode_steps_per_sync``, ``rollout.decode_cuda_graphs``), the static engine."""
+
+
+def _greedy_equal(engines: dict, prompts) -> dict:
+    """Greedy tokens (``top_k`` 1, the call's new tokens) of every dynamic path against the per-step
+    loop's: ``{path: number of requests whose tokens differ}`` (0: identical)."""
+    import traceback
+
+    out, ref = {}, None
+    for name, engine in engines.items():
+        if not name.startswith("dynamic"):
+            continue
+        try:
+            greedy = engine.with_sampling(dataclasses.replace(engine.config, top_k=1))
+            tokens = [s.response_ids for s in greedy.generate(prompts, seed=0)]
+        except Exception:  # noqa: BLE001 - record it
+            out[name] = traceback.format_exc()[-800:]
+            continue
+        if ref is None:
+            ref = tokens
+        out[name] = sum(a != b for a, b in zip(tokens, ref))
+    return out
+
+
+def memory_bound_step(model) -> dict:
+    """The decoding step's memory-bound limit: bytes of weights it reads (every parameter: at 128
+    requests x top-8 of 128 experts every expert is read) over the device's measured copy
+    bandwidth (a 1 GiB device-to-device copy: read + write)."""
+    import torch
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not torch.cuda.is_available():
+        return {"weight_bytes": weight_bytes}
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bandwidth = 2 * 5 * x.numel() / (time.perf_counter() - t)
+    del x, y
+    return {"weight_bytes": weight_bytes, "bandwidth_gb_s": bandwidth / 1e9,
+            "limit_ms": 1e3 * weight_bytes / bandwidth}
 
 
 def _time_engines(engines: dict, prompts, rounds: int) -> dict:
@@ -112,15 +169,20 @@ def run(size: str = "full", tiny: bool = False) -> dict:
                                   dataclasses.replace(precision, local_kernels=kernels),
                                   pre_process=True, post_process=True)
             engines, short = {}, {}
-            for name in ("dynamic", "static"):
+            for name, overrides in ENGINES.items():
+                if not kernels and name.startswith("dynamic_rounds"):
+                    continue  # (the rounds' step does not run Megatron's modules)
+                cfg_e = dataclasses.replace(rc, **overrides)
                 try:
                     engines[name] = RolloutEngine(gpt, groups, eos_id=0, pad_id=0,
-                                                  vocab_size=vocab,
-                                                  config=dataclasses.replace(rc, engine=name))
+                                                  vocab_size=vocab, config=cfg_e)
                     short[name] = engines[name].with_sampling(
-                        dataclasses.replace(rc, engine=name, max_new_tokens=PROFILE_TOKENS))
+                        dataclasses.replace(cfg_e, max_new_tokens=PROFILE_TOKENS))
                 except Exception as exc:  # noqa: BLE001 - record it and measure the other
                     results[f"{variant}/{name}"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            if kernels:
+                results["greedy_tokens_equal"] = _greedy_equal(engines, prompts)
+                results["decode_limit"] = memory_bound_step(gpt)
             timed = _time_engines(engines, prompts, rounds)
             for name, rec in timed.items():
                 if "error" not in rec:

@@ -31,7 +31,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from gspo_megatron.backends.megatron.kernels.moe import permute_without_host_reads
+from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
+                                                         permute_without_host_reads)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
 
 
@@ -81,6 +82,9 @@ class DecodeWeights:
     glu_offset: float
     softmax_scale: float
     grouped_query: bool
+    grouped_mm: bool = True
+    """Experts as ``torch._grouped_mm`` (:func:`~.moe.grouped_mm_runs_on`: any dtype on CPU,
+    bf16 on Hopper); else each route multiplies its expert's gathered weights."""
     ep_group: object = None
     """The expert-parallel group (None: every expert is here)."""
     local_experts: tuple[int, int] = (0, 0)
@@ -127,7 +131,8 @@ class DecodeWeights:
                    c.moe_router_topk_scaling_factor, router_dtype, bool(c.gated_linear_unit),
                    c.activation_func, float(c.glu_linear_offset),
                    c.softmax_scale if c.softmax_scale is not None else head_dim ** -0.5,
-                   c.num_attention_heads != c.num_query_groups, ep_group, local)
+                   c.num_attention_heads != c.num_query_groups,
+                   grouped_mm_runs_on(layers[0].w1) if layers else True, ep_group, local)
 
 
 def unsupported(model, groups) -> str | None:
@@ -307,10 +312,10 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     probs, top = _top_k(w, logits)
     routing_probs = torch.zeros_like(logits).scatter(1, top, probs)
     routing_map = torch.zeros_like(logits).int().scatter(1, top, 1).bool()
-    if torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16:
-        # torch._grouped_mm's shape function takes bf16 only (its CPU kernel any dtype): traced
-        # in fp32, each route multiplies its expert's gathered weights instead (T k weight reads:
-        # the CPU compile check's path, not a fast one)
+    if not w.grouped_mm or (torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16):
+        # torch._grouped_mm's shape function takes bf16 only (its CPU kernel any dtype), its
+        # CUDA kernel bf16 on Hopper: otherwise each route multiplies its expert's gathered
+        # weights (T k weight reads: the fp32 GPU and CPU compile-check path, not a fast one)
         probs_k = routing_probs.gather(1, top)  # [T, k]
         x = tokens.unsqueeze(1).expand(-1, w.topk, -1).reshape(-1, 1, H)  # [T k, 1, H]
         h = torch.bmm(x, layer.w1.index_select(0, top.reshape(-1)))  # [T k, 1, (2) F]
