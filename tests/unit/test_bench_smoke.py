@@ -72,7 +72,8 @@ def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
     assert "ours_vs_hf_tokens_per_s_batch2" in by_name["rollout"]["ratios"]
     # long-tailed vs uniform cost per real token, both engines, one process and EP=2 (2 ranks)
     assert {"ep1_dynamic", "ep1_static", "ep2_dynamic", "ep2_static", "ep1_dynamic_slots4",
-            "ep2_dynamic_slots4"} <= set(by_name["long_tail"]["ratios"])
+            "ep2_dynamic_slots4", "ep1_dynamic_per_step",
+            "ep2_dynamic_per_step"} <= set(by_name["long_tail"]["ratios"])
     # training per real token, long-tailed vs uniform, padded and packed microbatches, one
     # process and EP=2 (2 ranks); the synthetic reasoning-RL batch's tokens computed / real
     assert {"ep1_padded", "ep1_packed", "ep2_padded", "ep2_packed", "synthetic_padded",

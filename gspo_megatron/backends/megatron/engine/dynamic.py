@@ -140,6 +140,9 @@ class DynamicRollout:
             keep_freed_memory()
         self.steps = 0
         """Engine steps (forward passes) of the last generate, dummy forwards included."""
+        self.tokens_forwarded = 0
+        """Tokens the last generate forwarded for its requests (prefills and decoding steps;
+        not the EP lock-step's idle forwards, nor a round's masked rows)."""
         self._request_ids = itertools.count()
         """Request ids, unique for the engine's life (R3 routes of held requests are kept by id
         across calls; Megatron's own counter restarts at every ``engine.reset()``)."""
@@ -168,6 +171,8 @@ class DynamicRollout:
         if not self.context.is_tensor_state_allocated:
             self.context.allocate_all_tensors(is_init=False)
             self.context.reset()
+            if self.fast is not None:  # (torch.empty: NaN bits in a slot a request masks would
+                self.context.memory_buffer.zero_()  # still poison the rounds' attention)
         self.kv_bytes = self._kv_bytes()
 
     def held_ids(self) -> set[int]:
@@ -255,7 +260,7 @@ class DynamicRollout:
                 else:
                     call.add(next(self._request_ids), prompt, budget)
             lock_step = self.groups.ep_size > 1
-            self.steps = finished = 0
+            self.steps = self.tokens_forwarded = finished = 0
             while True:
                 if refill is not None and not stop.done:
                     for prompt, budget in refill(call.running):
@@ -331,6 +336,7 @@ class DynamicRollout:
                 last = s
                 break
         self._requeue(call, pending.finish(last))
+        self.tokens_forwarded += pending.forwarded
         return per_step[:last + 1]
 
     def _recorder(self):
@@ -356,6 +362,7 @@ class DynamicRollout:
         ctx = self.context
         admit_waiting(ctx, call.waiting)
         ctx.initialize_attention_state()
+        self.tokens_forwarded += int(ctx.active_token_count)
         input_ids, position_ids = ctx.current_input_and_position_ids()  # [1, T_padded] each
         logits = self.controller._dynamic_step_forward_logits(input_ids, position_ids)
         first, last = ctx.paused_request_count, ctx.total_request_count

@@ -56,6 +56,7 @@ class FastDecoder:
         self.steps_per_sync = int(steps_per_sync)
         self.weights: DecodeWeights | None = None
         self._kept: DecodeWeights | None = None
+
         self._rotary: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.step_fn = decode_forward
         """The step: :func:`~..kernels.decode.decode_forward`, or its CUDA graphs."""
@@ -241,6 +242,8 @@ class _Pending:
     routes: torch.Tensor | None
     """``[K, L, n, k]``."""
     recorder: object
+    forwarded: int = 0
+    """Live tokens the kept steps forwarded (set by :meth:`finish`)."""
 
     def finish(self, last_step: int):
         """Keep steps ``0 .. last_step``: their live tokens join the call (R3: their routes the
@@ -249,6 +252,7 @@ class _Pending:
         ctx, n, bs, first = self.decoder.context, self.n, self.block_size, self.first
         steps = last_step + 1
         flat = [s * n + r for s in range(steps) for r in range(n) if self.live[s][r]]
+        self.forwarded = len(flat)
         device = self.tokens.device
         index = torch.tensor(flat, dtype=torch.long, device=device)
         col = index % n

@@ -15,8 +15,10 @@ Megatron's local spec with this project's kernels (:mod:`.local`, :mod:`.moe`), 
 RMSNorm, fused QKV split per query group, QK-norm, RoPE (:mod:`.rotary`), the key/value written
 into the paged buffer, attention over each request's keys gathered from its blocks (SDPA, GQA),
 top-k softmax routing with Megatron's ``topk`` and dropless experts as two grouped GEMMs over
-the tokens in expert-major order (:func:`~.moe.permute_without_host_reads`), final norm and
-output layer. Greedy tokens equal Megatron's forward's (``tests/unit/test_fast_decode.py``).
+the tokens in expert-major order (:func:`~.moe.permute_without_host_reads`; with at most ``2 k``
+experts, or this rank's experts under EP, every expert over every token: :func:`_dense_experts`),
+final norm and output layer. Greedy tokens equal Megatron's forward's
+(``tests/unit/test_fast_decode.py``).
 
 Supported (:func:`unsupported` says why not): TP = PP = 1 (EP any: :func:`_moe_ep`), the local spec (not TE's fused
 norm-linear modules), SwiGLU or plain experts without bias, softmax top-k routing without groups
@@ -190,7 +192,8 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
                    record_routes: bool = False):
     """``(logits [B, V] fp32, routes [L_moe, B, k] or None)`` of one decoding step; the step's
     keys and values are written into ``kv [2, L, blocks, block_size, Hk, D]`` (Megatron's paged
-    buffer) at ``batch.slots``. ``routes``: each MoE layer's top-k experts in ``torch.topk``'s
+    buffer, whose every slot must hold finite values: zeroed once when allocated) at
+    ``batch.slots``. ``routes``: each MoE layer's top-k experts in ``torch.topk``'s
     order (what R3 records)."""
     B = batch.tokens.shape[0]
     np_, ng, hn = w.heads, w.groups, w.head_dim
@@ -199,7 +202,6 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
     Lk = batch.key_rows.shape[1]
     rows = batch.key_rows.reshape(-1)  # [B Lk]
     visible = batch.key_mask[:, None, None, :]  # [B, 1, 1, Lk]
-    hidden = batch.key_mask.logical_not()[:, :, None, None]  # [B, Lk, 1, 1]
     routes = []
     for i, layer in enumerate(w.layers):
         y = layer.input_norm(x)
@@ -215,9 +217,10 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
         keys.index_copy_(0, batch.slots, k.squeeze(1))
         values.index_copy_(0, batch.slots, v.squeeze(1))
         q = rotate(q, cos, sin, w.rot_dim)
-        # [B, Lk, ng, hn] each; slots past a request's keys zeroed (never written: NaN bits)
-        k_all = keys.index_select(0, rows).view(B, Lk, ng, hn).masked_fill(hidden, 0)
-        v_all = values.index_select(0, rows).view(B, Lk, ng, hn).masked_fill(hidden, 0)
+        # [B, Lk, ng, hn] each; slots past a request's keys are masked, and finite: the buffer
+        # is zeroed when allocated (a masked NaN key or value would still poison the softmax)
+        k_all = keys.index_select(0, rows).view(B, Lk, ng, hn)
+        v_all = values.index_select(0, rows).view(B, Lk, ng, hn)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=visible,
             scale=w.softmax_scale, enable_gqa=w.grouped_query)  # [B, np, 1, hn]
@@ -277,13 +280,22 @@ def _moe_ep(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     probs, top = _top_k(w, logits)
     first, count = w.local_experts
     weights = torch.zeros_like(logits).scatter(1, top, probs)[:, first:first + count]  # [T, E_l]
-    x = tokens.unsqueeze(0).expand(count, -1, -1)  # [E_l, T, H]
-    h = torch.bmm(x, layer.w1)  # [E_l, T, (2) F]
-    h = (_act(w, h) * weights.t().unsqueeze(-1)).to(tokens.dtype)
-    out = torch.bmm(h, layer.w2).sum(dim=0)  # [T, H]
+    out = _dense_experts(w, layer, tokens, weights)
     dist.all_reduce(out, group=group)
     rank = dist.get_rank(group)
     return out[rank * rows:rank * rows + B].view(B, 1, H), top[rank * rows:rank * rows + B]
+
+
+def _dense_experts(w: DecodeWeights, layer: DecodeLayer, tokens: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: every expert of ``layer.w1 / w2`` over every token, weighted by ``weights [T,
+    E]`` (0 where a token did not choose the expert) and summed: ``E / k`` times the routed
+    FLOPs, but each expert's weights read once and two batched GEMMs instead of a permutation,
+    two grouped GEMMs and a scatter (a decoding step of a narrow model is its op count)."""
+    x = tokens.unsqueeze(0).expand(weights.shape[1], -1, -1)  # [E, T, H]
+    h = torch.bmm(x, layer.w1)  # [E, T, (2) F]
+    h = (_act(w, h) * weights.t().unsqueeze(-1)).to(tokens.dtype)
+    return torch.bmm(h, layer.w2).sum(dim=0)  # [T, H]
 
 
 def _top_k(w: DecodeWeights, logits: torch.Tensor):
@@ -311,6 +323,8 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
     probs, top = _top_k(w, logits)
     routing_probs = torch.zeros_like(logits).scatter(1, top, probs)
+    if logits.shape[1] <= 2 * w.topk:  # at most twice the routed FLOPs: every expert, densely
+        return _dense_experts(w, layer, tokens, routing_probs).view(B, 1, H), top
     routing_map = torch.zeros_like(logits).int().scatter(1, top, 1).bool()
     if not w.grouped_mm or (torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16):
         # torch._grouped_mm's shape function takes bf16 only (its CPU kernel any dtype), its
