@@ -171,8 +171,8 @@ class DynamicRollout:
         if not self.context.is_tensor_state_allocated:
             self.context.allocate_all_tensors(is_init=False)
             self.context.reset()
-            if self.fast is not None:  # (torch.empty: NaN bits in a slot a request masks would
-                self.context.memory_buffer.zero_()  # still poison the rounds' attention)
+            if self.fast is not None:
+                self.fast.buffer_allocated()
         self.kv_bytes = self._kv_bytes()
 
     def held_ids(self) -> set[int]:

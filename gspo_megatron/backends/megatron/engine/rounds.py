@@ -69,6 +69,13 @@ class FastDecoder:
             self.graphs = self.step_fn = GraphedDecode(
                 alloc.dummy_block_idx * context.block_size_tokens, context.block_size_tokens)
 
+    def buffer_allocated(self) -> None:
+        """The KV buffer was allocated anew (``torch.empty``): zero Megatron's dummy block,
+        whose first slot stands in for the keys past a round's window (masked keys must be
+        finite: a NaN key or value poisons a softmax row even under the mask)."""
+        ctx = self.context
+        ctx.memory_buffer[:, :, ctx.block_allocator.dummy_block_idx] = 0
+
     def begin(self) -> None:
         """Read the weights for one ``generate`` (the experts stacked for its duration; kept
         in tensors of their own, refreshed in place, under CUDA graphs)."""
@@ -153,10 +160,20 @@ class FastDecoder:
                                 device=device)
             table[rows, cols] = blocks.to(table.dtype)
         lk = max(plan.pos0) + steps  # the round's key window
-        block_rows = table[first:first + n, : -(-lk // bs)].long().clamp(min=0)  # [n, nb]
+        block_rows = table[first:first + n, : -(-lk // bs)].long()  # [n, nb]; -1: none yet
         j = torch.arange(lk, device=device)
-        key_rows = block_rows[:, j // bs] * bs + j % bs  # [n, Lk]
         pos = ctx.request_kv_length_offsets[first:first + n].long().clone()
+        # [n, Lk] flat KV slots of each request's keys. Every slot read must hold finite values
+        # (a NaN key or value poisons a softmax row even where it is masked; the buffer is
+        # torch.empty): the slots past the round's last position read the zeroed scratch slot,
+        # and the slots the round will write are zeroed now (written before they are unmasked).
+        key_rows = block_rows[:, j // bs] * bs + j % bs
+        scratch = ctx.block_allocator.dummy_block_idx * bs
+        key_rows = key_rows.masked_fill(j[None, :] >= (pos + plan.steps)[:, None], scratch)
+        ahead = (pos[:, None] + torch.arange(1, plan.steps, device=device)).clamp(max=lk - 1)
+        ctx.memory_buffer.view(-1, ctx.memory_buffer.shape[2] * bs,
+                               ctx.memory_buffer[0, 0, 0, 0].numel()).index_fill_(
+            1, key_rows.gather(1, ahead).reshape(-1), 0)
         tokens = ctx.token_to_input_ids[:n].long().clone()
         term = ctx.request_metadata["termination_id"][first:first + n].long()
         limit = ctx.request_output_lengths[first:first + n].long() - 1
