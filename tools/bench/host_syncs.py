@@ -105,8 +105,11 @@ class HostSyncCounter:
         self._originals.clear()
 
 
-def measure(requests: int, new_tokens: int, seed: int = 0) -> dict:
-    """One rollout of ``requests`` prompts x ``new_tokens`` on the dynamic engine, counted."""
+def measure(requests: int, new_tokens: int, seed: int = 0,
+            steps_per_sync: tuple[int, ...] = (0, 16)) -> dict:
+    """One rollout of ``requests`` prompts x ``new_tokens`` on the dynamic engine, counted, per
+    ``rollout.decode_steps_per_sync`` (0: Megatron's forward and bookkeeping every step;
+    16: the multi-step rounds, the default)."""
     from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
@@ -118,20 +121,25 @@ def measure(requests: int, new_tokens: int, seed: int = 0) -> dict:
     groups = initialize_distributed(ParallelConfig(), model, seed=seed)
     policy = build_policy(model, ParallelConfig(), PrecisionConfig(transformer_impl="local"),
                           OptimConfig(), groups, total_steps=1, with_optimizer=False)
-    engine = RolloutEngine(policy.model, groups, eos_id=vocab - 1, pad_id=0, vocab_size=vocab,
-                           config=RolloutConfig(engine="dynamic", max_new_tokens=new_tokens,
-                                                ignore_eos=True, max_batch_size=requests))
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab - 1, (int(n),), generator=gen).tolist()
                for n in torch.randint(4, 12, (requests,), generator=gen)]
-    engine.generate(prompts, seed=seed)  # warm-up: allocations, first-call caches
-    with HostSyncCounter() as counter:
-        samples = engine.generate(prompts, seed=seed + 1)
-    steps = engine.dynamic.steps
-    assert all(len(s.response_ids) == new_tokens for s in samples)
-    return {"requests": requests, "new_tokens": new_tokens, "engine_steps": steps,
-            "host_syncs": counter.total, "per_step": counter.total / steps,
-            "top_sites": counter.sites.most_common(12)}
+    out = {}
+    for k in steps_per_sync:
+        engine = RolloutEngine(policy.model, groups, eos_id=vocab - 1, pad_id=0,
+                               vocab_size=vocab,
+                               config=RolloutConfig(engine="dynamic", max_new_tokens=new_tokens,
+                                                    ignore_eos=True, max_batch_size=requests,
+                                                    decode_steps_per_sync=k))
+        engine.generate(prompts, seed=seed)  # warm-up: allocations, first-call caches
+        with HostSyncCounter() as counter:
+            samples = engine.generate(prompts, seed=seed + 1)
+        steps = engine.dynamic.steps
+        assert all(len(s.response_ids) == new_tokens for s in samples)
+        out[k] = {"requests": requests, "new_tokens": new_tokens, "engine_steps": steps,
+                  "host_syncs": counter.total, "per_step": counter.total / steps,
+                  "top_sites": counter.sites.most_common(12)}
+    return out
 
 
 def main() -> None:
@@ -140,11 +148,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    r = measure(args.requests, args.new_tokens)
-    print(f"{r['requests']} requests x {r['new_tokens']} new tokens: {r['engine_steps']} engine "
-          f"steps, {r['host_syncs']} host synchronisations, {r['per_step']:.2f} per step")
-    for site, n in r["top_sites"]:
-        print(f"  {n:6d}  {site}")
+    for k, r in measure(args.requests, args.new_tokens).items():
+        print(f"decode_steps_per_sync={k}: {r['requests']} requests x {r['new_tokens']} new "
+              f"tokens: {r['engine_steps']} engine steps, {r['host_syncs']} host "
+              f"synchronisations, {r['per_step']:.2f} per step")
+        for site, n in r["top_sites"]:
+            print(f"  {n:6d}  {site}")
 
 
 if __name__ == "__main__":
