@@ -120,3 +120,41 @@ def test_the_step_compiles_fullgraph_and_matches_eager(setup):  # noqa: F811
     assert torch.allclose(got, eager, atol=1e-5, rtol=1e-5)
     assert torch.equal(routes, eager_routes)
     assert torch.allclose(kv, eager_kv, atol=1e-6)  # the same keys and values written
+
+
+def test_graph_buckets_pad_rows_and_keys_without_changing_the_step(setup):  # noqa: F811
+    """:class:`GraphedDecode`'s buckets (rows to a power of two, the key window to whole blocks,
+    padded rows on the scratch slot) give the plain step's logits, routes and KV writes; on CPU
+    its "replay" runs the bucket eagerly, the padding logic the GPU's graphs replay."""
+    from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
+                                                                decode_forward)
+    from gspo_megatron.backends.megatron.kernels.graphs import GraphedDecode
+    from gspo_megatron.backends.megatron.kernels.rotary import cos_sin
+
+    policy, _ = setup
+    model = policy.unwrapped()
+    w = DecodeWeights.of(model)
+    bs, blocks = 16, 12
+    scratch = (blocks - 1) * bs  # the last block: no request's
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(2, len(w.layers), blocks, bs, w.groups, w.head_dim, generator=g)
+    kv[:, :, blocks - 1] = 0
+    graphed = GraphedDecode(scratch, bs)
+    pair = cos_sin(model.rotary_pos_emb(64), 1.0, torch.float32)
+    for B, Lk in ((3, 20), (5, 17), (3, 30)):  # buckets (4, 32), (8, 32), (4, 32) again
+        table = torch.randperm(blocks - 1, generator=g)[:B * 2].view(B, 2)
+        j = torch.arange(Lk)
+        key_rows = table[:, j // bs] * bs + j % bs
+        pos = torch.randint(0, Lk, (B,), generator=g)
+        batch = DecodeBatch(torch.randint(3, 12, (B,), generator=g), pos,
+                            key_rows.gather(1, pos[:, None])[:, 0], key_rows,
+                            j[None, :] <= pos[:, None], pair.cos, pair.sin)
+        with torch.no_grad():
+            ref_kv = kv.clone()
+            ref, ref_routes = decode_forward(w, ref_kv, batch, True)
+            got, routes = graphed(w, kv, batch, True)
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(routes, ref_routes)
+        kv[:, :, blocks - 1] = ref_kv[:, :, blocks - 1]  # (only the scratch block may differ)
+        assert torch.allclose(kv, ref_kv, atol=1e-6)  # (a padded GEMM may round otherwise)
+    assert graphed.captures == 2  # (4, 32) met twice, captured once

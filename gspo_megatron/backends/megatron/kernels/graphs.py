@@ -13,7 +13,8 @@ dummy block), their outputs are dropped.
 A graph holds the addresses it captured: the KV buffer (re-captured when the engine allocates it
 anew after a suspend), the weights (:class:`~..engine.rounds.FastDecoder` keeps the stacked
 experts in tensors of its own, refreshed in place each call) and the step's input tensors.
-CUDA only; on CPU the eager step runs.
+On CPU the same buckets and padding run eagerly (the engine uses it on CUDA only; the tests
+compare its padded buckets with the plain step there).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class GraphedDecode:
         self.scratch_slot = int(scratch_slot)
         self.block_size = int(block_size)
         self.graphs: dict = {}
-        self.pool = None
+        self._captured_on: tuple[int, int] = (0, 0)
+        """``(KV buffer address, weights id)`` the graphs were captured on."""
         self.captures = 0
         """Graphs captured so far (one per bucket, again after the KV buffer moved)."""
 
@@ -45,15 +47,19 @@ class GraphedDecode:
         B, Lk = batch.key_rows.shape
         rows = _bucket(B)
         window = -(-Lk // self.block_size) * self.block_size
-        key = (rows, window, bool(record_routes), kv.data_ptr(), id(w))
+        if (kv.data_ptr(), id(w)) != self._captured_on:  # the KV buffer moved (a resume
+            self.graphs.clear()  # allocated it anew): every graph points at the old one
+            self._captured_on = (kv.data_ptr(), id(w))
+        key = (rows, window, bool(record_routes))
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(w, kv, batch, rows, window, record_routes)
-        static, outputs, graph = entry
+        static, replay = entry
         self._fill(static, batch, B, Lk)
-        graph.replay()
-        logits, routes = outputs
-        return logits[:B], (routes[:, :B] if routes is not None else None)
+        logits, routes = replay()
+        # (the next replay overwrites the graph's outputs: the caller consumes the logits at
+        # once, the routes are kept for the round, so they are copied)
+        return logits[:B], (routes[:, :B].clone() if routes is not None else None)
 
     def _fill(self, static: DecodeBatch, batch: DecodeBatch, B: int, Lk: int) -> None:
         """The step's inputs into the graph's tensors; padded rows and keys point at the scratch
@@ -84,25 +90,32 @@ class GraphedDecode:
             key_mask=torch.zeros(rows, window, dtype=torch.bool, device=device),
             cos=batch.cos, sin=batch.sin)
         static.key_mask[:, 0] = True
+
+        def run():
+            return decode_forward(w, kv, static, record_routes)
+        self.captures += 1
+        if not kv.is_cuda:  # the same buckets and padding, run eagerly (what CPU tests check)
+            return static, run
         # warm-up on a side stream (lazy initialisation must not happen inside the capture);
         # the KV writes go to the scratch slot only
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                decode_forward(w, kv, static, record_routes)
+                run()
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = decode_forward(w, kv, static, record_routes)
-        self.pool = graph.pool()
-        self.captures += 1
-        return static, outputs, graph
+        graph = torch.cuda.CUDAGraph()  # its own memory pool: buckets replay in any order
+        with torch.cuda.graph(graph):
+            outputs = run()
+
+        def replay():
+            graph.replay()
+            return outputs
+        return static, replay
 
     def reset(self) -> None:
         """Drop every graph (their memory back to the allocator)."""
         self.graphs.clear()
-        self.pool = None
 
 
 def persistent_weights(current, fresh):
