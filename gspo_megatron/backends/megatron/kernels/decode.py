@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
                                                          permute_without_host_reads)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
+from gspo_megatron.backends.megatron.model import RMSNorm
 
 
 @dataclasses.dataclass
@@ -59,6 +60,11 @@ class DecodeLayer:
     (a dense layer's ``linear_fc1``)."""
     w2: torch.Tensor
     """``[E, F, H]`` or ``[H, F]``."""
+    qk_weight: torch.Tensor | None = None
+    """``[np + ng, hn]`` fp32: QK-norm's query weight per query head, then its key weight per
+    key head, so one RMSNorm and one rotation serve both (our ``RMSNorm`` on both sides, same
+    eps: its formula, in fp32, then the activations' dtype); None: the two modules are called."""
+    qk_eps: float = 0.0
 
 
 @dataclasses.dataclass
@@ -113,11 +119,17 @@ class DecodeWeights:
                 w2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
             else:
                 w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+            q_norm, k_norm = getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None)
+            qk_weight = None
+            if (type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps):
+                qk_weight = torch.cat((
+                    q_norm.weight.float().expand(c.num_attention_heads, -1),
+                    k_norm.weight.float().expand(c.num_query_groups, -1)))
             layers.append(DecodeLayer(
-                layer.input_layernorm, att.linear_qkv.weight,
-                getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None),
+                layer.input_layernorm, att.linear_qkv.weight, q_norm, k_norm,
                 att.linear_proj.weight, layer.pre_mlp_layernorm,
-                mlp.router.weight if moe else None, w1, w2))
+                mlp.router.weight if moe else None, w1, w2, qk_weight,
+                q_norm.eps if qk_weight is not None else 0.0))
         head_dim = c.kv_channels
         rot = model.rotary_pos_emb
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype)
@@ -208,15 +220,19 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
         qkv = F.linear(y, layer.qkv).view(B, 1, ng, (np_ // ng + 2) * hn)
         q, k, v = torch.split(qkv, [np_ // ng * hn, hn, hn], dim=3)
         q = q.reshape(B, 1, np_, hn)  # [B, 1, np, hn]
-        if layer.q_norm is not None:
-            q = layer.q_norm(q)
-        if layer.k_norm is not None:
-            k = layer.k_norm(k)
-        k = rotate(k, cos, sin, w.rot_dim)  # [B, 1, ng, hn]
+        if layer.qk_weight is not None:  # QK-norm and RoPE of queries and keys at once
+            qk = torch.cat((q, k), dim=2)  # [B, 1, np + ng, hn]
+            normed = F.rms_norm(qk.float(), (hn,), None, layer.qk_eps) * layer.qk_weight
+            q, k = rotate(normed.to(qk.dtype), cos, sin, w.rot_dim).split([np_, ng], dim=2)
+        else:
+            if layer.q_norm is not None:
+                q = layer.q_norm(q)
+            if layer.k_norm is not None:
+                k = layer.k_norm(k)
+            q, k = rotate(q, cos, sin, w.rot_dim), rotate(k, cos, sin, w.rot_dim)
         keys, values = kv[0, i].view(-1, ng, hn), kv[1, i].view(-1, ng, hn)
         keys.index_copy_(0, batch.slots, k.squeeze(1))
         values.index_copy_(0, batch.slots, v.squeeze(1))
-        q = rotate(q, cos, sin, w.rot_dim)
         # [B, Lk, ng, hn] each; slots past a request's keys are masked, and finite: the buffer
         # is zeroed when allocated (a masked NaN key or value would still poison the softmax)
         k_all = keys.index_select(0, rows).view(B, Lk, ng, hn)

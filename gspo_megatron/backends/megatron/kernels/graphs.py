@@ -123,11 +123,19 @@ def persistent_weights(current, fresh):
     into ``current``'s tensors (same shapes: the same model), so graphs captured on ``current``
     read this call's weights; ``fresh`` with private copies of its experts the first time."""
     if current is None:
-        layers = [dataclasses.replace(layer, w1=layer.w1.clone(), w2=layer.w2.clone())
-                  if layer.router is not None else layer for layer in fresh.layers]
+        layers = [dataclasses.replace(layer, **{name: getattr(layer, name).clone()
+                                                for name in _derived(layer)})
+                  for layer in fresh.layers]
         return dataclasses.replace(fresh, layers=layers)
     for mine, new in zip(current.layers, fresh.layers):
-        if mine.router is not None:
-            mine.w1.copy_(new.w1)
-            mine.w2.copy_(new.w2)
+        for name in _derived(new):
+            getattr(mine, name).copy_(getattr(new, name))
     return current
+
+
+def _derived(layer) -> list[str]:
+    """The layer's tensors made for this call (stacked experts, the joint QK-norm weight), not
+    the model's own parameters (which graphs read in place)."""
+    return [name for name in ("w1", "w2", "qk_weight")
+            if torch.is_tensor(getattr(layer, name)) and
+            not isinstance(getattr(layer, name), torch.nn.Parameter)]
