@@ -290,13 +290,14 @@ def test_a_decoding_step_forwards_the_running_requests_and_no_padding(setup):
     """With EOS the decoding batch shrinks as requests finish, and each step forwards exactly
     the running requests' tokens: Megatron pads a step to a multiple of 64 tokens for its
     CUDA-graph shapes, which this loop does not use (``RolloutContext.TOKEN_ROUNDER``). Its
-    rounding rule is kept (any rounder, rounded up to a multiple of TP)."""
+    rounding rule is kept (any rounder, rounded up to a multiple of TP). (Megatron's forward at
+    every step, ``decode_steps_per_sync: 0``: what is counted here is its forward.)"""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     policy, groups = setup
     eng = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
                         config=RolloutConfig(max_new_tokens=8, max_batch_size=32,
-                                             temperature=1.0))
+                                             temperature=1.0, decode_steps_per_sync=0))
     seen = []  # (tokens forwarded, running requests) of every decoding step
     forward = eng.wrapper.run_one_forward_step
 
@@ -329,11 +330,13 @@ def test_a_decoding_step_forwards_the_running_requests_and_no_padding(setup):
 def test_dynamic_engine_refills_slots_and_releases_its_kv_cache(setup):
     """More prompts than slots: a finished request hands its slot to a waiting prompt before the
     next forward (no forward runs with a free slot while prompts wait); the paged KV cache exists
-    only during a generate."""
+    only during a generate. (Megatron's forward at every step, counted here; the multi-step
+    rounds start only once nothing waits: ``tests/unit/test_fast_decode.py``.)"""
     policy, groups = setup
     prompts = make_prompts(24, seed=3)
     eng = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
-                        config=RolloutConfig(max_new_tokens=8, max_batch_size=6, temperature=1.0))
+                        config=RolloutConfig(max_new_tokens=8, max_batch_size=6, temperature=1.0,
+                                             decode_steps_per_sync=0))
     assert eng.dynamic.kv_bytes == 0  # built suspended
     seen = []  # (requests in the forward, prompts waiting) of every engine forward
     forward = eng.wrapper.run_one_forward_step
@@ -441,19 +444,12 @@ def test_held_requests_continue_without_prefill_with_their_routes(setup):
     assert {first[i].extra[HELD_REQUEST_KEY] for i in cut} == eng.dynamic.held_ids()
     assert eng.dynamic.kv_bytes > 0  # held: the cache stays
     written = {i: len(first[i].response_ids) for i in cut}
-    forwarded = []  # tokens in each engine forward
-    forward = eng.wrapper.run_one_forward_step
-
-    def counted(*args, **kwargs):
-        forwarded.append(int(eng.dynamic.context.active_token_count))
-        return forward(*args, **kwargs)
-    eng.wrapper.run_one_forward_step = counted
     stop = GroupStop([i // 2 for i in cut], need=5, hold_cut=True, continue_ids={
         k: first[i].extra[HELD_REQUEST_KEY] for k, i in enumerate(cut[::-1])})
     rest = eng.generate([prompts[i] + first[i].response_ids for i in cut][::-1], seed=0,
                         budgets=[12 - written[i] for i in cut][::-1], stop=stop)[::-1]
-    eng.wrapper.run_one_forward_step = forward
-    assert max(forwarded) <= len(cut)  # one token per running request: nothing prefilled again
+    # one token forwarded per token written (each the running request's newest): no prefill
+    assert eng.dynamic.tokens_forwarded == sum(len(s.response_ids) for s in rest)
     assert not eng.dynamic.held_ids() and eng.dynamic.kv_bytes == 0
     joined = []
     for i, s in zip(cut, rest):
