@@ -158,3 +158,32 @@ def test_graph_buckets_pad_rows_and_keys_without_changing_the_step(setup):  # no
         kv[:, :, blocks - 1] = ref_kv[:, :, blocks - 1]  # (only the scratch block may differ)
         assert torch.allclose(kv, ref_kv, atol=1e-6)  # (a padded GEMM may round otherwise)
     assert graphed.captures == 2  # (4, 32) met twice, captured once
+
+
+def test_rounds_with_a_dense_layer_and_yarn(setup):  # noqa: F811
+    """A dense (non-MoE) first layer (``moe_layer_freq: [0, 1]``, Qwen3's ``mlp_only_layers``)
+    and YaRN rope scaling (the step's rotary table carries YaRN's scale): greedy tokens and
+    log-probs as Megatron's forward at every step."""
+    from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
+    from gspo_megatron.backends.megatron.policy import build_policy
+    from gspo_megatron.config import OptimConfig, RolloutConfig
+    from gspo_megatron.config.model import (ParallelConfig, PrecisionConfig,
+                                            model_config_from_preset)
+
+    _, groups = setup
+    cfg = model_config_from_preset("tiny", vocab_size=VOCAB, seq_length=64, moe_layer_freq=[0, 1],
+                                   position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+                                   yarn_original_max_position_embeddings=16)
+    torch.manual_seed(3)
+    policy = build_policy(cfg, ParallelConfig(), PrecisionConfig(transformer_impl="local"),
+                          OptimConfig(), groups, total_steps=1, with_optimizer=False)
+    with torch.no_grad():
+        policy.unwrapped().output_layer.weight.mul_(30.0)
+    out = []
+    for k in (0, 16):
+        eng = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=PAD, vocab_size=VOCAB,
+                            config=RolloutConfig(max_new_tokens=40, max_batch_size=8, top_k=1,
+                                                 ignore_eos=True, decode_steps_per_sync=k))
+        out.append(eng.generate(make_prompts(8, seed=11), seed=0))
+    assert_same(*out)
+    assert all(len(s.response_ids) == 40 for s in out[0])  # past YaRN's original window
