@@ -104,8 +104,10 @@ def test_a_tp2_trainer_feeds_a_tp1_replica_as_the_colocated_tp2_run(tmp_path):
     # 2 warm-up steps, not 0: without one the colocated TP=2 run fails at 3788b2b (Megatron's
     # sequence-parallel gather buffer is first allocated in the rollout's inference mode, then
     # written by the update: "Inplace update to inference tensor outside InferenceMode")
+    # Megatron's per-step decoding on both sides: a TP=2 engine decodes there, and the TP=1
+    # replica's multi-step rounds would draw other samples from the same distribution.
     tp2 = ["--trainer.steps=2", "--sft.steps=2", "--parallel.tensor_model_parallel_size=2",
-           "--parallel.sequence_parallel=true"]
+           "--parallel.sequence_parallel=true", "--rollout.decode_steps_per_sync=0"]
     colocated = tmp_path / "colocated"
     gspo_train(colocated, *tp2, nproc=2)
     separate = tmp_path / "separate"
