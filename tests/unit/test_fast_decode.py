@@ -47,11 +47,20 @@ def assert_same(a, b):
     {},  # EOS inside rounds
     {"max_batch_size": 5},  # 24 prompts through 5 slots: rounds end to let prompts in
     {"ignore_eos": True, "max_new_tokens": 300},  # crosses a 256-token KV block inside a round
-], ids=["eos", "slots5", "block_crossing"])
+    {"long_prompts": True},  # 4 of 24 prompts of 150 tokens: keys read in length groups
+], ids=["eos", "slots5", "block_crossing", "length_groups"])
 def test_rounds_give_the_per_step_tokens_and_logprobs(setup, cfg):  # noqa: F811
+    cfg = dict(cfg)
+    long_prompts = cfg.pop("long_prompts", False)
     per_step, rounds = engines(setup, **cfg)
     assert per_step.dynamic.fast is None and rounds.dynamic.fast is not None
     prompts = make_prompts(24, seed=3)
+    if long_prompts:
+        from gspo_megatron.backends.megatron.engine.rounds import _length_groups
+
+        prompts[::6] = [p * 40 for p in prompts[::6]][:4]
+        prompts = [p[:150] for p in prompts]
+        assert len(_length_groups([len(p) for p in prompts], 12)) > 1
     a, b = per_step.generate(prompts, seed=0), rounds.generate(prompts, seed=0)
     assert_same(a, b)
     assert {s.finish_reason for s in a} == ({"length"} if cfg.get("ignore_eos") else
@@ -94,7 +103,7 @@ def test_at_most_one_host_sync_per_decoding_step(setup):  # noqa: F811
 
 def test_the_step_compiles_fullgraph_and_matches_eager(setup):  # noqa: F811
     from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
-                                                                decode_forward)
+                                                                KeyGroup, decode_forward)
     from gspo_megatron.backends.megatron.kernels.rotary import cos_sin
 
     policy, _ = setup
@@ -109,7 +118,7 @@ def test_the_step_compiles_fullgraph_and_matches_eager(setup):  # noqa: F811
     pos = torch.tensor([4, 19, 11])
     pair = cos_sin(model.rotary_pos_emb(64), 1.0, torch.float32)
     batch = DecodeBatch(torch.tensor([3, 5, 7]), pos, key_rows.gather(1, pos[:, None])[:, 0],
-                        key_rows, j[None, :] <= pos[:, None], pair.cos, pair.sin)
+                        pair.cos, pair.sin, [KeyGroup(None, key_rows, j[None, :] <= pos[:, None], j)])
     with torch.no_grad():
         eager_kv = kv.clone()
         eager, eager_routes = decode_forward(w, eager_kv, batch, True)
@@ -127,7 +136,7 @@ def test_graph_buckets_pad_rows_and_keys_without_changing_the_step(setup):  # no
     padded rows on the scratch slot) give the plain step's logits, routes and KV writes; on CPU
     its "replay" runs the bucket eagerly, the padding logic the GPU's graphs replay."""
     from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
-                                                                decode_forward)
+                                                                KeyGroup, decode_forward)
     from gspo_megatron.backends.megatron.kernels.graphs import GraphedDecode
     from gspo_megatron.backends.megatron.kernels.rotary import cos_sin
 
@@ -147,8 +156,8 @@ def test_graph_buckets_pad_rows_and_keys_without_changing_the_step(setup):  # no
         key_rows = table[:, j // bs] * bs + j % bs
         pos = torch.randint(0, Lk, (B,), generator=g)
         batch = DecodeBatch(torch.randint(3, 12, (B,), generator=g), pos,
-                            key_rows.gather(1, pos[:, None])[:, 0], key_rows,
-                            j[None, :] <= pos[:, None], pair.cos, pair.sin)
+                            key_rows.gather(1, pos[:, None])[:, 0], pair.cos, pair.sin,
+                            [KeyGroup(None, key_rows, j[None, :] <= pos[:, None], j)])
         with torch.no_grad():
             ref_kv = kv.clone()
             ref, ref_routes = decode_forward(w, ref_kv, batch, True)

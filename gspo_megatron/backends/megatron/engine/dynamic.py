@@ -267,7 +267,8 @@ class DynamicRollout:
                         call.add(next(self._request_ids), prompt, budget)
                 mine = (self.context.total_request_count > 0 or bool(call.waiting)) and \
                     not (stop and stop.done)
-                plan = self.fast.plan() if mine and self.fast and self.fast.ready(call) else None
+                plan = (self.fast.plan(early_stop=stop is not None)
+                        if mine and self.fast and self.fast.ready(call) else None)
                 go, rounds, steps, rows = self._agree(mine, plan, lock_step)
                 if not go:
                     break

@@ -31,7 +31,8 @@ import dataclasses
 import torch
 
 from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
-                                                            decode_forward, moe_only_step)
+                                                            KeyGroup, decode_forward,
+                                                            moe_only_step)
 
 
 @dataclasses.dataclass
@@ -117,9 +118,11 @@ class FastDecoder:
             self._rotary = (key, pair.cos, pair.sin)
         return self._rotary[1], self._rotary[2]
 
-    def plan(self) -> "Plan":
+    def plan(self, early_stop: bool = False) -> "Plan":
         """The round-start read (one host read): each running request's cached tokens, blocks
-        held and tokens left; the steps this rank wants and the blocks they need."""
+        held and tokens left; the steps this rank wants and the blocks they need.
+        ``early_stop``: a partial rollout's stop may end the call at any step, and every step a
+        round runs past it is computed for nothing: rounds of a quarter of the steps then."""
         ctx = self.context
         first, last = ctx.paused_request_count, ctx.total_request_count
         kv_off = ctx.request_kv_length_offsets[first:last]
@@ -127,7 +130,8 @@ class FastDecoder:
         pos0, counts, room = torch.stack((
             kv_off, ctx.request_kv_block_counts[first:last],
             ctx.request_output_lengths[first:last] - kv_off - 1)).tolist()
-        steps = max(1, min(self.steps_per_sync, max(room)))
+        longest = self.steps_per_sync // 4 if early_stop else self.steps_per_sync
+        steps = max(1, min(longest, max(room)))
         bs = ctx.block_size_tokens
         need = [max(0, (p + steps - 1) // bs + 1 - c) for p, c in zip(pos0, counts)]
         return Plan(first, last - first, pos0, counts, need, steps,
@@ -159,21 +163,15 @@ class FastDecoder:
             cols = torch.tensor([c + j for c, k in zip(plan.counts, plan.need) for j in range(k)],
                                 device=device)
             table[rows, cols] = blocks.to(table.dtype)
-        lk = max(plan.pos0) + steps  # the round's key window
-        block_rows = table[first:first + n, : -(-lk // bs)].long()  # [n, nb]; -1: none yet
-        j = torch.arange(lk, device=device)
         pos = ctx.request_kv_length_offsets[first:first + n].long().clone()
-        # [n, Lk] flat KV slots of each request's keys. Every slot read must hold finite values
-        # (a NaN key or value poisons a softmax row even where it is masked; the buffer is
-        # torch.empty): the slots past the round's last position read the zeroed scratch slot,
-        # and the slots the round will write are zeroed now (written before they are unmasked).
-        key_rows = block_rows[:, j // bs] * bs + j % bs
-        scratch = ctx.block_allocator.dummy_block_idx * bs
-        key_rows = key_rows.masked_fill(j[None, :] >= (pos + plan.steps)[:, None], scratch)
-        ahead = (pos[:, None] + torch.arange(1, plan.steps, device=device)).clamp(max=lk - 1)
-        ctx.memory_buffer.view(-1, ctx.memory_buffer.shape[2] * bs,
-                               ctx.memory_buffer[0, 0, 0, 0].numel()).index_fill_(
-            1, key_rows.gather(1, ahead).reshape(-1), 0)
+        lk = max(plan.pos0) + steps  # the round's key window
+        table_rows = table[first:first + n, : -(-lk // bs)].long()  # [n, nb]; -1: none yet
+        # each request's keys by length group (eager: a long tail beside short requests costs
+        # their own lengths, not n x the longest; graphs: one group)
+        groups = [self._keys(table_rows, pos, plan, steps, rows, graphed=False)
+                  for rows in _length_groups(plan.pos0, steps)] \
+            if self.step_fn is not self.graphs else \
+            [self._keys(table_rows, pos, plan, steps, None, graphed=True)]
         tokens = ctx.token_to_input_ids[:n].long().clone()
         term = ctx.request_metadata["termination_id"][first:first + n].long()
         limit = ctx.request_output_lengths[first:first + n].long() - 1
@@ -186,8 +184,11 @@ class FastDecoder:
             if step >= plan.steps:  # EP lock-step past this rank's last request's end
                 moe_only_step(w)
                 continue
-            slots = key_rows.gather(1, pos.unsqueeze(1)).squeeze(1)
-            batch = DecodeBatch(tokens, pos, slots, key_rows, j[None, :] <= pos[:, None], cos, sin)
+            slots = table_rows.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+            batch = DecodeBatch(tokens, pos, slots, cos, sin, [
+                dataclasses.replace(g, key_mask=g.positions[None, :] <= (
+                    pos if g.rows is None else pos.index_select(0, g.rows))[:, None])
+                for g in groups])
             logits, step_routes = self.step_fn(w, ctx.memory_buffer, batch,
                                                record_routes is not None)
             logits[:, vocab:] = float("-inf")
@@ -220,6 +221,63 @@ class FastDecoder:
                            torch.stack(out_logprobs), torch.stack(routes) if routes else None,
                            record_routes)
         return finished, pending
+
+
+    def _keys(self, table_rows, pos, plan: "Plan", steps: int, rows: list[int] | None,
+              graphed: bool) -> KeyGroup:
+        """The keys of the requests ``rows`` (None: all) for the round (its mask set per step).
+
+        Every slot a step reads must hold finite values (a NaN key or value poisons a softmax
+        row even where it is masked; the buffer is ``torch.empty``). Keys in one block per
+        request are read as one run from that block, the slots past each request's keys up to
+        the window zeroed now; across blocks the slots past the round's last position read the
+        zeroed scratch slot, and those the round will write are zeroed now (each written before
+        it is unmasked)."""
+        ctx = self.context
+        bs, device = ctx.block_size_tokens, pos.device
+        index = None if rows is None else torch.tensor(rows, device=device)
+        if index is not None:
+            table_rows, pos = table_rows.index_select(0, index), pos.index_select(0, index)
+        lk = max(plan.pos0[r] for r in (rows if rows is not None else range(plan.n))) + steps
+        window = self.graphs.window(lk) if graphed else lk
+        scratch = ctx.block_allocator.dummy_block_idx * bs
+        flat = ctx.memory_buffer.view(-1, ctx.memory_buffer.shape[2] * bs,
+                                      ctx.memory_buffer[0, 0, 0, 0].numel())
+        j = torch.arange(window, device=device)
+        if window <= bs:
+            blocks = table_rows[:, 0]
+            key_rows = blocks[:, None] * bs + j  # [n_g, window]
+            flat.index_fill_(1, key_rows.masked_fill(j[None, :] <= pos[:, None],
+                                                     scratch).reshape(-1), 0)
+            return KeyGroup(index, key_rows, None, j, blocks)
+        j_lk = j[:lk]
+        key_rows = table_rows[:, j_lk // bs] * bs + j_lk % bs
+        key_rows = key_rows.masked_fill(j_lk[None, :] >= (pos + plan.steps)[:, None], scratch)
+        ahead = (pos[:, None] + torch.arange(1, plan.steps, device=device)).clamp(max=lk - 1)
+        flat.index_fill_(1, key_rows.gather(1, ahead).reshape(-1), 0)
+        return KeyGroup(index, key_rows, None, j_lk, None)
+
+
+def _length_groups(lengths: list[int], steps: int, depth: int = 3) -> list[list[int] | None]:
+    """Rows of ``lengths`` (each request's cached tokens; ``steps`` more this round) split in two
+    at the median, up to ``depth`` times, while padding a group to its longest would more than
+    double its keys (and it has >= 8 requests, for a second attention call to pay):
+    ``[None]`` when one group holds them all."""
+    groups = [list(range(len(lengths)))]
+    for _ in range(depth):
+        split = []
+        for rows in groups:
+            sub = sorted(rows, key=lambda r: lengths[r])
+            keys = [lengths[r] + steps for r in sub]
+            if len(sub) >= 8 and len(sub) * keys[-1] > 2 * sum(keys) and keys[0] < keys[-1]:
+                half = len(sub) // 2
+                split += [sub[:half], sub[half:]]
+            else:
+                split.append(rows)
+        if len(split) == len(groups):
+            break
+        groups = split
+    return [None] if len(groups) == 1 else groups
 
 
 @dataclasses.dataclass

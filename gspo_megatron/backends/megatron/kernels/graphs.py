@@ -5,8 +5,8 @@ graph it costs one launch, so the GPU runs at the speed of its memory instead of
 (vLLM and SGLang decode this way; Megatron's dynamic engine captures its own decode steps with
 ``cuda_graph_impl="local"``, but through flash-attn and drop-and-pad MoE). The step has no host
 read and fixed shapes per ``(rows, key window)``, so it captures as it is: :class:`GraphedDecode`
-captures one graph per bucket (rows rounded up to a power of two, the key window to a whole
-number of KV blocks) the first time the bucket is met, and replays it with the step's inputs
+captures one graph per bucket (rows rounded up to a power of two, the key window to a multiple
+of ``WINDOW_STEP`` keys within a block, whole blocks beyond) the first time the bucket is met, and replays it with the step's inputs
 copied into the graph's own tensors. Padded rows read and write one scratch KV slot (Megatron's
 dummy block), their outputs are dropped.
 
@@ -23,7 +23,11 @@ import dataclasses
 
 import torch
 
-from gspo_megatron.backends.megatron.kernels.decode import DecodeBatch, decode_forward
+from gspo_megatron.backends.megatron.kernels.decode import DecodeBatch, KeyGroup, decode_forward
+
+
+WINDOW_STEP = 64
+"""Key windows within a block are captured in steps of this many keys."""
 
 
 def _bucket(rows: int) -> int:
@@ -43,14 +47,22 @@ class GraphedDecode:
         self.captures = 0
         """Graphs captured so far (one per bucket, again after the KV buffer moved)."""
 
+    def window(self, keys: int) -> int:
+        """The key window a step of ``keys`` keys runs at: a multiple of ``WINDOW_STEP`` within
+        one block (the keys read as one run per request), whole blocks beyond."""
+        if keys <= self.block_size:
+            return min(-(-keys // WINDOW_STEP) * WINDOW_STEP, self.block_size)
+        return -(-keys // self.block_size) * self.block_size
+
     def __call__(self, w, kv: torch.Tensor, batch: DecodeBatch, record_routes: bool = False):
-        B, Lk = batch.key_rows.shape
+        (group,) = batch.groups  # (the rounds hand graphs one group of every row)
+        B, Lk = group.key_rows.shape
         rows = _bucket(B)
-        window = -(-Lk // self.block_size) * self.block_size
+        window = self.window(Lk)
         if (kv.data_ptr(), id(w)) != self._captured_on:  # the KV buffer moved (a resume
             self.graphs.clear()  # allocated it anew): every graph points at the old one
             self._captured_on = (kv.data_ptr(), id(w))
-        key = (rows, window, bool(record_routes))
+        key = (rows, window, bool(record_routes), group.key_blocks is not None)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(w, kv, batch, rows, window, record_routes)
@@ -64,32 +76,43 @@ class GraphedDecode:
     def _fill(self, static: DecodeBatch, batch: DecodeBatch, B: int, Lk: int) -> None:
         """The step's inputs into the graph's tensors; padded rows and keys point at the scratch
         slot, a padded row sees its one (scratch) key so no softmax row is empty."""
+        mine, got = static.groups[0], batch.groups[0]
         static.tokens[:B].copy_(batch.tokens)
         static.positions[:B].copy_(batch.positions)
         static.slots[:B].copy_(batch.slots)
-        static.key_rows[:B, :Lk].copy_(batch.key_rows)
-        static.key_mask[:B, :Lk].copy_(batch.key_mask)
-        static.key_mask[:B, Lk:] = False
-        static.key_rows[:B, Lk:] = self.scratch_slot
+        if mine.key_blocks is not None:
+            mine.key_blocks[:B].copy_(got.key_blocks)
+            mine.key_blocks[B:] = self.scratch_slot // self.block_size
+        mine.key_rows[:B, :Lk].copy_(got.key_rows)
+        mine.key_mask[:B, :Lk].copy_(got.key_mask)
+        mine.key_mask[:B, Lk:] = False
+        mine.key_rows[:B, Lk:] = self.scratch_slot
         if B < static.tokens.shape[0]:
             static.tokens[B:] = 0
             static.positions[B:] = 0
             static.slots[B:] = self.scratch_slot
-            static.key_rows[B:] = self.scratch_slot
-            static.key_mask[B:] = False
-            static.key_mask[B:, 0] = True
+            mine.key_rows[B:] = self.scratch_slot
+            mine.key_mask[B:] = False
+            mine.key_mask[B:, 0] = True
 
     def _capture(self, w, kv, batch: DecodeBatch, rows: int, window: int, record_routes: bool):
         device = batch.tokens.device
+        got = batch.groups[0]
+        group = KeyGroup(
+            rows=None,
+            key_rows=torch.full((rows, window), self.scratch_slot, dtype=torch.long,
+                                device=device),
+            key_mask=torch.zeros(rows, window, dtype=torch.bool, device=device),
+            positions=torch.arange(window, device=device),
+            key_blocks=(None if got.key_blocks is None else
+                        torch.full((rows,), self.scratch_slot // self.block_size,
+                                   dtype=torch.long, device=device)))
+        group.key_mask[:, 0] = True
         static = DecodeBatch(
             tokens=torch.zeros(rows, dtype=torch.long, device=device),
             positions=torch.zeros(rows, dtype=torch.long, device=device),
             slots=torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device),
-            key_rows=torch.full((rows, window), self.scratch_slot, dtype=torch.long,
-                                device=device),
-            key_mask=torch.zeros(rows, window, dtype=torch.bool, device=device),
-            cos=batch.cos, sin=batch.sin)
-        static.key_mask[:, 0] = True
+            cos=batch.cos, sin=batch.sin, groups=[group])
 
         def run():
             return decode_forward(w, kv, static, record_routes)
