@@ -126,6 +126,16 @@ class MetricsTail:
         return self.rows
 
 
+def common_overrides(size: FrontierSize, rollout_precision: str = "bf16") -> list[str]:
+    """Every run's overrides on the recipe (the warm-up's too): the size's model, the problems
+    (``data.seed``), the rollout precision, diagnostics every ``diagnostics_interval`` steps, no
+    evaluation between the held-out one before and after, synchronous checkpoints (a stopped
+    run writes one and exits at once)."""
+    return [*size.overrides, "--data.seed=1234", f"--rollout.precision={rollout_precision}",
+            f"--routing.diagnostics_interval={size.diagnostics_interval}",
+            "--trainer.eval_interval=0", "--checkpoint.async_save=false"]
+
+
 def point_overrides(point: Point, size: FrontierSize, sft_weights: str) -> list[str]:
     """The point's overrides on top of the common ones: loss / replay, lr, update schedule."""
     return [*arm_base(point.arm), f"--optim.lr={size.base_lr * point.lr_factor:g}",
@@ -254,9 +264,7 @@ def main(argv=None) -> int:
     args, size = parse(argv)
     started = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - started:6.0f} s] {msg}", flush=True)  # noqa: E731
-    common = [*size.overrides, "--data.seed=1234", f"--rollout.precision={args.rollout_precision}",
-              f"--routing.diagnostics_interval={size.diagnostics_interval}",
-              "--trainer.eval_interval=0", "--checkpoint.async_save=false"]
+    common = common_overrides(size, args.rollout_precision)
     sft_dir = os.path.join(args.out, "sft")
     wall: dict[str, float] = {"sft": 0.0}
     if not os.path.exists(os.path.join(sft_dir, "sft_weights")):
@@ -265,6 +273,25 @@ def main(argv=None) -> int:
         wall["sft"] = gspo_train(sft_dir, [*common, f"--sft.steps={size.sft_steps}",
                                            "--trainer.steps=0", "--trainer.seed=1234"], log,
                                  threads=size.threads)
+
+    def write_settings() -> None:
+        """The record (also before the runs: a report on a study still running reads it)."""
+        settings = {
+            "title": f"Stability frontier ({args.device}{', smoke' if args.smoke else ''}): "
+                     f"{', '.join(size.arms)}; {len(size.seeds)} seeds, up to {size.steps} RL steps",
+            "command": " ".join(["PYTHONPATH=. OMP_NUM_THREADS=1 python",
+                                 os.path.relpath(os.path.abspath(__file__), ROOT),
+                                 *(argv if argv is not None else sys.argv[1:])]),
+            "device": args.device, "smoke": args.smoke, "rollout_precision": args.rollout_precision,
+            "size": dataclasses.asdict(size), "rule": dataclasses.asdict(RULE), "common": common,
+            "wall_s": {k: round(v, 1) for k, v in wall.items()},
+            "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})",
+            "date": utc_now(), "commit": git_commit(("gspo_megatron", "examples")),
+        }
+        with open(os.path.join(args.out, "frontier_settings.json"), "w") as f:
+            json.dump(settings, f, indent=1)
+
+    write_settings()
     # Seeds outermost: a study cut short has whole grids for its first seeds. Within a seed the
     # slowest runs (many updates, replay, small lr: they run to the end) start first.
     points = sorted((Point(a, f, n, s) for s in size.seeds for a in size.arms
@@ -279,24 +306,16 @@ def main(argv=None) -> int:
             record = future.result()
             wall[os.path.relpath(futures[future].run_dir(args.out), args.out)] = record["wall_s"]
     wall["total"] = time.perf_counter() - started
-    settings = {
-        "title": f"Stability frontier ({args.device}{', smoke' if args.smoke else ''}): "
-                 f"{', '.join(size.arms)}; {len(size.seeds)} seeds, up to {size.steps} RL steps",
-        "command": " ".join(["PYTHONPATH=. OMP_NUM_THREADS=1 python",
-                             os.path.relpath(os.path.abspath(__file__), ROOT),
-                             *(argv if argv is not None else sys.argv[1:])]),
-        "device": args.device, "smoke": args.smoke, "rollout_precision": args.rollout_precision,
-        "size": dataclasses.asdict(size), "rule": dataclasses.asdict(RULE), "common": common,
-        "wall_s": {k: round(v, 1) for k, v in wall.items()},
-        "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})",
-        "date": utc_now(), "commit": git_commit(("gspo_megatron", "examples")),
-    }
-    with open(os.path.join(args.out, "frontier_settings.json"), "w") as f:
-        json.dump(settings, f, indent=1)
+    write_settings()
     log(f"{wall['total'] / 60:.1f} min; report ...")
     from frontier_report import write_report
 
     log(f"report: {write_report(args.out, args.report)}")
+    with open(os.path.join(args.report, "summary.json")) as f:
+        frontier = json.load(f)["frontier"]
+    # Last line, one JSON object: what tools/gpu_check records of this stage.
+    print(json.dumps({"wall_s": round(wall["total"], 1), "stable_points": {
+        arm: fr.get("stable_points") for arm, fr in frontier.items()}}))
     return 0
 
 

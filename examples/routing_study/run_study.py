@@ -99,7 +99,9 @@ def gspo_train(run_dir: str, overrides: list[str], log, nproc: int = 1,
     ``stop``: polled every ``poll_s`` seconds while the run goes; a reason (not None) sends the
     run SIGTERM (the trainer finishes its step, checkpoints and exits with its requeue code, which
     then counts as success). Any other non-zero exit raises :class:`RunFailed`."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled")
+    # ROOT first, the caller's path kept (tools/gpu_check.sh puts the megatron-core wheel there).
+    path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled")
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                  str(nproc)] if nproc > 1 else [sys.executable])
     cmd = [*launcher, "-m", "gspo_megatron.cli", "--config", RECIPE,
