@@ -217,7 +217,9 @@ def plot_vs_lr(cells: dict, arms, lr_factors, updates, out: str, plt) -> str:
                 ax.set_ylabel(label, fontsize=9)
             if row == len(PANELS) - 1:
                 ax.set_xlabel("learning rate (x 5e-5)")
-    axes[0][0].legend(fontsize=8)
+    labelled = next((ax for ax in axes.flat if ax.get_legend_handles_labels()[0]), None)
+    if labelled is not None:
+        labelled.legend(fontsize=8)
     fig.suptitle("mean over seeds (whiskers: min..max), up to each run's collapse; "
                  "hollow: some seed collapsed", fontsize=10)
     fig.tight_layout()
