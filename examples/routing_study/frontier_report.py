@@ -172,7 +172,7 @@ def plot_map(cells: dict, arms, lr_factors, updates, seeds, out: str, plt) -> st
         ax.set_title(arm, fontsize=10)
     axes[0][0].set_ylabel("updates per rollout batch")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.85,
-                 label="final reward (x collapsed, v ended below start)")
+                 label="final reward (x collapsed, v ended below start; white: not run)")
     return _save(fig, out, "stability_map.png", plt)
 
 
@@ -208,20 +208,24 @@ def plot_vs_lr(cells: dict, arms, lr_factors, updates, out: str, plt) -> str:
                 ax.scatter([x for x, h in zip(xs, hollow) if h], [y for y, h in zip(ys, hollow) if h],
                            s=70, facecolors="white", edgecolors=f"C{c}", zorder=3)
             ax.set_xscale("log")
-            ax.set_yscale("log")
+            if stat != "rollout_disagreement":  # that one stays within a few %: linear
+                ax.set_yscale("log")
+            if row < 2:  # shares of routes
+                ax.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1.0))
             ax.set_xticks(lr_factors, [f"x{f:g}" for f in lr_factors])
-            ax.minorticks_off()
+            ax.xaxis.set_minor_locator(plt.matplotlib.ticker.NullLocator())
             if row == 0:
                 ax.set_title(f"{n} updates per rollout batch", fontsize=10)
             if col == 0:
                 ax.set_ylabel(label, fontsize=9)
             if row == len(PANELS) - 1:
                 ax.set_xlabel("learning rate (x 5e-5)")
-    labelled = next((ax for ax in axes.flat if ax.get_legend_handles_labels()[0]), None)
-    if labelled is not None:
-        labelled.legend(fontsize=8)
+    from matplotlib.lines import Line2D
+
+    fig.legend([Line2D([], [], color=f"C{c}", marker="o") for c in range(len(arms))], arms,
+               loc="upper right", fontsize=8, ncol=len(arms), bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("mean over seeds (whiskers: min..max), up to each run's collapse; "
-                 "hollow: some seed collapsed", fontsize=10)
+                 "hollow: some seed collapsed", fontsize=10, x=0.3)
     fig.tight_layout()
     return _save(fig, out, "route_change_vs_lr.png", plt)
 
