@@ -103,29 +103,29 @@ def grid(runs: list[dict]) -> dict[tuple, list[dict]]:
 
 def arm_frontier(runs: list[dict], arm: str, lr_factors, updates) -> dict:
     """Per arm: the largest stable lr at each updates value and the largest stable updates at
-    each lr, for all seeds and per seed (over the seeds that ran every point of the arm), and the
-    number of grid points where every seed was stable."""
-    mine = [r for r in runs if r["arm"] == arm]
-    points = {(r["lr_factor"], r["updates"]) for r in mine}
-    seeds = sorted({r["seed"] for r in mine})
-    complete = [s for s in seeds if all(any(r["seed"] == s and (r["lr_factor"], r["updates"]) == p
-                                            for r in mine) for p in points)]
-    if not complete or len(points) < len(lr_factors) * len(updates):
-        return {"seeds": complete, "complete": False}
-    ok = {(r["lr_factor"], r["updates"], r["seed"]): r["verdict"].stable for r in mine}
+    each lr, for all seeds and per seed, and the number of grid points where every seed was
+    stable. Over the seeds that ran every updates value at the smallest lr, and the lr factors
+    those seeds ran at every updates value (a study cut short, or a factor added later and not
+    run to the end, leaves a factor out: ``left_out``)."""
+    ok = {(r["lr_factor"], r["updates"], r["seed"]): r["verdict"].stable
+          for r in runs if r["arm"] == arm}
+    seeds = sorted({s for (_, _, s) in ok if all((lr_factors[0], n, s) in ok for n in updates)})
+    lrs = [f for f in lr_factors if seeds and all((f, n, s) in ok for n in updates for s in seeds)]
+    if not lrs:
+        return {"seeds": seeds, "complete": False}
 
     def axis(values, key):
-        best, per_seed = largest_stable({v: [ok[key(v) + (s,)] for s in complete] for v in values})
+        best, per_seed = largest_stable({v: [ok[key(v) + (s,)] for s in seeds] for v in values})
         return {"all_seeds": best, "per_seed": per_seed}
 
     return {
-        "seeds": complete, "complete": True,
-        "largest_stable_lr": {n: axis(lr_factors, lambda f, n=n: (f, n)) for n in updates},
-        "largest_stable_updates": {f: axis(updates, lambda n, f=f: (f, n)) for f in lr_factors},
-        "stable_points": sum(all(ok[(f, n, s)] for s in complete) for f in lr_factors for n in updates),
-        "stable_points_per_seed": [sum(ok[(f, n, s)] for f in lr_factors for n in updates)
-                                   for s in complete],
-        "points": len(lr_factors) * len(updates),
+        "seeds": seeds, "complete": True, "lr_factors": lrs,
+        "left_out": [f for f in lr_factors if f not in lrs],
+        "largest_stable_lr": {n: axis(lrs, lambda f, n=n: (f, n)) for n in updates},
+        "largest_stable_updates": {f: axis(updates, lambda n, f=f: (f, n)) for f in lrs},
+        "stable_points": sum(all(ok[(f, n, s)] for s in seeds) for f in lrs for n in updates),
+        "stable_points_per_seed": [sum(ok[(f, n, s)] for f in lrs for n in updates) for s in seeds],
+        "points": len(lrs) * len(updates),
     }
 
 
@@ -333,10 +333,14 @@ def write_report(runs_dir: str, out: str) -> str:
                     f"({_range(fr['largest_stable_lr'][n]['per_seed'])})" for n in ups]
         num = lambda v: "-" if v is None else f"{v}"  # noqa: E731
         cells_up = [f"{num(fr['largest_stable_updates'][f]['all_seeds'])} "
-                    f"({_range(fr['largest_stable_updates'][f]['per_seed'], num)})" for f in lrs]
+                    f"({_range(fr['largest_stable_updates'][f]['per_seed'], num)})"
+                    if f in fr["lr_factors"] else "not run on every seed" for f in lrs]
         per = fr["stable_points_per_seed"]
         lines.append(f"| {arm} | " + " | ".join(cells_lr + cells_up)
-                     + f" | {fr['stable_points']} / {fr['points']} (per seed {min(per)}..{max(per)}) |")
+                     + f" | {fr['stable_points']} / {fr['points']} (per seed {min(per)}..{max(per)}; "
+                     f"seeds {', '.join(map(str, fr['seeds']))}"
+                     + (f"; lr x{', x'.join(f'{f:g}' for f in fr['left_out'])} left out"
+                        if fr["left_out"] else "") + ") |")
     lines += ["", "## Every point", "",
               "Status counts over seeds: s stable, d degraded, c collapsed (first rule and step of "
               "the first collapsed seed). Cells: mean over seeds (min..max), over each run's "

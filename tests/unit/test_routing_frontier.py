@@ -176,6 +176,12 @@ def test_report_frontier_on_a_known_grid(tmp_path):
     run = next(r for r in runs if r["arm"] == "grpo" and r["lr_factor"] == 10.0)
     assert run["verdict"].status == "collapsed" and run["verdict"].step == 4
 
+    # a factor not run on every seed is left out of the frontier, not counted as unstable
+    cut = [r for r in runs if not (r["arm"] == "gspo" and r["lr_factor"] == 3.0 and r["seed"] == 2
+                                   and r["updates"] == 16)]
+    fr = report.arm_frontier(cut, "gspo", [1.0, 3.0, 10.0], [4, 16])
+    assert fr["left_out"] == [3.0] and fr["largest_stable_lr"][4]["per_seed"] == [1.0, 10.0]
+
     path = report.write_report(str(tmp_path / "runs"), str(tmp_path / "out"))
     text = Path(path).read_text()
     assert "| gspo | x3 (x3..x10) | x3 (x3) |" in text
