@@ -7,7 +7,7 @@ the learning rate and the off-policy updates per rollout batch grow (issue 50).
     PYTHONPATH=. python examples/routing_study/frontier.py --smoke                    # ~1 min
 
 1. one shared supervised warm-up (the routing study's recipe and warm-up, ``<out>/sft``; reused if
-   it is there);
+   it is there), and its sampled reward measured once (``<out>/start``), the stop rule's start;
 2. every arm x learning-rate factor x updates per rollout batch x seed from those weights,
    ``--jobs`` at a time: the rollout batch is split into ``updates`` minibatches (one optimiser
    step each, one microbatch each), so more updates = more, smaller, more off-policy steps on the
@@ -148,12 +148,39 @@ def point_overrides(point: Point, size: FrontierSize, sft_weights: str) -> list[
             f"--checkpoint.init_weights={sft_weights}"]
 
 
-def run_point(point: Point, size: FrontierSize, out: str, common: list[str], log) -> dict:
-    """Run one point with the watcher; its ``verdict.json`` record (exit, online stop, wall)."""
+START_SAMPLES = 16
+"""Samples per held-out problem (T = 1) that measure the warm-up policy's reward, the rule's start."""
+
+
+def measure_start(out: str, common: list[str], size: FrontierSize, log) -> float:
+    """The warm-up policy's sampled reward (``<out>/start``: no RL step, ``START_SAMPLES`` samples
+    of every held-out problem at temperature 1, as the rollouts sample): the stop rule's start."""
+    run_dir = os.path.join(out, "start")
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        os.makedirs(run_dir, exist_ok=True)
+        gspo_train(run_dir, [*common, "--sft.steps=0", "--trainer.steps=0",
+                             f"--checkpoint.init_weights={os.path.join(out, 'sft', 'sft_weights')}",
+                             f"--evaluation.num_samples={START_SAMPLES}",
+                             "--evaluation.temperature=1.0", "--evaluation.top_p=1.0"], log,
+                   threads=size.threads)
+    return float(json.load(open(path))[f"eval/mean@{START_SAMPLES}_before"])
+
+
+def run_point(point: Point, size: FrontierSize, out: str, common: list[str], start_reward: float,
+              log) -> dict:
+    """Run one point with the watcher; its ``verdict.json`` record (exit, online stop, wall).
+    A point already run is not run again, unless the watcher stopped it on a rule the current
+    one does not share (its metrics up to the stop no longer break it)."""
     run_dir = point.run_dir(out)
     record_path = os.path.join(run_dir, "verdict.json")
     if os.path.exists(record_path):
-        return json.load(open(record_path))
+        record = json.load(open(record_path))
+        rows = MetricsTail(os.path.join(run_dir, "metrics.jsonl")).read()
+        if not record.get("stopped") or RULE.collapse(rows, start_reward) is not None:
+            return record
+        log(f"again: {os.path.relpath(run_dir, ROOT)} (stopped on {record['stopped']!r})")
+        os.remove(record_path)
     os.makedirs(run_dir, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json"):  # a run cut off before: start it afresh
         if os.path.exists(os.path.join(run_dir, stale)):
@@ -161,10 +188,11 @@ def run_point(point: Point, size: FrontierSize, out: str, common: list[str], log
     tail = MetricsTail(os.path.join(run_dir, "metrics.jsonl"))
 
     def stop() -> str | None:
-        hit = RULE.collapse(tail.read())
+        hit = RULE.collapse(tail.read(), start_reward)
         return None if hit is None else f"{hit[0]} at step {hit[1]}"
 
-    record: dict = {**dataclasses.asdict(point), "stopped": None, "failed": None}
+    record: dict = {**dataclasses.asdict(point), "stopped": None, "failed": None,
+                    "start_reward": start_reward}
     overrides = [*common, *point_overrides(point, size, os.path.join(out, "sft", "sft_weights"))]
     start = time.perf_counter()
     try:
@@ -276,6 +304,9 @@ def main(argv=None) -> int:
         wall["sft"] = gspo_train(sft_dir, [*common, f"--sft.steps={size.sft_steps}",
                                            "--trainer.steps=0", "--trainer.seed=1234"], log,
                                  threads=size.threads)
+    start_reward = measure_start(args.out, common, size, log)
+    log(f"start reward (the warm-up policy, {START_SAMPLES} samples a held-out problem): "
+        f"{start_reward:.3f}")
 
     def write_settings() -> None:
         """The record (also before the runs: a report on a study still running reads it)."""
@@ -287,6 +318,7 @@ def main(argv=None) -> int:
                                  *(argv if argv is not None else sys.argv[1:])]),
             "device": args.device, "smoke": args.smoke, "rollout_precision": args.rollout_precision,
             "size": dataclasses.asdict(size), "rule": dataclasses.asdict(RULE), "common": common,
+            "start_reward": start_reward,
             "wall_s": {k: round(v, 1) for k, v in wall.items()},
             "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})",
             "date": utc_now(), "commit": git_commit(("gspo_megatron", "examples")),
@@ -304,7 +336,8 @@ def main(argv=None) -> int:
     log(f"{len(points)} runs ({len(size.arms)} arms x {len(size.lr_factors)} lr x "
         f"{len(size.updates)} updates x {len(size.seeds)} seeds), {size.jobs} at a time")
     with concurrent.futures.ThreadPoolExecutor(size.jobs) as pool:
-        futures = {pool.submit(run_point, p, size, args.out, common, log): p for p in points}
+        futures = {pool.submit(run_point, p, size, args.out, common, start_reward, log): p
+                   for p in points}
         for future in concurrent.futures.as_completed(futures):
             record = future.result()
             wall[os.path.relpath(futures[future].run_dir(args.out), args.out)] = record["wall_s"]

@@ -6,9 +6,9 @@ change vs learning rate and per-layer route-change heatmaps (Markdown + PNGs + s
 ``RUNS_DIR`` as ``frontier.py`` writes it: ``frontier_settings.json`` and
 ``<arm>/lr_x<f>/updates_<n>/seed_<s>/`` (``metrics.jsonl``, ``verdict.json``, ``summary.json``).
 Every run is judged again here by the settings' :class:`frontier_rules.StabilityRule`, with one
-start reward for the whole study: the mean over seeds of step 0's reward, which every run samples
-from the same warm-up weights (one batch of 64 answers is too noisy to be a run's own reference
-for "fell below its start"). A run's routing numbers are means over its steps up to the step its
+start reward for the whole study: the warm-up policy's sampled reward that ``frontier.py``
+measured (without it, the mean over seeds of step 0's reward: every run samples step 0 from the
+same warm-up weights; one batch of 64 answers is too noisy to be a run's own reference). A run's routing numbers are means over its steps up to the step its
 rule fired (all of them when it did not): what led to the collapse, not the wreck after it.
 """
 
@@ -78,9 +78,10 @@ def study_start_reward(runs: list[dict]) -> float:
     return mean(mean(v) for v in per_seed.values())
 
 
-def judge(runs: list[dict], rule: StabilityRule) -> float:
-    """Attach ``verdict`` and ``stats`` to every run; returns the study's start reward."""
-    start = study_start_reward(runs)
+def judge(runs: list[dict], rule: StabilityRule, start: float | None = None) -> float:
+    """Attach ``verdict`` and ``stats`` to every run; returns the start reward: ``start`` (the
+    study's measurement of the warm-up policy) or, without one, :func:`study_start_reward`."""
+    start = study_start_reward(runs) if start is None else start
     for run in runs:
         v = rule.verdict(run["rows"], start_reward=start, failed=bool(run["record"].get("failed")))
         run["verdict"] = v
@@ -299,7 +300,7 @@ def write_report(runs_dir: str, out: str) -> str:
         sys.exit(f"frontier report: no finished runs under {runs_dir}")
     size = settings["size"]
     rule = StabilityRule(**settings["rule"])
-    start = judge(runs, rule)
+    start = judge(runs, rule, settings.get("start_reward"))
     arms = [a for a in size["arms"] if any(r["arm"] == a for r in runs)]
     lrs, ups, seeds = size["lr_factors"], size["updates"], size["seeds"]
     cells = grid(runs)
@@ -312,10 +313,10 @@ def write_report(runs_dir: str, out: str) -> str:
         plots.append(plot_layer_heatmaps(pair, out, plt))
 
     lines = [f"# {settings['title']}", "",
-             f"{len(runs)} runs. Start reward (step 0, the warm-up policy, mean over seeds): "
+             f"{len(runs)} runs. Start reward (the warm-up policy's sampled reward): "
              f"{start:.3f}. Rule: collapsed when a {rule.window}-step window's reward < "
-             f"{rule.reward_collapse:g} x step 0's, its gradient norm > {rule.grad_explosion:g} x "
-             f"step 0's, its entropy < {rule.entropy_collapse:g} x step 0's with no reward gain, or "
+             f"{rule.reward_collapse:g} x the start, its gradient norm > {rule.grad_norm_limit:g}, "
+             f"its entropy < {rule.entropy_collapse:g} x step 0's with no reward gain, or "
              f"anything non-finite (the run is stopped there); degraded when the last "
              f"{rule.final_window} steps' reward < start - {rule.reward_margin:g}; stable "
              f"otherwise (`frontier_rules.py`).", "",

@@ -37,7 +37,7 @@ def _rows(rewards, grad=1.0, entropy=0.1, **extra):
              **{k: at(v, i) for k, v in extra.items()}} for i, r in enumerate(rewards)]
 
 
-RULE = rules.StabilityRule(window=3, final_window=4, reward_collapse=0.5, grad_explosion=10.0,
+RULE = rules.StabilityRule(window=3, final_window=4, reward_collapse=0.5, grad_norm_limit=10.0,
                            entropy_collapse=0.1, reward_margin=0.05)
 
 
@@ -55,12 +55,17 @@ def test_reward_halving_fires_at_the_first_full_window_below_half():
     reason, step = RULE.collapse(rows)
     assert step == 3 and reason.startswith("reward")
     assert RULE.collapse(rows[:3]) is None  # evaluated on what is there so far: no stop yet
+    # against a measured start instead of a lucky step 0: 0.2 x 2 is not below half of 0.25
+    lucky = _rows([0.6, 0.2, 0.2, 0.2, 0.2, 0.2])
+    assert RULE.collapse(lucky) is not None and RULE.collapse(lucky, start_reward=0.25) is None
     assert RULE.verdict(rows).status == "collapsed"
 
 
 def test_gradient_explosion_and_non_finite():
     rows = _rows([0.4] * 6, grad=[1.0, 1.0, 5.0, 30.0, 40.0, 50.0])
     assert RULE.collapse(rows)[1] == 3 and "gradient" in RULE.collapse(rows)[0]  # (1+5+30)/3 > 10
+    # the limit is absolute: a tiny step-0 norm (a batch of tied groups) is no reference
+    assert RULE.collapse(_rows([0.4] * 8, grad=[0.03] + [0.6] * 7)) is None
     rows = _rows([0.4] * 4, grad=[1.0, math.nan, 1.0, 1.0])
     assert RULE.collapse(rows) == ("non-finite optim/grad_norm", 1)
     rows = _rows([0.4] * 4, **{"faults/skipped_updates": [0, 0, 1, 0]})
@@ -128,7 +133,7 @@ def _synthetic_study(root: Path, collapse_at: dict) -> None:
     (root).mkdir(parents=True, exist_ok=True)
     (root / "frontier_settings.json").write_text(json.dumps({
         "title": "synthetic", "command": "frontier.py", "size": size,
-        "rule": {"window": 3, "final_window": 4, "reward_collapse": 0.5, "grad_explosion": 10.0,
+        "rule": {"window": 3, "final_window": 4, "reward_collapse": 0.5, "grad_norm_limit": 10.0,
                  "entropy_collapse": 0.1, "reward_margin": 0.05},
         "common": [], "wall_s": {"sft": 0.0}, "machine": "test", "date": "today", "commit": "x"}))
     for arm, bad in collapse_at.items():
