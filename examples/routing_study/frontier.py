@@ -2,9 +2,9 @@
 """The stability frontier, one command: where GSPO, GRPO, GRPO + R2, GRPO + R3 and SAPO break as
 the learning rate and the off-policy updates per rollout batch grow (issue 50).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python examples/routing_study/frontier.py          # CPU, ~1 h
+    PYTHONPATH=. OMP_NUM_THREADS=1 python examples/routing_study/frontier.py --jobs 2 # CPU, ~80 min
     PYTHONPATH=. python examples/routing_study/frontier.py --device cuda              # a lent GPU
-    PYTHONPATH=. python examples/routing_study/frontier.py --smoke                    # ~1 min
+    PYTHONPATH=. python examples/routing_study/frontier.py --smoke                    # ~2 min
 
 1. one shared supervised warm-up (the routing study's recipe and warm-up, ``<out>/sft``; reused if
    it is there), and its sampled reward measured once (``<out>/start``), the stop rule's start;
@@ -233,9 +233,9 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 def parse(argv) -> tuple[argparse.Namespace, FrontierSize]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                    help="the size to run: cpu (2 cores, ~1 h), cuda (a lent GPU, <= 10 min); "
+                    help="the size to run: cpu (2 cores, ~80 min), cuda (a lent GPU, <= 10 min); "
                          "auto: cuda when a GPU is there")
-    ap.add_argument("--smoke", action="store_true", help="the path at its smallest (~1 min on CPU)")
+    ap.add_argument("--smoke", action="store_true", help="the path at its smallest (~2 min on CPU)")
     ap.add_argument("--out", default=None, help="run directories (default runs/routing_frontier[_cuda|_smoke])")
     ap.add_argument("--report", default=None,
                     help="report directory (default examples/routing_study/results_frontier for "

@@ -361,9 +361,11 @@ def write_report(runs_dir: str, out: str) -> str:
     wall = settings["wall_s"]
     lines += ["", "## How it was run", "", "```bash", settings["command"], "```", "",
               f"Common overrides on `examples/configs/routing_study.yaml`: `{' '.join(settings['common'])}`; "
-              f"{size['jobs']} runs at a time on {settings['machine']}. Wall time "
-              + (f"{wall['total'] / 60:.1f} min" if "total" in wall else "(still running)")
-              + f" (SFT warm-up {wall['sft'] / 60:.1f} min; 0 = reused). "
+              f"{size['jobs']} runs at a time on {settings['machine']}. Wall time of the last "
+              f"invocation " + (f"{wall['total'] / 60:.1f} min" if "total" in wall else "(still running)")
+              + f" (SFT warm-up {wall['sft'] / 60:.1f} min; 0 = reused; points already run are not "
+              f"run again); the {len(runs)} runs' own wall times add up to "
+              f"{sum(r['record'].get('wall_s', 0) for r in runs) / 60:.0f} min. "
               f"Date {settings['date']}, commit {settings['commit']}.", ""]
     if pair:
         lines += [f"Heatmaps: {pair[0]['arm']} at {pair[0]['updates']} updates, seed "
