@@ -50,6 +50,11 @@ GPU; the first H200 run took 115 s for all of them at N = 8), then the timed one
 ``tiny_partial_r3`` partial rollouts with R3, and with the cut requests' KV cache kept.
 ``tiny_static``    ``tiny_dynamic`` with the static engine (the A/B reference), and ``tiny_fp32``:
                    ``kl/rollout_vs_train`` and rollout speed per engine and precision.
+``routing_frontier`` examples/routing_study/frontier.py ``--device cuda`` (last, alone): GSPO,
+                   GRPO, GRPO + R2 / R3 and SAPO over lr x1-x30 and 4 / 16 updates per rollout
+                   batch on a 16-layer, 64-expert top-8 MoE, fp32 trainer with bf16 rollouts, runs
+                   stopped once collapsed; report in ``work/routing_frontier_report`` (<= 10 min,
+                   not run yet). ``--size smoke``: ``--smoke`` on any device.
 """
 
 from __future__ import annotations
@@ -236,6 +241,14 @@ def stages(work: str, size: str = "full") -> list[Stage]:
                                                "--model.seq_length=64")], 300),
         Stage("tiny_static", [tiny("tiny_static", "--rollout.engine=static")], 300),
         Stage("tiny_fp32", [tiny("tiny_fp32", "--precision.bf16=false")], 300),
+        # Last: the routing stability frontier at its GPU size (its own runs share the GPU, so it
+        # runs alone); smoke: the same path at its smallest, on whatever device there is.
+        Stage("routing_frontier", [[sys.executable, "examples/routing_study/frontier.py",
+                                    *(["--smoke", "--device", "auto"] if smoke else
+                                      ["--device", "cuda"]),
+                                    "--out", w("routing_frontier"),
+                                    "--report", w("routing_frontier_report")]],
+              300 if smoke else 600, timed=True),
     ]
 
 

@@ -340,12 +340,14 @@ def write_report(runs_dir: str, out: str) -> str:
     return path
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, write=write_report, doc: str = __doc__) -> int:
+    """``RUNS_DIR --out DIR``: ``write(runs_dir, out)`` (this report, or another study's that
+    reads the same command line) and print the path it wrote."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("runs_dir")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    print(write_report(args.runs_dir, args.out))
+    print(write(args.runs_dir, args.out))
     return 0
 
 

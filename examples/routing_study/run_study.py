@@ -36,12 +36,15 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from gspo_megatron.algorithms import LOSSES, PolicyLossConfig
 from gspo_megatron.tools.provenance import git_commit, utc_now
+from gspo_megatron.trainer import REQUEUE_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join("examples", "configs", "routing_study.yaml")
@@ -79,21 +82,49 @@ SETTINGS: dict[str, dict] = {
 }
 
 
-def gspo_train(run_dir: str, overrides: list[str], log, nproc: int = 1) -> float:
-    """One ``gspo-train`` run in a child process (one thread; ``nproc`` ranks under
-    ``torch.distributed.run --standalone``, a free port each); its wall time in seconds."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+class RunFailed(RuntimeError):
+    """A ``gspo-train`` run exited with an error (``returncode``; its output: ``stdout.log``)."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def gspo_train(run_dir: str, overrides: list[str], log, nproc: int = 1,
+               stop: Callable[[], str | None] | None = None, poll_s: float = 2.0,
+               threads: int = 1) -> float:
+    """One ``gspo-train`` run in a child process (``threads`` OMP threads; ``nproc`` ranks under
+    ``torch.distributed.run --standalone``, a free port each); its wall time in seconds.
+
+    ``stop``: polled every ``poll_s`` seconds while the run goes; a reason (not None) sends the
+    run SIGTERM (the trainer finishes its step, checkpoints and exits with its requeue code, which
+    then counts as success). Any other non-zero exit raises :class:`RunFailed`."""
+    # ROOT first, the caller's path kept (tools/gpu_check.sh puts the megatron-core wheel there).
+    path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled")
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                  str(nproc)] if nproc > 1 else [sys.executable])
     cmd = [*launcher, "-m", "gspo_megatron.cli", "--config", RECIPE,
            f"--logging.run_dir={run_dir}", "--logging.progress=false", *overrides]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    reason = None
+    out_path = os.path.join(run_dir, "stdout.log")
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+        while True:
+            try:
+                proc.wait(timeout=poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                if stop is not None and reason is None and (reason := stop()) is not None:
+                    log(f"stopping {os.path.relpath(run_dir, ROOT)}: {reason}")
+                    proc.send_signal(signal.SIGTERM)
     wall = time.perf_counter() - start
-    with open(os.path.join(run_dir, "stdout.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    if proc.returncode != 0 and not (reason is not None and proc.returncode == REQUEUE_EXIT_CODE):
+        with open(out_path) as f:
+            tail = f.read()[-3000:]
+        raise RunFailed(f"{run_dir} failed (exit {proc.returncode}):\n{tail}", proc.returncode)
     log(f"done {os.path.relpath(run_dir, ROOT)} in {wall:.0f} s")
     return wall
 
