@@ -179,7 +179,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if False:",
            (T + "test_bad_user_files.py", "-k", "lr_schedule")),
     Mutant("YaRN: the rollout context rotates queries without the cos/sin scale",
-           "gspo_megatron/backends/megatron/engine/dynamic.py",
+           "gspo_megatron/backends/megatron/engine/context.py",
            "                                   mscale=None):\n"
            "            mscale = concentration(config) if mscale is None else mscale",
            "                                   mscale=None):\n"

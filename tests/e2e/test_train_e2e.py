@@ -211,7 +211,7 @@ def test_yarn_rollouts_match_the_trainer(tmp_path):
     """YaRN (``model.position_embedding_type=yarn``, factor 4 over a 4-token original context,
     so prompts and responses run to 3x past it): the dynamic engine's log-probs equal the
     trainer's on every step (3.2e-5 before the engine's rotations got YaRN's cos/sin scale,
-    ``dynamic_rollout._rollout_context``)."""
+    ``engine.context.rollout_context``)."""
     run = tmp_path / "yarn"
     gspo_train(run, "--trainer.steps=2", "--sft.steps=0", "--model.position_embedding_type=yarn",
                "--model.yarn_rotary_scaling_factor=4",

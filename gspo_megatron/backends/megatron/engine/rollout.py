@@ -130,7 +130,7 @@ def _context_parallel_off(model):
     hold the same prompts; Megatron's inference has no CP): the rotary table is not cut to the
     rank's CP share while it runs (``RotaryEmbedding.cp_group`` None, its ``lru_cache`` cleared on
     the way in and out so no table crosses between the two), and the dynamic context's rotations
-    see a single rank (:func:`.dynamic._rollout_context`). Nothing to do at CP = 1."""
+    see a single rank (:func:`.context.rollout_context`). Nothing to do at CP = 1."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     rotaries = [m for m in module_list(model, "rotary_embeddings",
