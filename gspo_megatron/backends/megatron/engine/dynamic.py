@@ -45,10 +45,15 @@ What else it adds (:class:`DynamicRollout`):
 * **R3.** With a route recorder, every step's routes are recorded from the packed buffer and
   handed to each request by token position (:class:`~..routing.rollout_routes.PackedRouteRecorder`).
 * **Rotary embeddings once per step** (:func:`.context.rollout_context`), and YaRN's scale.
+* **Multi-step decoding** (``rollout.decode_steps_per_sync``, :mod:`.rounds`): once every
+  request is decoding, up to that many steps per host round trip through one pure-torch step
+  (:mod:`..kernels.decode`; CUDA graphs on CUDA, :mod:`..kernels.graphs`), Megatron's tables
+  written back once per round. Megatron's forward and bookkeeping serve the prefill and mixed
+  steps, and every step of the layouts the step function does not cover.
 
 Left out of Megatron's engine: chunked prefill (a prompt waits until it fits whole:
 ``max_tokens`` >= the longest sequence, so an empty context always takes the head of the queue),
-stop words, top-n log-probs, CUDA graphs, the data-parallel coordinator.
+stop words, top-n log-probs, Megatron's own CUDA graphs, the data-parallel coordinator.
 """
 
 from __future__ import annotations
