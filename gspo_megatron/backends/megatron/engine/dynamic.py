@@ -332,7 +332,7 @@ class DynamicRollout:
         """Decoding steps of one round (:class:`~.rounds.FastDecoder`): per step, the ids of the
         requests that finished at it, ``stop`` told of each in order (the round ends at the step
         that makes it done)."""
-        per_step, pending = self.fast.run(call, plan, steps, self._recorder(), rows)
+        per_step, pending = self.fast.run(call, plan, steps, self.wrapper.route_recorder, rows)
         last = len(per_step) - 1
         for s, ids in enumerate(per_step):
             if stop is not None:
@@ -345,10 +345,6 @@ class DynamicRollout:
         self._requeue(call, pending.finish(last))
         self.tokens_forwarded += pending.forwarded
         return per_step[:last + 1]
-
-    def _recorder(self):
-        """The R3 route recorder of the call, or None."""
-        return self.wrapper.route_recorder
 
     def _requeue(self, call: "_Call", result) -> None:
         """Requests Megatron's ``update_requests`` evicted, prefilled again later: prompt +

@@ -5,8 +5,8 @@ which requests finished, who needs a KV block, the next step's token tables; the
 metadata), each a wait for the device. Once every running request is decoding (nothing waiting
 for a slot, nothing paused), the next ``K`` steps need none of it:
 
-1. **One read** at the start of a round (``[4, n]`` values: each request's cached length, block
-   count, budget left, the context's free blocks implied): the blocks each request needs for ``K``
+1. **One read** at the start of a round (``[3, n]`` values: each request's cached length, block
+   count and tokens left): the blocks each request needs for ``K``
    more tokens are taken from Megatron's block allocator and written into its block table, and
    the round's key window ``Lk`` (the longest request's length after ``K`` steps) is fixed.
 2. ``K`` steps of :func:`~..kernels.decode.decode_forward` with the round's static shapes: a
@@ -35,14 +35,6 @@ from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeW
                                                             moe_only_step)
 
 
-@dataclasses.dataclass
-class Round:
-    """What one round decoded, on the host: per step, the ids of the requests that finished at
-    it (slot order); the step the round was cut at is set by :meth:`FastDecoder.finish`."""
-
-    finished: list[list[int]]
-
-
 class FastDecoder:
     """Rounds of :func:`~..kernels.decode.decode_forward` over ``context`` (Megatron's dynamic
     context, its KV buffer and tables), for the model ``runner_model`` (the ``GPTModel`` whose
@@ -57,7 +49,6 @@ class FastDecoder:
         self.steps_per_sync = int(steps_per_sync)
         self.weights: DecodeWeights | None = None
         self._kept: DecodeWeights | None = None
-
         self._rotary: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.step_fn = decode_forward
         """The step: :func:`~..kernels.decode.decode_forward`, or its CUDA graphs."""
@@ -218,12 +209,10 @@ class FastDecoder:
         ends_host = [flags[(steps + s) * n:(steps + s + 1) * n] for s in range(steps)]
         ids_host = flags[2 * steps * n:]
         finished = [[ids_host[r] for r in range(n) if ends_host[s][r]] for s in range(steps)]
-        pending = _Pending(self, call, first, n, bs, plan.pos0, plan.counts, plan.need, ids,
-                           live_host, ends_host, torch.stack(out_tokens),
+        pending = _Pending(ctx, call, plan, ids, live_host, ends_host, torch.stack(out_tokens),
                            torch.stack(out_logprobs), torch.stack(routes) if routes else None,
                            record_routes)
         return finished, pending
-
 
     def _keys(self, table_rows, pos, plan: "Plan", steps: int, rows: list[int] | None,
               graphed: bool) -> KeyGroup:
@@ -302,14 +291,9 @@ class Plan:
 class _Pending:
     """A round decoded but not yet written back (the caller decides where it ends)."""
 
-    decoder: FastDecoder
+    context: object
     call: object
-    first: int
-    n: int
-    block_size: int
-    pos0: list[int]
-    counts: list[int]
-    need: list[int]
+    plan: Plan
     ids: torch.Tensor
     live: list[list[bool]]
     ends: list[list[bool]]
@@ -326,7 +310,8 @@ class _Pending:
         """Keep steps ``0 .. last_step``: their live tokens join the call (R3: their routes the
         recorder), Megatron's tables are set as after its own step ``last_step``, and its
         ``update_requests`` runs. Returns its result (evicted request ids)."""
-        ctx, n, bs, first = self.decoder.context, self.n, self.block_size, self.first
+        ctx, plan = self.context, self.plan
+        n, first, bs = plan.n, plan.first, ctx.block_size_tokens
         steps = last_step + 1
         flat = [s * n + r for s in range(steps) for r in range(n) if self.live[s][r]]
         self.forwarded = len(flat)
@@ -339,18 +324,17 @@ class _Pending:
         if self.recorder is not None:
             routes = self.routes[:steps].permute(1, 0, 2, 3).reshape(
                 self.routes.shape[1], steps * n, -1).index_select(1, index)  # [L, m, k]
-            positions = torch.tensor([self.pos0[f % n] + f // n for f in flat], dtype=torch.long)
+            positions = torch.tensor([plan.pos0[f % n] + f // n for f in flat], dtype=torch.long)
             self.recorder.record_tokens(self.ids.index_select(0, col).long().cpu(), positions,
                                         routes)
         # Megatron's tables as after its step ``last_step``: each request's newest token at
         # ``pos0 + last_step``, its blocks up to the one holding it (the rest of the round's
         # blocks back to the allocator).
         table = ctx.request_to_kv_block_ids
-        keep = [(p + last_step) // bs + 1 for p in self.pos0]
+        keep = [(p + last_step) // bs + 1 for p in plan.pos0]
         extra_rows, extra_cols = [], []
         for r in range(n):
-            held = max(self.counts[r], self.counts[r] + self.need[r])
-            for c in range(keep[r], held):
+            for c in range(keep[r], plan.counts[r] + plan.need[r]):
                 extra_rows.append(first + r)
                 extra_cols.append(c)
         if extra_rows:
@@ -359,7 +343,7 @@ class _Pending:
             ctx.block_allocator.release_memory_blocks(table[rows, cols].clone())
             table[rows, cols] = -1
         keep_t = torch.tensor(keep, device=device)
-        last_pos = torch.tensor([p + last_step for p in self.pos0], device=device)
+        last_pos = torch.tensor([p + last_step for p in plan.pos0], device=device)
         ctx.request_kv_length_offsets[first:first + n] = last_pos
         ctx.request_kv_block_counts[first:first + n] = keep_t
         ctx.request_last_kv_block_id[first:first + n] = table[first:first + n].gather(

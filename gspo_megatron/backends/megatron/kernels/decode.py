@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
-                                                         permute_without_host_reads)
+                                                         permute_without_host_reads,
+                                                         stack_experts)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
 from gspo_megatron.backends.megatron.model import RMSNorm
 
@@ -90,6 +91,8 @@ class DecodeWeights:
     glu_offset: float
     softmax_scale: float
     grouped_query: bool
+    """More query heads than key/value heads (SDPA's ``enable_gqa``; a bool, not a comparison of
+    two ints, which ``torch.compile(dynamic=True)`` would make symbolic)."""
     grouped_mm: bool = True
     """Experts as ``torch._grouped_mm`` (:func:`~.moe.grouped_mm_runs_on`: any dtype on CPU,
     bf16 on Hopper); else each route multiplies its expert's gathered weights."""
@@ -100,8 +103,6 @@ class DecodeWeights:
     ep_rows: int = 0
     """Under EP: the tokens every rank contributes to a MoE layer's gather (the most any rank
     decodes this round; fewer are padded): set per round (:class:`~..engine.rounds.FastDecoder`)."""
-    """More query heads than key/value heads (SDPA's ``enable_gqa``; a bool, not a comparison of
-    two ints, which ``torch.compile(dynamic=True)`` would make symbolic)."""
 
     @classmethod
     def of(cls, model) -> "DecodeWeights":
@@ -114,9 +115,7 @@ class DecodeWeights:
             if moe and getattr(mlp.experts, "stacked", None) is not None:
                 w1, w2 = mlp.experts.stacked  # (stacked_expert_weights: the rollout call's)
             elif moe:
-                experts = mlp.experts.local_experts
-                w1 = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)
-                w2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
+                w1, w2 = stack_experts(mlp.experts.local_experts)
             else:
                 w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
             q_norm, k_norm = getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None)
@@ -325,11 +324,9 @@ def _moe_ep(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     parts = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(parts, mine, group=group)
     tokens = torch.cat(parts)  # [ep rows, H]
-    dtype = w.router_dtype or tokens.dtype
-    logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
-    probs, top = _top_k(w, logits)
+    routing_probs, _, top = _route(w, layer, tokens)
     first, count = w.local_experts
-    weights = torch.zeros_like(logits).scatter(1, top, probs)[:, first:first + count]  # [T, E_l]
+    weights = routing_probs[:, first:first + count]  # [T, E_l]
     out = _dense_experts(w, layer, tokens, weights)  # [ep rows, H]: this rank's experts' part
     # each rank's rows of every rank's part (an all-to-all: ~0.34 ms on gloo where an all-reduce
     # of the whole takes ~0.61 ms), added here
@@ -352,9 +349,12 @@ def _dense_experts(w: DecodeWeights, layer: DecodeLayer, tokens: torch.Tensor,
     return torch.bmm(h, layer.w2).sum(dim=0)  # [T, H]
 
 
-def _top_k(w: DecodeWeights, logits: torch.Tensor):
-    """``(probs [T, k], experts [T, k])``: ``topk_routing_with_score_function``'s softmax
-    branch."""
+def _route(w: DecodeWeights, layer: DecodeLayer, tokens: torch.Tensor):
+    """``(routing probs [T, E], probs [T, k], experts [T, k])`` of ``tokens [T, H]``: Megatron's
+    router, gating in its router dtype, then ``topk_routing_with_score_function``'s softmax
+    branch (its top-k indices kept: what R3 records)."""
+    dtype = w.router_dtype or tokens.dtype
+    logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
     if w.pre_softmax:
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
         probs, top = torch.topk(scores, k=w.topk, dim=1)
@@ -363,7 +363,7 @@ def _top_k(w: DecodeWeights, logits: torch.Tensor):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
     if w.scaling_factor:
         probs = probs * w.scaling_factor
-    return probs, top
+    return torch.zeros_like(logits).scatter(1, top, probs), probs, top
 
 
 def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
@@ -373,23 +373,19 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
         return _moe_ep(w, layer, y)
     B, _, H = y.shape
     tokens = y.view(-1, H)  # [T, H]
-    dtype = w.router_dtype or tokens.dtype
-    logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
-    probs, top = _top_k(w, logits)
-    routing_probs = torch.zeros_like(logits).scatter(1, top, probs)
-    if logits.shape[1] <= 2 * w.topk:  # at most twice the routed FLOPs: every expert, densely
+    routing_probs, probs, top = _route(w, layer, tokens)
+    if routing_probs.shape[1] <= 2 * w.topk:  # at most twice the routed FLOPs: every expert
         return _dense_experts(w, layer, tokens, routing_probs).view(B, 1, H), top
-    routing_map = torch.zeros_like(logits).int().scatter(1, top, 1).bool()
     if not w.grouped_mm or (torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16):
         # torch._grouped_mm's shape function takes bf16 only (its CPU kernel any dtype), its
         # CUDA kernel bf16 on Hopper: otherwise each route multiplies its expert's gathered
         # weights (T k weight reads: the fp32 GPU and CPU compile-check path, not a fast one)
-        probs_k = routing_probs.gather(1, top)  # [T, k]
         x = tokens.unsqueeze(1).expand(-1, w.topk, -1).reshape(-1, 1, H)  # [T k, 1, H]
         h = torch.bmm(x, layer.w1.index_select(0, top.reshape(-1)))  # [T k, 1, (2) F]
-        h = (_act(w, h) * probs_k.reshape(-1, 1, 1)).to(tokens.dtype)
+        h = (_act(w, h) * probs.reshape(-1, 1, 1)).to(tokens.dtype)
         h = torch.bmm(h, layer.w2.index_select(0, top.reshape(-1)))  # [T k, 1, H]
         return h.view(B, w.topk, H).sum(dim=1, keepdim=True), top
+    routing_map = torch.zeros_like(routing_probs).int().scatter(1, top, 1).bool()
     permuted, permuted_probs, mapping = permute_without_host_reads(
         tokens, routing_map, routing_probs, tokens.shape[0] * w.topk)
     offs = routing_map.sum(dim=0).cumsum(0).to(torch.int32)

@@ -136,10 +136,6 @@ class GraphedDecode:
             return outputs
         return static, replay
 
-    def reset(self) -> None:
-        """Drop every graph (their memory back to the allocator)."""
-        self.graphs.clear()
-
 
 def persistent_weights(current, fresh):
     """``fresh`` (:class:`~.decode.DecodeWeights` of this call) with its stacked experts copied

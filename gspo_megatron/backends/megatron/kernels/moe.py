@@ -68,11 +68,8 @@ class LoopedSequentialMLP(SequentialMLP):
             # zero for an expert without tokens, as the loop's empty GEMMs give). Cost: a copy
             # of this layer's expert weights per forward, held until backward (the grouped GEMM
             # saves it), and its gradient; ~0.2 MB per layer on TRL's workload.
-            stacked = (
-                torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2),
-                torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2))
             return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                                 stacked)
+                                 stack_experts(self.local_experts))
         counts = tokens_per_expert.tolist()
         # Without autograd an empty expert is skipped; with it, the empty GEMMs still run so every
         # weight gets a (zero) gradient, as Megatron's DDP bucketing expects.
@@ -122,6 +119,14 @@ class LoopedSequentialMLP(SequentialMLP):
         return torch._grouped_mm(self._activate(h, probs, x.dtype), w2, offs=offs), None
 
 
+def stack_experts(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W1 [E, H, (2)F], W2 [E, F, H])``: the experts' ``linear_fc1`` / ``linear_fc2`` weights
+    stacked, as transposed views (the memory layout ``F.linear`` reads; what
+    ``torch._grouped_mm`` takes); a copy, inside autograd when it is on."""
+    return (torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2),
+            torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2))
+
+
 def grouped_mm_runs_on(weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes experts shaped and placed like ``weight``: any dtype on
     CPU; bf16 on a Hopper or newer GPU (its CUTLASS kernel: one launch for all experts instead of
@@ -153,9 +158,7 @@ def stacked_expert_weights(model):
     try:
         with torch.no_grad():
             for m in mlps:
-                m.stacked = (
-                    torch.stack([e.linear_fc1.weight for e in m.local_experts]).transpose(1, 2),
-                    torch.stack([e.linear_fc2.weight for e in m.local_experts]).transpose(1, 2))
+                m.stacked = stack_experts(m.local_experts)
         yield
     finally:
         for m in mlps:
