@@ -66,7 +66,7 @@ import itertools
 import torch
 
 from gspo_megatron.backends.megatron.schedule import set_training
-from gspo_megatron.distributed import ParallelGroups, any_rank
+from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
 from gspo_megatron.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
@@ -320,11 +320,9 @@ class DynamicRollout:
         steps, rows = (plan.steps, plan.n) if ready else (1, 0)
         if not lock_step:
             return mine, ready, steps, rows
-        flags = torch.tensor([int(mine), int(mine and not ready), steps if ready else 0, rows])
         if self.fast is None:  # the per-step loop's one flag
             return any_rank(mine), False, 1, 0
-        from gspo_megatron.distributed import all_reduce_
-
+        flags = torch.tensor([int(mine), int(mine and not ready), steps if ready else 0, rows])
         go, blocked, steps, rows = all_reduce_(flags, None, torch.distributed.ReduceOp.MAX).tolist()
         return bool(go), bool(go) and not blocked, max(steps, 1), rows
 
