@@ -116,6 +116,10 @@ def main():
         # draws include its finished rows, so its tokens are another draw than the loop's.
         "sampled": RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6, max_batch_size=4,
                                  decode_steps_per_sync=0),
+        # EP: the decoding step's experts on their own ranks (two collectives per MoE layer and
+        # step) instead of gathered once per call (``auto`` here: the tiny model's fit)
+        "greedy_sharded": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4,
+                                        decode_experts="sharded"),
     }.items():
         engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
                                config=cfg)
@@ -125,6 +129,8 @@ def main():
         own = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
                             config=cfg)
         result[f"own_{name}"] = as_json(own.generate(own_prompts(groups.dp_rank), seed=23))
+        fast = own.dynamic.fast if own.dynamic is not None else None
+        result[f"own_{name}_replicated"] = fast is not None and fast.replicated
         if groups.world_size == 1:
             result[f"own_{name}_by_dp"] = [as_json(own.generate(own_prompts(dp), seed=23))
                                            for dp in (0, 1)]

@@ -55,10 +55,13 @@ def test_rollouts_match_single_process(reference, layout):
     for rank in (0, 1):
         got = load(out, rank)
         assert got["sequence_parallel_restored"] and got["training_restored"], got
-        for key in ("greedy", "sampled"):
+        for key in ("greedy", "sampled", "greedy_sharded"):
             assert_same(got[key], ref[key], (layout, rank, key))
-        for key in ("own_greedy", "own_sampled"):
+        for key in ("own_greedy", "own_sampled", "own_greedy_sharded"):
             assert_same(got[key], ref[f"{key}_by_dp"][got["dp_rank"]], (layout, rank, key))
+        # EP: the decoding step's experts gathered on every rank (``auto``), or left sharded
+        assert (got["own_greedy_replicated"], got["own_greedy_sharded_replicated"]) == (
+            (True, False) if layout[0] == "--ep" else (False, False)), (layout, rank)
     if layout[0] == "--ep":  # EP=2 on 2 ranks is DP=2: the ranks really held different prompts
         assert load(out, 0)["dp_rank"] != load(out, 1)["dp_rank"]
 

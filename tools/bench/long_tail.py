@@ -24,7 +24,8 @@ continued responses prefilled again / continued from the engine's held KV cache,
 :func:`_partial`; their first ``PARTIAL_WARMUP`` steps, before the pool fills, are reported step by
 step too) and each
 layout (EP=1: one process; EP=2: two gloo ranks, each with its own prompts, in lock-step) it reports
-the seconds per real (response) token of each batch and their ratio (the target: <= 1.3x), the
+the seconds per real (response) token of each batch and their ratio (the target: <= 1.3x; under
+EP=2 both ranks' tokens over the call's time, the uniform length their common mean), the
 engine's forward steps against the longest response, and tokens forwarded per real token. The
 batches alternate within each round (A, B, B, A, ...); medians over the rounds.
 """
@@ -43,9 +44,13 @@ STEP_TOKENS = 32
 """Tokens per request of the batch-1 / full-batch step-cost calls."""
 ENGINES = {"dynamic": dict(engine="dynamic"),
            "dynamic_per_step": dict(engine="dynamic", decode_steps_per_sync=0),
-           "static": dict(engine="static")}
-"""``dynamic``: multi-step rounds (``rollout.decode_steps_per_sync``, the default);
-``dynamic_per_step``: Megatron's forward and bookkeeping every step (the path before)."""
+           "static": dict(engine="static"),
+           "dynamic_sharded_experts": dict(engine="dynamic", decode_experts="sharded")}
+"""``dynamic``: multi-step rounds (``rollout.decode_steps_per_sync``, the default; under EP the
+tiny model's experts replicated for decoding, ``rollout.decode_experts`` ``auto``);
+``dynamic_per_step``: Megatron's forward and bookkeeping every step (the path before);
+``dynamic_sharded_experts`` (EP only): the rounds with each rank's experts its own, two
+collectives per MoE layer and step."""
 SLOTS = 32
 """Request slots of the continuous-batching variant (``rollout.max_batch_size``), a quarter of the
 prompts: the Qwen3-30B-A3B 16k recipe decodes 64 of a rank's 128 responses at once."""
@@ -95,7 +100,7 @@ def _child(spec: dict) -> dict:
     for name, eng in engines.items():
         longest = eng.generate(prompts, seed=0)  # warm-up, and the lengths
         lengths = [len(s.response_ids) for s in longest]
-        mean = max(1, round(sum(lengths) / len(lengths)))
+        mean = max(1, round(_world_sum(sum(lengths)) / _world_sum(len(lengths))))
         uniform = eng.with_sampling(dataclasses.replace(eng.config, max_new_tokens=mean,
                                                         ignore_eos=True))
         batches = {"long_tailed": eng, "uniform": uniform}
@@ -107,7 +112,7 @@ def _child(spec: dict) -> dict:
                 t = time.perf_counter()
                 samples = batches[k].generate(prompts, seed=0)
                 times[k].append(time.perf_counter() - t)
-                real[k] = sum(len(s.response_ids) for s in samples)
+                real[k] = _world_sum(sum(len(s.response_ids) for s in samples))
                 # the dynamic engine's forward steps (EP padding included); a static batch runs
                 # as many as its longest response (under EP: max_new_tokens) by construction
                 steps[k] = eng.dynamic.steps if eng.backend == "dynamic" else None
@@ -119,6 +124,18 @@ def _child(spec: dict) -> dict:
                      "per_token_s": per_token,
                      "ratio": per_token["long_tailed"] / per_token["uniform"]}
     return out
+
+
+def _world_sum(x: float) -> float:
+    """``x`` summed over the ranks (EP = 2: both ranks' tokens; lock-step makes every rank's
+    call last as long as the slowest, so a rank's own tokens would leave the other's out)."""
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return x
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return round(t.item()) if isinstance(x, int) else t.item()
 
 
 def _step_cost(engine, prompts: list[list[int]], rounds: int) -> dict:
@@ -176,7 +193,7 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
                        "drawn": [0], "rows": []}
                 for name, keep in (("dynamic_partial", False), ("dynamic_partial_keep_kv", True))}
     lengths = [len(s.response_ids) for s in build(cfg).generate(prompts, seed=0)]
-    mean = max(1, round(sum(lengths) / len(lengths)))
+    mean = max(1, round(_world_sum(sum(lengths)) / _world_sum(len(lengths))))
     uniform = build(dataclasses.replace(cfg, max_new_tokens=mean, ignore_eos=True))
 
     def drawer(drawn):
@@ -192,7 +209,8 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
                                         seed=step, step=step)
             # seconds, written, forwarded, steps, carried, age: every step (the first ones are
             # what a run meets before the pool fills)
-            v["rows"].append((time.perf_counter() - t, m["rollout/partial_generated_tokens"],
+            v["rows"].append((time.perf_counter() - t,
+                              _world_sum(m["rollout/partial_generated_tokens"]),
                               v["engine"].dynamic.tokens_forwarded, v["engine"].dynamic.steps,
                               m["rollout/partial_carried_share"], m["rollout/partial_max_age"]))
         if step < PARTIAL_WARMUP or step % 2 == 0:  # the uniform batch, interleaved
@@ -200,7 +218,8 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
             uniform.generate(prompts, seed=step)
             uni.append(time.perf_counter() - t)
     out = {}
-    uniform_per_token = median(uni) / (mean * len(prompts))
+    real_uniform = _world_sum(mean * len(prompts))
+    uniform_per_token = median(uni) / real_uniform
     for name, v in variants.items():
         first = v["rows"][:PARTIAL_WARMUP]
         # per step from the first on, and over the first k steps together (a user's run so far)
@@ -209,10 +228,10 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
                   / uniform_per_token for k in range(len(first))]
         times, written, fwd, steps, carried, ages = map(list, zip(*v["rows"][PARTIAL_WARMUP:]))
         per_token = {"long_tailed": sum(times) / sum(written),
-                     "uniform": median(uni) / (mean * len(prompts))}
+                     "uniform": uniform_per_token}
         out[name] = {
             "seconds": {"long_tailed": median(times), "uniform": median(uni)},
-            "real_tokens": {"long_tailed": round(median(written)), "uniform": mean * len(prompts)},
+            "real_tokens": {"long_tailed": round(median(written)), "uniform": real_uniform},
             "forward_steps": {"long_tailed": median(steps), "uniform": None},
             "longest": max(lengths), "mean_length": mean, "per_token_s": per_token,
             "ratio": per_token["long_tailed"] / per_token["uniform"],
@@ -232,7 +251,8 @@ def run(smoke: bool = False, rounds: int = 3) -> dict:
             "rounds": 1 if smoke else rounds,
             "engines": ["dynamic", "dynamic_per_step", "static"],
             "slots": 4 if smoke else SLOTS, "partial": True}
-    results = {f"ep{ep}": _layout(ep, spec) for ep in (1, 2)}
+    results = {f"ep{ep}": _layout(ep, {**spec, "engines": spec["engines"] + (
+        ["dynamic_sharded_experts"] if ep > 1 else [])}) for ep in (1, 2)}
     rows, worst, on_policy = [], 0.0, 0.0
     for layout, per_engine in results.items():
         for name, r in list(per_engine.items()):

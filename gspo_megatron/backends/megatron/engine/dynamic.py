@@ -80,7 +80,8 @@ class DynamicRollout:
 
     def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
                  max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None,
-                 decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = True):
+                 decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = True,
+                 decode_experts: str = "auto"):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         from gspo_megatron.backends.megatron.engine.admission import AdmittingContext
@@ -155,7 +156,7 @@ class DynamicRollout:
         self._held: set[int] = set()
         """Ids of the requests a partial rollout cut and kept (``GroupStop.hold_cut``)."""
         self.fast = _fast_decoder(model, groups, self.context, self.controller, self.wrapper,
-                                  decode_steps_per_sync, decode_cuda_graphs)
+                                  decode_steps_per_sync, decode_cuda_graphs, decode_experts)
         """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
@@ -280,10 +281,10 @@ class DynamicRollout:
                     break
                 if not mine:
                     if rounds:
-                        self.fast.idle(steps, rows)
+                        self.steps += self.fast.idle(steps, rows)
                     else:
                         self.controller.dummy_forward()
-                    self.steps += steps if rounds else 1
+                        self.steps += 1
                     continue
                 steps = self._round(call, stop, plan, steps, rows) if rounds else None
                 if steps is None:  # Megatron's step
@@ -392,7 +393,7 @@ class DynamicRollout:
 
 
 def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: int,
-                  cuda_graphs: bool):
+                  cuda_graphs: bool, experts: str):
     """A :class:`~.rounds.FastDecoder` when ``steps_per_sync`` > 0 and the step function covers
     ``model`` on ``groups`` (else None, with a line saying why)."""
     if steps_per_sync <= 0:
@@ -407,7 +408,7 @@ def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: i
         logging.getLogger(__name__).info("rollout.decode_steps_per_sync: %s decode through "
                                          "Megatron's forward at every step", why)
         return None
-    return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs)
+    return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs, experts)
 
 
 def _plain_state(attrs: dict, skip: tuple[str, ...]) -> dict:

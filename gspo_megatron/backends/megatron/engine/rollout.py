@@ -291,7 +291,8 @@ class RolloutEngine:
             max_batch_size=self.config.max_batch_size,
             max_sequence_length=self.max_sequence_length, buffer_size_gb=buffer_size_gb,
             decode_steps_per_sync=self.config.decode_steps_per_sync,
-            decode_cuda_graphs=self.config.decode_cuda_graphs)
+            decode_cuda_graphs=self.config.decode_cuda_graphs,
+            decode_experts=self.config.decode_experts)
         self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
 
     def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":

@@ -32,7 +32,8 @@ import torch
 
 from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
                                                             KeyGroup, decode_forward,
-                                                            moe_only_step)
+                                                            moe_only_step, replica_bytes,
+                                                            replicate_experts)
 
 
 class FastDecoder:
@@ -41,8 +42,12 @@ class FastDecoder:
     weights sample: the policy, or the bf16 copy inside its ``Float16Module``)."""
 
     def __init__(self, runner_model, context, controller, wrapper, steps_per_sync: int,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, experts: str = "auto"):
         self.model = runner_model
+        self.experts = experts
+        """``rollout.decode_experts``: under EP, ``replicated``, ``sharded`` or ``auto``."""
+        self.replicated = False
+        """Whether the current (or last) call gathered every EP rank's experts here."""
         self.context = context
         self.controller = controller
         self.wrapper = wrapper
@@ -69,9 +74,13 @@ class FastDecoder:
         ctx.memory_buffer[:, :, ctx.block_allocator.dummy_block_idx] = 0
 
     def begin(self) -> None:
-        """Read the weights for one ``generate`` (the experts stacked for its duration; kept
-        in tensors of their own, refreshed in place, under CUDA graphs)."""
+        """Read the weights for one ``generate`` (the experts stacked for its duration, under
+        EP gathered from every rank when ``rollout.decode_experts`` says so; kept in tensors of
+        their own, refreshed in place, under CUDA graphs). Collective over the EP group."""
         fresh = DecodeWeights.of(self.model)
+        self.replicated = fresh.ep_group is not None and self._replicate(fresh)
+        if self.replicated:
+            fresh = replicate_experts(fresh)
         if self.graphs is not None and fresh.ep_group is None:
             from gspo_megatron.backends.megatron.kernels.graphs import persistent_weights
 
@@ -83,6 +92,30 @@ class FastDecoder:
 
     def end(self) -> None:
         self.weights = None
+
+    @property
+    def independent(self) -> bool:
+        """Whether this call's steps need no other rank (EP = 1, or the experts replicated):
+        a rank then runs only its own round's steps, and nothing while it has no request."""
+        return self.weights.ep_group is None
+
+    def _replicate(self, w: DecodeWeights) -> bool:
+        """``rollout.decode_experts`` for this call; ``auto``: whether the other ranks' experts
+        take at most a quarter of the free memory on every EP rank (one MIN all-reduce)."""
+        if self.experts != "auto":
+            return self.experts == "replicated"
+        import os
+
+        import torch.distributed as dist
+
+        device = w.embedding.device
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        fits = torch.tensor([int(4 * replica_bytes(w) <= free)], device=device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=w.ep_group)
+        return bool(fits.item())
 
     def ready(self, call) -> bool:
         """Whether the next steps are decode-only: nothing waiting, nothing paused, and every
@@ -130,12 +163,16 @@ class FastDecoder:
         return Plan(first, last - first, pos0, counts, need, steps,
                     ctx.block_allocator.is_memory_available(sum(need)))
 
-    def idle(self, steps: int, ep_rows: int) -> None:
+    def idle(self, steps: int, ep_rows: int) -> int:
         """``steps`` decoding steps of a rank without requests under EP (its experts serve the
-        others': :func:`~..kernels.decode.moe_only_step`)."""
+        others': :func:`~..kernels.decode.moe_only_step`; none when they are replicated).
+        Returns the steps run."""
+        if self.independent:
+            return 0
         self.weights.ep_rows = ep_rows
         for _ in range(steps):
             moe_only_step(self.weights)
+        return steps
 
     def run(self, call, plan: "Plan", steps: int, record_routes=None,
             ep_rows: int = 0) -> tuple[list[list[int]], "_Pending"]:
@@ -145,6 +182,8 @@ class FastDecoder:
         step the round ends at). ``ep_rows``: the most requests any EP rank decodes."""
         ctx, w = self.context, self.weights
         w.ep_rows = ep_rows
+        if self.independent:  # (no rank waits on this one's experts)
+            steps = plan.steps
         first, n, bs = plan.first, plan.n, ctx.block_size_tokens
         device = ctx.request_ids.device
         table = ctx.request_to_kv_block_ids
