@@ -329,28 +329,29 @@ class DynamicRollout:
 
     def _round(self, call: "_Call", stop, plan, steps: int, rows: int) -> list[list[int]]:
         """Decoding steps of one round (:class:`~.rounds.FastDecoder`): per step, the ids of the
-        requests that finished at it, ``stop`` told of each in order (the round ends at the step
-        that makes it done)."""
+        requests that finished at it, ``stop`` told of each in order. A partial rollout's stop
+        lands at the round's end: the steps after the one that made it done are kept (their
+        tokens are the live policy's, as a request's tokens written before an abort reaches it
+        are in slime), not thrown away."""
         per_step, pending = self.fast.run(call, plan, steps, self.wrapper.route_recorder, rows)
-        last = len(per_step) - 1
-        for s, ids in enumerate(per_step):
+        for ids in per_step:
             if stop is not None:
                 for request_id in ids:
                     stop.finished(call.row[request_id])
             call.finish(ids)
-            if stop is not None and stop.done:
-                last = s
-                break
-        self._requeue(call, pending.finish(last))
+        self._requeue(call, pending.finish())
         self.tokens_forwarded += pending.forwarded
-        return per_step[:last + 1]
+        return per_step
 
     def _requeue(self, call: "_Call", result) -> None:
         """Requests Megatron's ``update_requests`` evicted, prefilled again later: prompt +
         written so far."""
         evicted = None if result is None else result.get("evict_request_ids")
         if evicted is not None and evicted.numel():
-            for request_id in reversed(evicted.tolist()):
+            evicted = evicted.tolist()
+            if self.fast is not None:
+                self.fast.evicted(evicted)
+            for request_id in reversed(evicted):
                 call.requeue(request_id)
 
     def _step(self, call: "_Call") -> list[int]:

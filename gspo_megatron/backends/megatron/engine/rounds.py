@@ -15,8 +15,8 @@ for a slot, nothing paused), the next ``K`` steps need none of it:
    that finished keeps running to the round's end on its own blocks, its tokens ignored.
 3. **One read** at the end (which request was live at which step): the live steps' tokens and
    log-probs join the call, finished requests are reported step by step (a partial rollout's
-   ``GroupStop`` may end the round at an earlier step: the later steps are discarded, as the
-   per-step loop would never have run them), and Megatron's tables are written back as if its own
+   ``GroupStop`` takes effect at the round's end, its later steps kept), and Megatron's tables
+   are written back as if its own
    engine had run those steps, ending in its own ``update_requests`` (finished requests leave,
    their blocks freed; a request needing a block is paused or evicted as before).
 
@@ -55,6 +55,9 @@ class FastDecoder:
         self.weights: DecodeWeights | None = None
         self._kept: DecodeWeights | None = None
         self._rotary: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._finite: dict[int, int] = {}
+        """Request id -> slots of its first KV block known to hold finite values (written by a
+        step, or zeroed by a round): a round zeroes only the slots past that which it reads."""
         self.step_fn = decode_forward
         """The step: :func:`~..kernels.decode.decode_forward`, or its CUDA graphs."""
         self.graphs = None
@@ -72,11 +75,13 @@ class FastDecoder:
         finite: a NaN key or value poisons a softmax row even under the mask)."""
         ctx = self.context
         ctx.memory_buffer[:, :, ctx.block_allocator.dummy_block_idx] = 0
+        self._finite.clear()
 
     def begin(self) -> None:
         """Read the weights for one ``generate`` (the experts stacked for its duration, under
         EP gathered from every rank when ``rollout.decode_experts`` says so; kept in tensors of
         their own, refreshed in place, under CUDA graphs). Collective over the EP group."""
+        self._finite.clear()  # (held requests' slots are zeroed again once: cheap, safe)
         fresh = DecodeWeights.of(self.model)
         self.replicated = fresh.ep_group is not None and self._replicate(fresh)
         if self.replicated:
@@ -92,6 +97,12 @@ class FastDecoder:
 
     def end(self) -> None:
         self.weights = None
+
+    def evicted(self, request_ids: list[int]) -> None:
+        """Requests Megatron evicted (their blocks freed; each comes back under its id with
+        new blocks): what was known of their slots no longer holds."""
+        for request_id in request_ids:
+            self._finite.pop(request_id, None)
 
     @property
     def independent(self) -> bool:
@@ -145,23 +156,26 @@ class FastDecoder:
     def plan(self, early_stop: bool = False) -> "Plan":
         """The round-start read (one host read): each running request's cached tokens, blocks
         held and tokens left; the steps this rank wants and the blocks they need.
-        ``early_stop``: a partial rollout's stop may end the call at any step, and every step a
-        round runs past it is computed for nothing; its refill waits for the round's end: rounds
-        of an eighth of the steps then (2 of 16: 1.35x long-tailed / uniform on the long-tail
-        benchmark's partial pool with kept KV, against 1.63-1.77x at 16 and 4 steps)."""
+        ``early_stop``: a partial rollout refills its requests as others end, and the new
+        prompts wait for the round's end (Megatron's step prefills them), and its stop lands at
+        the round's end: rounds of a quarter of the steps then (4 of 16: 1.26x long-tailed /
+        uniform per real token on the long-tail benchmark's partial pool with kept KV, against
+        1.39x at 16 steps, where the refills wait too long, and 1.34x at 2, where each round's
+        bookkeeping is shared by two steps)."""
         ctx = self.context
         first, last = ctx.paused_request_count, ctx.total_request_count
         kv_off = ctx.request_kv_length_offsets[first:last]
         # Megatron's length rule: a request ends when kv + 1 reaches its max sequence length
-        pos0, counts, room = torch.stack((
+        pos0, counts, room, ids = torch.stack((
             kv_off, ctx.request_kv_block_counts[first:last],
-            ctx.request_output_lengths[first:last] - kv_off - 1)).tolist()
-        longest = self.steps_per_sync // 8 if early_stop else self.steps_per_sync
+            ctx.request_output_lengths[first:last] - kv_off - 1,
+            ctx.request_ids[first:last])).tolist()
+        longest = max(1, self.steps_per_sync // 4) if early_stop else self.steps_per_sync
         steps = max(1, min(longest, max(room)))
         bs = ctx.block_size_tokens
         need = [max(0, (p + steps - 1) // bs + 1 - c) for p, c in zip(pos0, counts)]
         return Plan(first, last - first, pos0, counts, need, steps,
-                    ctx.block_allocator.is_memory_available(sum(need)))
+                    ctx.block_allocator.is_memory_available(sum(need)), ids)
 
     def idle(self, steps: int, ep_rows: int) -> int:
         """``steps`` decoding steps of a rank without requests under EP (its experts serve the
@@ -178,8 +192,7 @@ class FastDecoder:
             ep_rows: int = 0) -> tuple[list[list[int]], "_Pending"]:
         """Decode ``steps`` steps (``plan``'s, or more under EP lock-step: a request never runs
         past its own end, so ``plan``'s blocks suffice); returns per step the ids of the requests
-        finished at it, and the round's pending write-back (:meth:`_Pending.finish` it with the
-        step the round ends at). ``ep_rows``: the most requests any EP rank decodes."""
+        finished at it, and the round's pending write-back (:meth:`_Pending.finish`). ``ep_rows``: the most requests any EP rank decodes."""
         ctx, w = self.context, self.weights
         w.ep_rows = ep_rows
         if self.independent:  # (no rank waits on this one's experts)
@@ -260,9 +273,10 @@ class FastDecoder:
         Every slot a step reads must hold finite values (a NaN key or value poisons a softmax
         row even where it is masked; the buffer is ``torch.empty``). Keys in one block per
         request are read as one run from that block, the slots past each request's keys up to
-        the window zeroed now; across blocks the slots past the round's last position read the
-        zeroed scratch slot, and those the round will write are zeroed now (each written before
-        it is unmasked)."""
+        the window zeroed now, those an earlier round zeroed or a step wrote excepted (each
+        slot zeroed once: a request's later rounds read slots it already made finite); across
+        blocks the slots past the round's last position read the zeroed scratch slot, and
+        those the round will write are zeroed now (each written before it is unmasked)."""
         ctx = self.context
         bs, device = ctx.block_size_tokens, pos.device
         index = None if rows is None else torch.tensor(rows, device=device)
@@ -276,10 +290,20 @@ class FastDecoder:
         j = torch.arange(window, device=device)
         if window <= bs:
             blocks = table_rows[:, 0]
-            key_rows = blocks[:, None] * bs + j  # [n_g, window]
-            flat.index_fill_(1, key_rows.masked_fill(j[None, :] <= pos[:, None],
-                                                     scratch).reshape(-1), 0)
-            return KeyGroup(index, key_rows, None, j, blocks)
+            # the slots of each request's block this round reads that may be garbage: from
+            # past its cached keys, or past what an earlier round zeroed, to the window
+            members = rows if rows is not None else range(plan.n)
+            fresh_r, fresh_j = [], []
+            for g, r in enumerate(members):
+                start = max(plan.pos0[r] + 1, self._finite.get(plan.ids[r], 0))
+                fresh_r += [g] * max(0, window - start)
+                fresh_j += range(start, window)
+                self._finite[plan.ids[r]] = max(window, start)
+            if fresh_r:
+                slots = (blocks.index_select(0, torch.tensor(fresh_r, device=device)) * bs
+                         + torch.tensor(fresh_j, device=device))
+                flat.index_fill_(1, slots, 0)
+            return KeyGroup(index, blocks[:, None] * bs + j, None, j, blocks)
         j_lk = j[:lk]
         key_rows = table_rows[:, j_lk // bs] * bs + j_lk % bs
         key_rows = key_rows.masked_fill(j_lk[None, :] >= (pos + plan.steps)[:, None], scratch)
@@ -324,6 +348,8 @@ class Plan:
     sooner."""
     blocks_free: bool
     """Whether the allocator holds the blocks ``need`` asks for."""
+    ids: list[int] = dataclasses.field(default_factory=list)
+    """The requests' ids, by row."""
 
 
 @dataclasses.dataclass
@@ -345,13 +371,14 @@ class _Pending:
     forwarded: int = 0
     """Live tokens the kept steps forwarded (set by :meth:`finish`)."""
 
-    def finish(self, last_step: int):
-        """Keep steps ``0 .. last_step``: their live tokens join the call (R3: their routes the
-        recorder), Megatron's tables are set as after its own step ``last_step``, and its
-        ``update_requests`` runs. Returns its result (evicted request ids)."""
+    def finish(self):
+        """The round's live tokens join the call (R3: their routes the recorder), Megatron's
+        tables are set as after its own last step of the round, and its ``update_requests``
+        runs. Returns its result (evicted request ids)."""
         ctx, plan = self.context, self.plan
         n, first, bs = plan.n, plan.first, ctx.block_size_tokens
-        steps = last_step + 1
+        steps = len(self.live)
+        last_step = steps - 1
         flat = [s * n + r for s in range(steps) for r in range(n) if self.live[s][r]]
         self.forwarded = len(flat)
         device = self.tokens.device
