@@ -164,18 +164,19 @@ def test_greedy_generation_matches_megatron_modules(setup, kind):
 
 @pytest.mark.parametrize("rot_dim", [16, 8])
 def test_shared_rotation_is_megatrons_bitwise(rot_dim):
-    """The decode path's RoPE (cos/sin computed once per step, ``_rotate``) gives exactly
+    """The decode path's RoPE (cos/sin computed once per step, ``rotate``) gives exactly
     Megatron's unfused ``_apply_rotary_pos_emb_bshd``, for full and partial rotary dims."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from gspo_megatron.backends.megatron.kernels.rotary import rotate as _rotate
+    from gspo_megatron.backends.megatron.kernels.rotary import cos_sin, rotate
 
     gen = torch.Generator().manual_seed(rot_dim)
     t = torch.randn(5, 3, 4, 16, generator=gen)
     freqs = torch.rand(5, 3, 1, rot_dim, generator=gen) * 20
-    ref = _apply_rotary_pos_emb_bshd(t, freqs, mscale=1.0)
-    out = _rotate(t, torch.cos(freqs) * 1.0, torch.sin(freqs) * 1.0, rot_dim)
-    assert torch.equal(out, ref) and not torch.equal(out, t)
+    for mscale in (1.0, 1.3):  # (YaRN's concentration factor)
+        ref = _apply_rotary_pos_emb_bshd(t, freqs, mscale=mscale)
+        out = rotate(t, *cos_sin(freqs, mscale, t.dtype))
+        assert torch.equal(out, ref) and not torch.equal(out, t)
 
 
 def test_direct_moe_layer_is_the_dispatchers_result_bitwise(setup):

@@ -11,7 +11,12 @@ Workload: the tiny preset (2 layers, hidden 64, 4 experts top-2), random weights
 4-11 tokens per rank, temperature 1, ``max_new_tokens`` 256, sampling over a 24-id vocabulary
 (EOS among them), fp32 on CPU, one thread per process. Two batches of the same mean length:
 
-* **long-tailed**: responses end at EOS (a geometric-like length distribution, a few at the cap);
+* **long-tailed**: each response as long as the workload's stopping law makes it (EOS at
+  ``1 / VOCAB`` per token: geometric lengths, mean ~24, a few past 100), drawn once per rank
+  (:func:`_tail_lengths`) and written with ``rollout.ignore_eos`` and per-request budgets, so
+  every dynamic engine writes the same tokens (the static engine, which has no per-request
+  budget, decodes its own EOS draws: its cost follows its longest anyway); the partial pools
+  sample EOS as training does;
 * **uniform**: ``rollout.ignore_eos`` with ``max_new_tokens`` = the long-tailed batch's mean
   length, so every response is that long: the same real tokens, no tail.
 
@@ -97,20 +102,27 @@ def _child(spec: dict) -> dict:
     out: dict = {}
     if spec.get("partial"):
         out.update(_partial(spec, pol, groups, base, prompts, rounds))
+    tail = _tail_lengths(prompts_n, new_tokens, gen)
     for name, eng in engines.items():
-        longest = eng.generate(prompts, seed=0)  # warm-up, and the lengths
-        lengths = [len(s.response_ids) for s in longest]
+        if eng.backend == "dynamic":  # the same long tail for every engine (module docstring)
+            lengths = tail
+            long_tailed = eng.with_sampling(dataclasses.replace(eng.config, ignore_eos=True))
+            long_tailed.generate(prompts, seed=0, budgets=lengths)  # warm-up
+        else:  # a static batch runs to its longest response: its own EOS draws
+            lengths = [len(s.response_ids) for s in eng.generate(prompts, seed=0)]
+            long_tailed = eng
         mean = max(1, round(_world_sum(sum(lengths)) / _world_sum(len(lengths))))
         uniform = eng.with_sampling(dataclasses.replace(eng.config, max_new_tokens=mean,
                                                         ignore_eos=True))
-        batches = {"long_tailed": eng, "uniform": uniform}
+        batches = {"long_tailed": long_tailed, "uniform": uniform}
+        budgets = {"long_tailed": lengths if eng.backend == "dynamic" else None, "uniform": None}
         times = {k: [] for k in batches}
         real = {}
         steps = {}
         for r in range(rounds):
             for k in (("long_tailed", "uniform") if r % 2 == 0 else ("uniform", "long_tailed")):
                 t = time.perf_counter()
-                samples = batches[k].generate(prompts, seed=0)
+                samples = batches[k].generate(prompts, seed=0, budgets=budgets[k])
                 times[k].append(time.perf_counter() - t)
                 real[k] = _world_sum(sum(len(s.response_ids) for s in samples))
                 # the dynamic engine's forward steps (EP padding included); a static batch runs
@@ -120,10 +132,38 @@ def _child(spec: dict) -> dict:
         if eng.backend == "dynamic":
             out[f"{name}_step_ms"] = _step_cost(eng, prompts, rounds)
         out[name] = {"seconds": {k: median(v) for k, v in times.items()}, "real_tokens": real,
-                     "forward_steps": steps, "longest": max(lengths), "mean_length": mean,
+                     "forward_steps": steps, "longest": _world_max(max(lengths)),
+                     "mean_length": mean,
                      "per_token_s": per_token,
                      "ratio": per_token["long_tailed"] / per_token["uniform"]}
     return out
+
+
+def _tail_lengths(n: int, cap: int, generator) -> list[int]:
+    """``n`` response lengths of the long-tailed batch: the workload's own stopping law (a
+    random model over ``VOCAB`` ids writes EOS with probability ``1 / VOCAB`` per token, so the
+    lengths are geometric, mean ~``VOCAB``), capped at ``cap``, drawn once: every engine writes
+    the same tokens (sampled EOS would give each engine a tail of its own: a round draws its
+    random numbers in another order than the per-step loop, and one longest response of 90 or
+    169 tokens moves the ratio by 2x)."""
+    import math
+
+    import torch
+
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    steps = torch.floor(torch.log(u) / math.log(1 - 1 / VOCAB)) + 1
+    return steps.clamp(1, cap).long().tolist()
+
+
+def _world_max(x: int) -> int:
+    """``x``'s maximum over the ranks."""
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return x
+    t = torch.tensor([x])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _world_sum(x: float) -> float:

@@ -82,7 +82,7 @@ class FastDecoder:
         EP gathered from every rank when ``rollout.decode_experts`` says so; kept in tensors of
         their own, refreshed in place, under CUDA graphs). Collective over the EP group."""
         self._finite.clear()  # (held requests' slots are zeroed again once: cheap, safe)
-        fresh = DecodeWeights.of(self.model)
+        fresh = DecodeWeights.of(self.model, self.wrapper.real_vocab_size)
         self.replicated = fresh.ep_group is not None and self._replicate(fresh)
         if self.replicated:
             fresh = replicate_experts(fresh)
@@ -221,26 +221,35 @@ class FastDecoder:
         term = ctx.request_metadata["termination_id"][first:first + n].long()
         limit = ctx.request_output_lengths[first:first + n].long() - 1
         cos, sin = self._cos_sin(w.embedding.dtype)
-        sp, vocab = call.sp, self.wrapper.real_vocab_size
+        sp = call.sp
+        plain, rng = int(sp.top_k) == 0 and float(sp.top_p) == 0.0, self.controller.sampling_rng
         temperature = float(self.wrapper.temperature)
         alive = torch.ones(n, dtype=torch.bool, device=device)
         out_tokens, out_logprobs, live, ends, routes = [], [], [], [], []
+        # every request's round in one block: its slots are that block's start + position
+        base = (table_rows.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs - (pos // bs) * bs
+                if all(p // bs == (p + steps - 1) // bs for p in plan.pos0) else None)
         for step in range(steps):
             if step >= plan.steps:  # EP lock-step past this rank's last request's end
                 moe_only_step(w)
                 continue
-            slots = table_rows.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+            slots = (base + pos if base is not None else
+                     table_rows.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs)
             batch = DecodeBatch(tokens, pos, slots, cos, sin, [
                 dataclasses.replace(g, key_mask=g.positions[None, :] <= (
                     pos if g.rows is None else pos.index_select(0, g.rows))[:, None])
                 for g in groups])
+            # [n, vocab]: the output layer's real rows only (DecodeWeights.of)
             logits, step_routes = self.step_fn(w, ctx.memory_buffer, batch,
                                                record_routes is not None)
-            logits[:, vocab:] = float("-inf")
             if temperature != 1.0:
                 logits.div_(temperature)
-            sampled = self.controller._torch_sampling_func(
-                logits[:, :vocab], 1.0, int(sp.top_k), float(sp.top_p))
+            if plain:  # Megatron's sampling without its filters, op for op (bitwise)
+                sampled = torch.multinomial(logits.softmax(dim=-1), num_samples=1,
+                                            generator=rng).view(-1)
+            else:
+                sampled = self.controller._torch_sampling_func(
+                    logits, 1.0, int(sp.top_k), float(sp.top_p))
             logprobs = torch.log_softmax(logits, dim=-1).gather(
                 -1, sampled.unsqueeze(-1)).squeeze(-1)
             end = alive & ((sampled == term) | (pos + 1 >= limit))

@@ -77,7 +77,7 @@ class DecodeWeights:
     layers: list[DecodeLayer]
     final_norm: torch.nn.Module
     output: torch.Tensor
-    """``[V, H]``."""
+    """``[V, H]`` (``V``: the real vocabulary, or Megatron's padded one)."""
     heads: int
     groups: int
     head_dim: int
@@ -105,8 +105,10 @@ class DecodeWeights:
     decodes this round; fewer are padded): set per round (:class:`~..engine.rounds.FastDecoder`)."""
 
     @classmethod
-    def of(cls, model) -> "DecodeWeights":
-        """The weights of ``model`` (a ``GPTModel``, :func:`unsupported` None), experts stacked."""
+    def of(cls, model, vocab: int | None = None) -> "DecodeWeights":
+        """The weights of ``model`` (a ``GPTModel``, :func:`unsupported` None), experts stacked;
+        ``vocab``: the output layer's first ``vocab`` rows only (the tokenizer's ids: the
+        columns Megatron pads the vocabulary with are never sampled)."""
         c = model.config
         layers = []
         for layer in model.decoder.layers:
@@ -138,6 +140,7 @@ class DecodeWeights:
         local = (moe.local_expert_indices[0], moe.num_local_experts) if moe is not None else (0, 0)
         output = (model.shared_embedding_or_output_weight()
                   if model.share_embeddings_and_output_weights else model.output_layer.weight)
+        output = output[:vocab] if vocab is not None else output  # (a view: no copy)
         return cls(model.embedding.word_embeddings.weight, layers, model.decoder.final_layernorm,
                    output, c.num_attention_heads, c.num_query_groups, head_dim,
                    rot.inv_freq.numel() * 2, c.moe_router_topk, bool(c.moe_router_pre_softmax),
@@ -265,7 +268,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
     cos, sin = batch.cos[batch.positions], batch.sin[batch.positions]  # [B, 1, 1, rot]
     routes = []
     for i, layer in enumerate(w.layers):
-        y = layer.input_norm(x)
+        y = _norm(layer.input_norm, x)
         qkv = F.linear(y, layer.qkv).view(B, 1, ng, (np_ // ng + 2) * hn)
         q, k, v = torch.split(qkv, [np_ // ng * hn, hn, hn], dim=3)
         q = q.reshape(B, 1, np_, hn)  # [B, 1, np, hn]
@@ -289,7 +292,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             for g in batch.groups:
                 out.index_copy_(0, g.rows, _attend(w, kv, i, q.index_select(0, g.rows), g))
         x = x + F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj)
-        y = layer.mlp_norm(x)
+        y = _norm(layer.mlp_norm, x)
         if layer.router is None:
             mlp, top = _dense(w, layer, y), None
         else:
@@ -297,8 +300,16 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
         x = x + mlp
         if record_routes and top is not None:
             routes.append(top)
-    logits = F.linear(w.final_norm(x), w.output).squeeze(1).float()  # [B, V]
+    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1).float()  # [B, V]
     return logits, (torch.stack(routes) if record_routes and routes else None)
+
+
+def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``; this project's RMSNorm on fp32 as the one op its forward runs (bitwise),
+    without the module call (a decoding step of a small model is its op count)."""
+    if type(norm) is RMSNorm and x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+    return norm(x)
 
 
 def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
@@ -323,7 +334,7 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
 def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
     if w.gated:
         gate, up = torch.chunk(h, 2, dim=-1)
-        return w.activation(gate) * (up + w.glu_offset)
+        return w.activation(gate) * (up + w.glu_offset if w.glu_offset else up)
     return w.activation(h)
 
 

@@ -22,7 +22,9 @@ import torch
 
 
 class RotaryPair(NamedTuple):
-    """``cos``/``sin`` ``[..., rot_dim]`` in the activations' dtype, scaled by YaRN's ``mscale``."""
+    """``cos``/``sin`` ``[..., rot_dim]`` in the activations' dtype, scaled by YaRN's ``mscale``;
+    ``sin`` with its first half negated (``[-sin_1, sin_2]``: :func:`rotate` multiplies it by
+    ``t`` rolled by half instead of by ``rotate_half(t) = [-t_2, t_1]``)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -30,24 +32,23 @@ class RotaryPair(NamedTuple):
 
 
 def cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> RotaryPair:
-    """The pair of the angles ``freqs [..., rot_dim]``, exactly as Megatron's unfused RoPE."""
-    return RotaryPair((torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype),
-                      freqs.shape[-1])
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Megatron's non-interleaved ``_rotate_half``: ``[x1, x2] -> [-x2, x1]`` on the last dim."""
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    """The pair of the angles ``freqs [..., rot_dim]``, as Megatron's unfused RoPE computes them
+    (the sine's first half negated: :class:`RotaryPair`)."""
+    sin = (torch.sin(freqs) * mscale).to(dtype)
+    half = freqs.shape[-1] // 2
+    return RotaryPair((torch.cos(freqs) * mscale).to(dtype),
+                      torch.cat((-sin[..., :half], sin[..., half:]), dim=-1), freqs.shape[-1])
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
     """Megatron's (non-interleaved) RoPE, ``t * cos + rotate_half(t) * sin`` on the first
-    ``rot_dim`` channels of ``t [..., heads, hn]``, with a precomputed pair (:func:`cos_sin`)."""
+    ``rot_dim`` channels of ``t [..., heads, hn]``, with a precomputed pair (:func:`cos_sin`):
+    ``rotate_half(t) * sin = [-t_2 sin_1, t_1 sin_2] = roll(t, half) * [-sin_1, sin_2]``, bitwise
+    (a product's sign is exact), one roll instead of a chunk, a negation and a concatenation."""
     if rot_dim == t.shape[-1]:
-        return t * cos + _rotate_half(t) * sin
+        return t * cos + t.roll(rot_dim // 2, -1) * sin
     head, tail = t[..., :rot_dim], t[..., rot_dim:]
-    return torch.cat((head * cos + _rotate_half(head) * sin, tail), dim=-1)
+    return torch.cat((head * cos + head.roll(rot_dim // 2, -1) * sin, tail), dim=-1)
 
 
 class RotaryCache:
