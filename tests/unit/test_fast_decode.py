@@ -48,12 +48,24 @@ def assert_same(a, b):
     {"max_batch_size": 5},  # 24 prompts through 5 slots: rounds end to let prompts in
     {"ignore_eos": True, "max_new_tokens": 300},  # crosses a 256-token KV block inside a round
     {"long_prompts": True},  # 4 of 24 prompts of 150 tokens: keys read in length groups
-], ids=["eos", "slots5", "block_crossing", "length_groups"])
+    # the KV buffer allocated full of NaN (torch.empty's worst case), slots reused: every slot a
+    # round reads past a request's keys is made finite first, once
+    {"max_batch_size": 5, "nan_buffer": True},
+], ids=["eos", "slots5", "block_crossing", "length_groups", "nan_buffer"])
 def test_rounds_give_the_per_step_tokens_and_logprobs(setup, cfg):  # noqa: F811
     cfg = dict(cfg)
     long_prompts = cfg.pop("long_prompts", False)
+    nan_buffer = cfg.pop("nan_buffer", False)
     per_step, rounds = engines(setup, **cfg)
     assert per_step.dynamic.fast is None and rounds.dynamic.fast is not None
+    if nan_buffer:
+        fast = rounds.dynamic.fast
+        zero_scratch = fast.buffer_allocated
+
+        def allocated_as_nan():
+            fast.context.memory_buffer.fill_(float("nan"))
+            zero_scratch()
+        fast.buffer_allocated = allocated_as_nan
     prompts = make_prompts(24, seed=3)
     if long_prompts:
         from gspo_megatron.backends.megatron.engine.rounds import _length_groups
