@@ -251,7 +251,8 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
             # what a run meets before the pool fills)
             v["rows"].append((time.perf_counter() - t,
                               _world_sum(m["rollout/partial_generated_tokens"]),
-                              v["engine"].dynamic.tokens_forwarded, v["engine"].dynamic.steps,
+                              _world_sum(v["engine"].dynamic.tokens_forwarded),
+                              v["engine"].dynamic.steps,
                               m["rollout/partial_carried_share"], m["rollout/partial_max_age"]))
         if step < PARTIAL_WARMUP or step % 2 == 0:  # the uniform batch, interleaved
             t = time.perf_counter()
