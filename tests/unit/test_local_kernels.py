@@ -357,7 +357,8 @@ def test_paged_attention_forward_and_kv_append_are_megatrons_bitwise(setup):
     """Under the dynamic engine the attention takes the lean paged forward and the context
     appends keys/values with one ``index_copy_`` per tensor: sampled tokens and their
     log-probs are bitwise those of Megatron's ``Attention.forward`` and ``append_key_value_cache``
-    (more prompts than slots, so steps mix prefills with decodes)."""
+    (more prompts than slots, so steps mix prefills with decodes; Megatron's per-step loop,
+    where every step runs Megatron's forward, as TP / PP rollouts do)."""
     from gspo_megatron.backends.megatron.kernels import local as lk
     from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config import RolloutConfig
@@ -370,7 +371,8 @@ def test_paged_attention_forward_and_kv_append_are_megatrons_bitwise(setup):
     engine = RolloutEngine(fast.model, groups, eos_id=model.vocab_size - 1, pad_id=0,
                            vocab_size=model.vocab_size,
                            config=RolloutConfig(max_new_tokens=9, temperature=1.0,
-                                                max_batch_size=4, engine="dynamic"),
+                                                max_batch_size=4, engine="dynamic",
+                                                decode_steps_per_sync=0),
                            max_sequence_length=MODEL["seq_length"])
     context_class = type(engine.dynamic.context)
     ours = context_class.append_key_value_cache

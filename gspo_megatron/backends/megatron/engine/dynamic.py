@@ -282,8 +282,8 @@ class DynamicRollout:
                 if not mine:
                     if rounds:
                         self.steps += self.fast.idle(steps, rows)
-                    else:
-                        self.controller.dummy_forward()
+                    elif self.fast is None or not self.fast.independent:
+                        self.controller.dummy_forward()  # (its MoE layers' collectives)
                         self.steps += 1
                     continue
                 steps = self._round(call, stop, plan, steps, rows) if rounds else None
@@ -366,12 +366,15 @@ class DynamicRollout:
         admit_waiting(ctx, call.waiting)
         ctx.initialize_attention_state()
         self.tokens_forwarded += int(ctx.active_token_count)
-        input_ids, position_ids = ctx.current_input_and_position_ids()  # [1, T_padded] each
-        logits = self.controller._dynamic_step_forward_logits(input_ids, position_ids)
+        if self.fast is not None and self.fast.independent:  # the step function, mixed
+            last_logits = self.fast.mixed_logits(self.wrapper.route_recorder)  # [n, V]
+        else:
+            input_ids, position_ids = ctx.current_input_and_position_ids()  # [1, T_padded]
+            # [n, V_padded]: logits / T of each request's last token (the model computed no
+            # other rows), the padded vocabulary's columns -inf
+            last_logits = self.controller._dynamic_step_forward_logits(
+                input_ids, position_ids).squeeze(0)
         first, last = ctx.paused_request_count, ctx.total_request_count
-        # [n, V_padded]: logits / T of each request's last token (the model computed no other
-        # rows), the padded vocabulary's columns -inf
-        last_logits = logits.squeeze(0)
         sp = call.sp
         # Drawn over the real vocabulary only: the padded columns have probability 0, and
         # Megatron's filter + softmax + multinomial cost follows the columns (TRL's workload:

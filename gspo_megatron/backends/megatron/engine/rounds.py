@@ -177,6 +177,62 @@ class FastDecoder:
         return Plan(first, last - first, pos0, counts, need, steps,
                     ctx.block_allocator.is_memory_available(sum(need)), ids)
 
+    def mixed_logits(self, recorder=None) -> torch.Tensor:
+        """``[n, V]`` fp32, divided by the sampling temperature: the logits of each request's
+        last token in the step Megatron's context has laid out (``initialize_attention_state``
+        done: prompts being prefilled beside one token per decoding request), by
+        :func:`~..kernels.decode.decode_forward` instead of Megatron's forward (its module tree,
+        its MoE dispatcher's host reads). One host read (each request's new and cached tokens);
+        the keys and values land where Megatron's forward puts them; R3: every token's routes to
+        ``recorder``. Only when no other rank's step waits on this one (:attr:`independent`)."""
+        ctx, w = self.context, self.weights
+        first, last = ctx.paused_request_count, ctx.total_request_count
+        device, bs = ctx.request_ids.device, ctx.block_size_tokens
+        T = int(ctx.active_token_count)
+        q_len, cached = torch.stack((ctx.request_query_lengths[first:last],
+                                     ctx.request_kv_length_offsets[first:last])).tolist()
+        starts = [0]
+        for q in q_len:
+            starts.append(starts[-1] + q)
+        tokens = ctx.token_to_input_ids[:T].long()
+        positions = ctx.token_to_pos_ids[:T].long()
+        slots = (ctx.token_to_block_idx[:T].long() * bs
+                 + ctx.token_to_local_position_within_kv_block[:T].long())
+        table = ctx.request_to_kv_block_ids[first:last].long()
+        scratch = ctx.block_allocator.dummy_block_idx * bs
+        groups = []
+        # decoding requests apart from prefills (no query padding), each set by key length
+        for members in (m for kind in (True, False)
+                        for m in _query_groups([r for r in range(len(q_len))
+                                                if (q_len[r] == 1) == kind], q_len, cached)):
+            lq = max(q_len[r] for r in members)
+            lk = max(cached[r] + q_len[r] for r in members)
+            rows = torch.tensor(members, device=device)
+            j = torch.arange(lk, device=device)
+            ends = torch.tensor([cached[r] + q_len[r] for r in members], device=device)
+            key_rows = table.index_select(0, rows)[:, j // bs] * bs + j % bs
+            key_rows = key_rows.masked_fill(j[None, :] >= ends[:, None], scratch)
+            a = torch.arange(lq, device=device)
+            real = a[None, :] < torch.tensor([q_len[r] for r in members], device=device)[:, None]
+            queries = torch.where(real, torch.tensor([starts[r] for r in members],
+                                                     device=device)[:, None] + a, T)
+            query_pos = torch.where(real, (ends - torch.tensor(
+                [q_len[r] for r in members], device=device))[:, None] + a, 0)  # [n_g, Lq]
+            groups.append(KeyGroup(None, key_rows, j[None, None, :] <= query_pos[:, :, None],
+                                   j, None, queries))
+        cos, sin = self._cos_sin(w.embedding.dtype)
+        last_rows = torch.tensor(starts[1:], device=device) - 1
+        logits, routes = decode_forward(
+            w, ctx.memory_buffer,
+            DecodeBatch(tokens, positions, slots, cos, sin, groups, last_rows),
+            recorder is not None)
+        if recorder is not None:
+            owner = torch.repeat_interleave(torch.arange(len(q_len)), torch.tensor(q_len))
+            recorder.record_tokens(ctx.request_ids[first:last].long().cpu()[owner],
+                                   positions.cpu().clone(), routes)  # (a view of the context's)
+        temperature = float(self.wrapper.temperature)
+        return logits.div_(temperature) if temperature != 1.0 else logits
+
     def idle(self, steps: int, ep_rows: int) -> int:
         """``steps`` decoding steps of a rank without requests under EP (its experts serve the
         others': :func:`~..kernels.decode.moe_only_step`; none when they are replicated).
@@ -319,6 +375,17 @@ class FastDecoder:
         ahead = (pos[:, None] + torch.arange(1, plan.steps, device=device)).clamp(max=lk - 1)
         flat.index_fill_(1, key_rows.gather(1, ahead).reshape(-1), 0)
         return KeyGroup(index, key_rows, None, j_lk, None)
+
+
+def _query_groups(members: list[int], q_len: list[int], cached: list[int]) -> list[list[int]]:
+    """``members`` (requests of a mixed step) split while padding a group's queries and keys
+    to its longest would more than double them (:func:`_length_groups`' rule on the keys,
+    each request's ``cached + q_len``); empty when ``members`` is."""
+    if not members:
+        return []
+    keys = [cached[r] + q_len[r] for r in members]
+    return [[members[i] for i in g] if g is not None else members
+            for g in _length_groups([k - 1 for k in keys], 1)]
 
 
 def _length_groups(lengths: list[int], steps: int, depth: int = 3) -> list[list[int] | None]:

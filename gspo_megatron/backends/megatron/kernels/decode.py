@@ -233,6 +233,11 @@ class KeyGroup:
     """``[B_g]`` long, when every request's ``Lk`` keys lie in its first KV block: that block, so
     the keys are read as one contiguous run per request (a per-row gather costs 1.5-2x on CPU);
     the slots past a request's keys must then hold finite values."""
+    queries: torch.Tensor | None = None
+    """``[B_g, Lq]`` long: the batch rows of each request's queries, when a request forwards
+    several tokens (a prefill beside decoding rows, :meth:`~..engine.rounds.FastDecoder.
+    mixed_logits`), padded with the row ``B`` (dropped); ``key_mask`` is then ``[B_g, Lq, Lk]``
+    and ``rows`` unused. None: one query per request, its row in ``rows``."""
 
 
 @dataclasses.dataclass
@@ -253,6 +258,9 @@ class DecodeBatch:
     sin: torch.Tensor
     groups: list[KeyGroup]
     """The keys, by length group (one group: ``rows`` None)."""
+    last: torch.Tensor | None = None
+    """``[n]`` long: the rows whose logits are computed (a prefill's last token per request);
+    None: every row."""
 
 
 def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
@@ -285,12 +293,20 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
         keys, values = kv[0, i].view(-1, ng, hn), kv[1, i].view(-1, ng, hn)
         keys.index_copy_(0, batch.slots, k.squeeze(1))
         values.index_copy_(0, batch.slots, v.squeeze(1))
-        if len(batch.groups) == 1 and batch.groups[0].rows is None:
+        if len(batch.groups) == 1 and batch.groups[0].rows is None \
+                and batch.groups[0].queries is None:
             out = _attend(w, kv, i, q, batch.groups[0])  # [B, np, 1, hn]
-        else:
-            out = q.new_empty(B, np_, 1, hn)
+        else:  # (row B: where padded queries of a prefill group go)
+            out = q.new_empty(B + 1, np_, 1, hn)
+            padded = None
             for g in batch.groups:
-                out.index_copy_(0, g.rows, _attend(w, kv, i, q.index_select(0, g.rows), g))
+                if g.queries is None:
+                    out.index_copy_(0, g.rows, _attend(w, kv, i, q.index_select(0, g.rows), g))
+                    continue
+                if padded is None:
+                    padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))
+                out.index_copy_(0, g.queries.reshape(-1), _attend_queries(w, kv, i, padded, g))
+            out = out[:B]
         x = x + F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj)
         y = _norm(layer.mlp_norm, x)
         if layer.router is None:
@@ -300,7 +316,9 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
         x = x + mlp
         if record_routes and top is not None:
             routes.append(top)
-    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1).float()  # [B, V]
+    if batch.last is not None:
+        x = x.index_select(0, batch.last)
+    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1).float()  # [B or n, V]
     return logits, (torch.stack(routes) if record_routes and routes else None)
 
 
@@ -329,6 +347,24 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
         q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
         attn_mask=g.key_mask[:, None, None, :], scale=w.softmax_scale,
         enable_gqa=w.grouped_query)
+
+
+def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
+                    g: KeyGroup) -> torch.Tensor:
+    """``[B_g Lq, np, 1, hn]``: each request's queries (``q [B + 1, 1, np, hn]`` at the rows
+    ``g.queries``) over its keys (``g.key_rows``, causal by ``g.key_mask [B_g, Lq, Lk]``)."""
+    B, Lq = g.queries.shape
+    Lk = g.key_rows.shape[1]
+    np_, ng, hn = w.heads, w.groups, w.head_dim
+    rows = g.key_rows.reshape(-1)
+    k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
+    v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
+    qg = q.index_select(0, g.queries.reshape(-1)).view(B, Lq, np_, hn)
+    out = F.scaled_dot_product_attention(
+        qg.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
+        attn_mask=g.key_mask[:, None], scale=w.softmax_scale,
+        enable_gqa=w.grouped_query)  # [B_g, np, Lq, hn]
+    return out.transpose(1, 2).reshape(B * Lq, np_, 1, hn)
 
 
 def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
