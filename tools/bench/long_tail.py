@@ -123,6 +123,7 @@ def _child(spec: dict) -> dict:
             for k in (("long_tailed", "uniform") if r % 2 == 0 else ("uniform", "long_tailed")):
                 t = time.perf_counter()
                 samples = batches[k].generate(prompts, seed=0, budgets=budgets[k])
+                _all_done()
                 times[k].append(time.perf_counter() - t)
                 real[k] = _world_sum(sum(len(s.response_ids) for s in samples))
                 # the dynamic engine's forward steps (EP padding included); a static batch runs
@@ -153,6 +154,15 @@ def _tail_lengths(n: int, cap: int, generator) -> list[int]:
     u = torch.rand(n, generator=generator, dtype=torch.float64)
     steps = torch.floor(torch.log(u) / math.log(1 - 1 / VOCAB)) + 1
     return steps.clamp(1, cap).long().tolist()
+
+
+def _all_done() -> None:
+    """Wait for every rank (EP = 2): a call ends for the job when its slowest rank's does (with
+    the experts replicated for decoding, the ranks step alone and return at their own end)."""
+    import torch
+
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 
 def _world_max(x: int) -> int:
@@ -196,6 +206,7 @@ def _step_cost(engine, prompts: list[list[int]], rounds: int) -> dict:
         for k, p in batches.items():
             t = time.perf_counter()
             fixed.generate(p, seed=0)
+            _all_done()
             if r:  # the first round warms up
                 times[k].append(1e3 * (time.perf_counter() - t) / steps)
     return {k: median(v) for k, v in times.items()}
@@ -247,6 +258,7 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
             t = time.perf_counter()
             _, _, m = v["pool"].rollout(v["engine"], lambda i: prompts[i], drawer(v["drawn"]),
                                         seed=step, step=step)
+            _all_done()
             # seconds, written, forwarded, steps, carried, age: every step (the first ones are
             # what a run meets before the pool fills)
             v["rows"].append((time.perf_counter() - t,
@@ -257,6 +269,7 @@ def _partial(spec: dict, pol, groups, base, prompts: list[list[int]], rounds: in
         if step < PARTIAL_WARMUP or step % 2 == 0:  # the uniform batch, interleaved
             t = time.perf_counter()
             uniform.generate(prompts, seed=step)
+            _all_done()
             uni.append(time.perf_counter() - t)
     out = {}
     real_uniform = _world_sum(mean * len(prompts))

@@ -248,8 +248,9 @@ class DynamicRollout:
         told the number of requests finished after each step that finishes some. With
         ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
         allocated) for the next call to continue
-        (``stop.continue_ids``). Collective over the world under EP > 1 (lock-step), over the
-        model-parallel group otherwise."""
+        (``stop.continue_ids``). Collective over the world under EP > 1 (lock-step; with the
+        experts replicated for decoding only its start is: each rank then steps alone), over
+        the model-parallel group otherwise."""
         held = self._claim_held(stop)
         self.resume()
         try:
@@ -266,7 +267,11 @@ class DynamicRollout:
                     call.join(held[i], prompt, budget)
                 else:
                     call.add(next(self._request_ids), prompt, budget)
-            lock_step = self.groups.ep_size > 1
+            # EP ranks step together while a step's MoE layers exchange tokens (Megatron's
+            # dispatcher, or sharded experts in the step function); with every expert here
+            # (rollout.decode_experts) no step of this rank waits on another's: each runs alone
+            lock_step = self.groups.ep_size > 1 and not (self.fast is not None
+                                                         and self.fast.independent)
             self.steps = self.tokens_forwarded = finished = 0
             while True:
                 if refill is not None and not stop.done:
