@@ -198,21 +198,22 @@ class RolloutConfig(Section, name="rollout"):
     ``num_scheduler_steps``): once every running request is decoding, up to this many steps run
     as one pure-torch step function over the model's weights and Megatron's paged KV cache
     (``backends/megatron/kernels/decode.py``), with no host read in between; requests that end
-    inside a round are masked until its end, new prompts join at round boundaries. 0 = Megatron's
-    forward and bookkeeping at every step. Models the step function does not cover (TP or PP
+    inside a round are masked until its end, new prompts join at round boundaries (their prefill
+    runs the same step function, unless another EP rank's step waits on this one's). 0 =
+    Megatron's forward and bookkeeping at every step. Models the step function does not cover (TP or PP
     rollouts, Transformer Engine modules, grouped or biased routing) decode through Megatron's
     forward whatever this says."""
     decode_experts: Literal["auto", "replicated", "sharded"] = "auto"
     """Where the multi-step decoding step finds the experts under expert parallelism.
-    ``sharded``: each EP rank its own, every MoE layer of every step one gather of the ranks'
-    tokens and one all-to-all of their partial sums (the ranks in lock-step). ``replicated``:
-    every rank all of them, gathered once per rollout call (one all-gather per MoE layer), so a
-    round of ``decode_steps_per_sync`` steps needs no collective and each rank decodes only its
-    own requests (one agreement per round, as at EP=1), at the cost of ``(EP - 1) / EP`` of the
-    experts' weights more on each rank for the call. ``auto`` (default): replicated when that
-    extra copy takes at most a quarter of the memory free on every EP rank (device memory on
-    CUDA, RAM on CPU), sharded otherwise. Prefills and mixed steps run Megatron's forward, its
-    dispatcher, either way."""
+    ``sharded``: each EP rank its own, every MoE layer of every decoding step one gather of the
+    ranks' tokens and one all-to-all of their partial sums, the ranks in lock-step (prefills
+    through Megatron's forward and dispatcher). ``replicated``: every rank all of them, gathered
+    once per rollout call (one all-gather per MoE layer); then no step needs another rank
+    (decoding rounds and prefills both run the step function), so each rank decodes its own
+    requests alone and its call ends with them, at the cost of ``(EP - 1) / EP`` of the experts'
+    weights more on each rank for the call. ``auto`` (default): replicated when that extra copy
+    takes at most a quarter of the memory free on every EP rank (device memory on CUDA, RAM on
+    CPU), sharded otherwise."""
     decode_cuda_graphs: bool = True
     """On CUDA, replay the multi-step decoding step from CUDA graphs (one per batch-size and
     key-window bucket, captured when first met: ``backends/megatron/kernels/graphs.py``) instead

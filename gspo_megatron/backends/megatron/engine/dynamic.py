@@ -32,7 +32,8 @@ What else it adds (:class:`DynamicRollout`):
   collective (gloo: "Connection closed by peer"; NCCL: a hang). Every rank of the world agrees
   each step whether anyone still has work (one MAX all-reduce of a flag), and a rank without
   requests runs Megatron's ``dummy_forward`` (one all-to-all round with no tokens). Nothing is
-  decoded past EOS.
+  decoded past EOS. With the experts replicated for decoding (``rollout.decode_experts``) no
+  step of a rank involves another, and each rank runs alone.
 * **Memory between phases.** After a rollout the KV buffer is released (Megatron's
   ``deallocate_all_tensors``) and restored before the next (``resume()``), so the old-log-prob
   pass and the updates run without it; :attr:`DynamicRollout.kv_bytes` says what it holds.
@@ -48,8 +49,11 @@ What else it adds (:class:`DynamicRollout`):
 * **Multi-step decoding** (``rollout.decode_steps_per_sync``, :mod:`.rounds`): once every
   request is decoding, up to that many steps per host round trip through one pure-torch step
   (:mod:`..kernels.decode`; CUDA graphs on CUDA, :mod:`..kernels.graphs`), Megatron's tables
-  written back once per round. Megatron's forward and bookkeeping serve the prefill and mixed
-  steps, and every step of the layouts the step function does not cover.
+  written back once per round. The prefill and mixed steps run the same step function over
+  Megatron's layout of the step (:meth:`~.rounds.FastDecoder.mixed_logits`) unless another EP
+  rank's step waits on this one (sharded experts: Megatron's forward and dispatcher), and
+  Megatron's bookkeeping; the layouts the step function does not cover run Megatron's forward
+  at every step.
 
 Left out of Megatron's engine: chunked prefill (a prompt waits until it fits whole:
 ``max_tokens`` >= the longest sequence, so an empty context always takes the head of the queue),

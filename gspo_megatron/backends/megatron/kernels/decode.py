@@ -18,9 +18,12 @@ top-k softmax routing with Megatron's ``topk`` and dropless experts as two group
 the tokens in expert-major order (:func:`~.moe.permute_without_host_reads`; with at most ``2 k``
 experts, or this rank's experts under EP, every expert over every token: :func:`_dense_experts`),
 final norm and output layer. Greedy tokens equal Megatron's forward's
-(``tests/unit/test_fast_decode.py``).
+(``tests/unit/test_fast_decode.py``). A step that prefills prompts runs it too: a request's
+several queries attend causally to its paged keys (:attr:`KeyGroup.queries`), and only the last
+tokens' logits are computed (:attr:`DecodeBatch.last`).
 
-Supported (:func:`unsupported` says why not): TP = PP = 1 (EP any: :func:`_moe_ep`), the local spec (not TE's fused
+Supported (:func:`unsupported` says why not): TP = PP = 1 (EP any: the experts sharded,
+:func:`_moe_ep`, or gathered once per call, :func:`replicate_experts`), the local spec (not TE's fused
 norm-linear modules), SwiGLU or plain experts without bias, softmax top-k routing without groups
 or expert bias, unfused non-interleaved RoPE, no MLA, no shared experts. Everything else decodes
 through Megatron's forward, as before.
