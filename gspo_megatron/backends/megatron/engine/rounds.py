@@ -275,7 +275,7 @@ class FastDecoder:
             [self._keys(table_rows, pos, plan, steps, None, graphed=True)]
         tokens = ctx.token_to_input_ids[:n].long().clone()
         term = ctx.request_metadata["termination_id"][first:first + n].long()
-        limit = ctx.request_output_lengths[first:first + n].long() - 1
+        last_pos = ctx.request_output_lengths[first:first + n].long() - 2  # (Megatron's rule)
         cos, sin = self._cos_sin(w.embedding.dtype)
         sp = call.sp
         plain, rng = int(sp.top_k) == 0 and float(sp.top_p) == 0.0, self.controller.sampling_rng
@@ -292,8 +292,9 @@ class FastDecoder:
             slots = (base + pos if base is not None else
                      table_rows.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs)
             batch = DecodeBatch(tokens, pos, slots, cos, sin, [
-                dataclasses.replace(g, key_mask=g.positions[None, :] <= (
-                    pos if g.rows is None else pos.index_select(0, g.rows))[:, None])
+                KeyGroup(g.rows, g.key_rows, g.positions[None, :] <= (
+                    pos if g.rows is None else pos.index_select(0, g.rows))[:, None],
+                    g.positions, g.key_blocks)
                 for g in groups])
             # [n, vocab]: the output layer's real rows only (DecodeWeights.of)
             logits, step_routes = self.step_fn(w, ctx.memory_buffer, batch,
@@ -308,16 +309,16 @@ class FastDecoder:
                     logits, 1.0, int(sp.top_k), float(sp.top_p))
             logprobs = torch.log_softmax(logits, dim=-1).gather(
                 -1, sampled.unsqueeze(-1)).squeeze(-1)
-            end = alive & ((sampled == term) | (pos + 1 >= limit))
+            end = alive & ((sampled == term) | (pos >= last_pos))
             out_tokens.append(sampled)
             out_logprobs.append(logprobs)
             live.append(alive)
             ends.append(end)
             if step_routes is not None:
                 routes.append(step_routes)
-            alive = alive & ~end
+            alive = alive ^ end  # (end only where alive)
             # a finished request stays at its last position (its own block) to the round's end
-            tokens, pos = sampled, pos + alive.long()
+            tokens, pos = sampled, pos + alive
         steps = min(steps, plan.steps)  # (the rest were this rank's experts serving others)
         ids = ctx.request_ids[first:first + n].clone()
         # the round's second host read: [2 K n] live / finished flags, then the ids
