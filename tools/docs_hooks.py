@@ -4,8 +4,10 @@ The guides link to the source tree (``[registry.py](../gspo_megatron/algorithms/
 which GitHub renders as links but mkdocs cannot serve. Before mkdocs reads a page, each such link
 is checked: a target that does not exist in the repository is a warning (so ``mkdocs build
 --strict`` fails on it, as it does on a broken link between pages); one that exists becomes a link
-to ``repo_url``'s copy when ``repo_url`` is set, else its text. Links between pages, anchors
-included, are mkdocs' own ``validation`` checks.
+to ``repo_url``'s copy when ``repo_url`` is set, else its text. Images out of ``docs/`` (a study's
+plots beside its results, ``![map](../examples/.../stability_map.png)``) are served by the site:
+each is added to mkdocs' files under its repository path and the page points there. Links between
+pages, anchors included, are mkdocs' own ``validation`` checks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ log = logging.getLogger("mkdocs.plugins.gspo_docs_hooks")
 
 # [text](target) or [text](target "title"), not an image; fenced code is skipped separately.
 _LINK = re.compile(r"(?<!!)\[(?P<text>[^\]\n]*)\]\((?P<target>[^)\s]+)(?P<title>\s+\"[^\"]*\")?\)")
+_IMAGE = re.compile(r"!\[(?P<text>[^\]\n]*)\]\((?P<target>[^)\s]+)\)")
 _FENCE = re.compile(r"^(```|~~~)", re.M)
 _EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)
 
@@ -50,6 +53,9 @@ def rewrite_outside_links(markdown: str, page_src: str, root: Path, repo_url: st
         if not (root / rel).exists():
             missing.append(rel)
             return match[0]
+        if match[0].startswith("!"):  # an image: served from the site (on_files)
+            here = posixpath.dirname(page_src)
+            return f"![{match['text']}]({posixpath.relpath(rel, here or '.')})"
         if repo_url:
             kind = "tree" if (root / rel).is_dir() else "blob"
             anchor = match["target"].partition("#")[2]
@@ -65,8 +71,33 @@ def rewrite_outside_links(markdown: str, page_src: str, root: Path, repo_url: st
             in_code = not in_code
             out.append(piece)
         else:
-            out.append(piece if in_code else _LINK.sub(fix, piece))
+            out.append(piece if in_code else _IMAGE.sub(fix, _LINK.sub(fix, piece)))
     return "".join(out), missing
+
+
+def outside_images(docs_dir: Path) -> list[str]:
+    """The repository paths of the images the pages under ``docs_dir`` show from outside it."""
+    found = set()
+    for page in sorted(docs_dir.rglob("*.md")):
+        src = page.relative_to(docs_dir).as_posix()
+        for piece in _FENCE.split(page.read_text())[::2]:  # (odd pieces: code blocks)
+            for match in _IMAGE.finditer(piece):
+                rel = outside_target(src, match["target"])
+                if rel is not None and (docs_dir.parent / rel).is_file():
+                    found.add(rel)
+    return sorted(found)
+
+
+def on_files(files: Any, config: Any) -> Any:
+    """mkdocs event: the images pages show from outside ``docs/``, served at their repository
+    paths."""
+    from mkdocs.structure.files import File
+
+    docs_dir = Path(config["docs_dir"]).resolve()
+    for rel in outside_images(docs_dir):
+        files.append(File(rel, str(docs_dir.parent), config["site_dir"],
+                          config["use_directory_urls"]))
+    return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

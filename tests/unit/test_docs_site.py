@@ -35,6 +35,11 @@ def test_links_out_of_docs_are_checked_and_rewritten() -> None:
     linked, _ = rewrite_outside_links("[m](../gspo_megatron/metrics.py#L1)", "x.md", ROOT,
                                       repo_url="https://example.org/r")
     assert linked == "[m](https://example.org/r/blob/main/gspo_megatron/metrics.py#L1)"
+    # an image out of docs/ stays an image, pointed at the copy the site serves
+    plot = "examples/routing_study/results_frontier/stability_map.png"
+    shown, missing = rewrite_outside_links(f"![map](../../{plot})", "guide/x.md", ROOT,
+                                           repo_url="https://example.org/r")
+    assert missing == [] and shown == f"![map](../{plot})"
 
 
 def test_site_builds_without_warnings(tmp_path: Path) -> None:
@@ -46,6 +51,10 @@ def test_site_builds_without_warnings(tmp_path: Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "reference" / "metrics" / "index.html").exists()
+    from tools.docs_hooks import outside_images
+
+    for rel in outside_images(ROOT / "docs"):  # (the study plots routing.md shows)
+        assert (tmp_path / "site" / rel).is_file(), rel
 
 
 def test_every_command_in_the_readme_and_the_guides_resolves() -> None:
