@@ -27,8 +27,10 @@ Host reads per step: ``(2 + update_requests' ~4) / K``, against ~9 per step befo
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
+import torch.distributed as dist
 
 from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
                                                             KeyGroup, decode_forward,
@@ -115,10 +117,6 @@ class FastDecoder:
         take at most a quarter of the free memory on every EP rank (one MIN all-reduce)."""
         if self.experts != "auto":
             return self.experts == "replicated"
-        import os
-
-        import torch.distributed as dist
-
         device = w.embedding.device
         if device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
@@ -157,8 +155,8 @@ class FastDecoder:
         """The round-start read (one host read): each running request's cached tokens, blocks
         held and tokens left; the steps this rank wants and the blocks they need.
         ``early_stop``: a partial rollout refills its requests as others end, and the new
-        prompts wait for the round's end (Megatron's step prefills them), and its stop lands at
-        the round's end: rounds of a quarter of the steps then (4 of 16: 1.26x long-tailed /
+        prompts wait for the round's end (a mixed step prefills them, :meth:`mixed_logits`),
+        and its stop lands at the round's end: rounds of a quarter of the steps then (4 of 16: 1.26x long-tailed /
         uniform per real token on the long-tail benchmark's partial pool with kept KV, against
         1.39x at 16 steps, where the refills wait too long, and 1.34x at 2, where each round's
         bookkeeping is shared by two steps)."""
@@ -248,7 +246,8 @@ class FastDecoder:
             ep_rows: int = 0) -> tuple[list[list[int]], "_Pending"]:
         """Decode ``steps`` steps (``plan``'s, or more under EP lock-step: a request never runs
         past its own end, so ``plan``'s blocks suffice); returns per step the ids of the requests
-        finished at it, and the round's pending write-back (:meth:`_Pending.finish`). ``ep_rows``: the most requests any EP rank decodes."""
+        finished at it, and the round's pending write-back (:meth:`_Pending.finish`).
+        ``ep_rows``: the most requests any EP rank decodes."""
         ctx, w = self.context, self.weights
         w.ep_rows = ep_rows
         if self.independent:  # (no rank waits on this one's experts)
