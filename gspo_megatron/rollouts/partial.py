@@ -121,27 +121,29 @@ class PartialRollouts:
         complete = sum(g.complete for g in self.groups)
         overdue = [g for g in self.groups if self.max_age and step - g.drawn >= self.max_age]
         generated = 0
-        if (complete < self.need or not all(g.complete for g in overdue)) and running:
-            continue_ids = {} if self.checkpointed else {
-                i: r.held for i, (_, r) in enumerate(running) if r.held is not None}
-            stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh,
-                             frozenset(index[id(g)] for g in overdue), hold_cut=self.keep_kv,
-                             continue_ids=continue_ids)
-            self.checkpointed = False
-            out = generator.generate([g.prompt_ids + r.tokens for g, r in running], seed,
-                                     budgets=[self.max_new_tokens - len(r.tokens)
-                                              for _, r in running], stop=stop)
-            for (g, r), sample in zip(running, out, strict=True):
-                generated += len(sample.response_ids)
-                if sample.response_ids and r.first_step is None:
-                    r.first_step = step
-                r.tokens += sample.response_ids
-                r.logprobs += sample.response_logprobs
-                r.held = sample.extra.get(HELD_REQUEST_KEY)
-                if sample.finish_reason != "aborted":
-                    r.last_step = step
-                    r.done = RolloutSample(list(g.prompt_ids), list(r.tokens), list(r.logprobs),
-                                           sample.finish_reason, sample.extra)
+        # The engine is called even when the groups needed are already complete (its stop then
+        # done before any step: the held requests stay held): under expert parallelism a call is
+        # collective, and another rank's pool may still need its rollout.
+        continue_ids = {} if self.checkpointed else {
+            i: r.held for i, (_, r) in enumerate(running) if r.held is not None}
+        stop = GroupStop([index[id(g)] for g, _ in running], self.need - complete, fresh,
+                         frozenset(index[id(g)] for g in overdue), hold_cut=self.keep_kv,
+                         continue_ids=continue_ids)
+        self.checkpointed = False
+        out = generator.generate([g.prompt_ids + r.tokens for g, r in running], seed,
+                                 budgets=[self.max_new_tokens - len(r.tokens)
+                                          for _, r in running], stop=stop)
+        for (g, r), sample in zip(running, out, strict=True):
+            generated += len(sample.response_ids)
+            if sample.response_ids and r.first_step is None:
+                r.first_step = step
+            r.tokens += sample.response_ids
+            r.logprobs += sample.response_logprobs
+            r.held = sample.extra.get(HELD_REQUEST_KEY)
+            if sample.finish_reason != "aborted":
+                r.last_step = step
+                r.done = RolloutSample(list(g.prompt_ids), list(r.tokens), list(r.logprobs),
+                                       sample.finish_reason, sample.extra)
         ready = [g for g in self.groups if g.complete][:self.need]
         if len(ready) < self.need:
             raise RuntimeError(f"partial rollouts: {len(ready)} groups complete after the "

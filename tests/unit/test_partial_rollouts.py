@@ -157,6 +157,27 @@ def test_a_rollout_keeps_a_batch_running_stops_at_need_groups_and_carries_the_re
     assert m["rollout/partial_carried_share"] == 1.0 and m["rollout/partial_max_age"] == 2
 
 
+def test_the_engine_is_called_even_when_the_groups_needed_are_already_complete():
+    """Under expert parallelism a rollout call is collective: a rank whose pool already holds
+    the groups it needs (more completed in one step than it took) still calls the engine, with
+    a stop that is done before any step (its fresh requests written nothing, kept for the next
+    call), so every rank makes the same calls."""
+    # groups 0 and 1 end at engine step 2; groups 2 and 3 join after step 1 and end at step 2
+    lengths = {0: [1, 2], 1: [2, 2], 2: [1, 1], 3: [1, 1], 4: [3, 3], 5: [3, 3]}
+    gen, drawn = LengthGenerator(lengths), []
+    pool = PartialRollouts(G, NEED, IN_FLIGHT, MAX_NEW)
+    encode = lambda ex: [ex.i]  # noqa: E731
+    prompts, _, _ = pool.rollout(gen, encode, drawer(drawn), seed=0, step=0)
+    assert [p.i for p in prompts] == [0, 1]
+    prompts, samples, m = pool.rollout(gen, encode, drawer(drawn), seed=1, step=1)
+    assert len(gen.calls) == 2 and gen.calls[1]["need"] == 0  # called, its stop already done
+    assert [tuple(p) for p in gen.calls[1]["prompts"]] == [(4,), (4,), (5,), (5,)]
+    assert [p.i for p in prompts] == [2, 3] and m["rollout/partial_generated_tokens"] == 0
+    prompts, samples, _ = pool.rollout(gen, encode, drawer(drawn), seed=2, step=2)
+    assert [p.i for p in prompts] == [4, 5]
+    assert [s.response_ids for s in samples] == [[10, 11, EOS], [30, 31, EOS]] * 2
+
+
 def test_oldest_complete_groups_first_and_resume_from_state_is_identical():
     rng = random.Random(3)
     lengths = {i: [rng.randint(1, MAX_NEW)] * G for i in range(200)}
