@@ -161,7 +161,9 @@ def _all_done() -> None:
     the experts replicated for decoding, the ranks step alone and return at their own end)."""
     import torch
 
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    from gspo_megatron.distributed import process_group_size
+
+    if process_group_size() > 1:
         torch.distributed.barrier()
 
 
@@ -169,11 +171,9 @@ def _world_max(x: int) -> int:
     """``x``'s maximum over the ranks."""
     import torch
 
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return x
-    t = torch.tensor([x])
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
+    from gspo_megatron.distributed import all_reduce_
+
+    return int(all_reduce_(torch.tensor([x]), None, torch.distributed.ReduceOp.MAX).item())
 
 
 def _world_sum(x: float) -> float:
@@ -181,11 +181,10 @@ def _world_sum(x: float) -> float:
     call last as long as the slowest, so a rank's own tokens would leave the other's out)."""
     import torch
 
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return x
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return round(t.item()) if isinstance(x, int) else t.item()
+    from gspo_megatron.distributed import all_reduce_
+
+    total = all_reduce_(torch.tensor([float(x)], dtype=torch.float64)).item()
+    return round(total) if isinstance(x, int) else total
 
 
 def _step_cost(engine, prompts: list[list[int]], rounds: int) -> dict:

@@ -288,12 +288,12 @@ class DynamicRollout:
                 go, rounds, steps, rows = self._agree(mine, plan, lock_step)
                 if not go:
                     break
-                if not mine:
+                if not mine:  # (lock-step only: alone, a rank without work is done)
                     if rounds:
-                        self.steps += self.fast.idle(steps, rows)
-                    elif self.fast is None or not self.fast.independent:
+                        self.fast.idle(steps, rows)
+                    else:
                         self.controller.dummy_forward()  # (its MoE layers' collectives)
-                        self.steps += 1
+                    self.steps += steps if rounds else 1
                     continue
                 steps = self._round(call, stop, plan, steps, rows) if rounds else None
                 if steps is None:  # Megatron's step

@@ -36,6 +36,7 @@ from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeW
                                                             KeyGroup, decode_forward,
                                                             moe_only_step, replica_bytes,
                                                             replicate_experts)
+from gspo_megatron.distributed import all_reduce_
 
 
 class FastDecoder:
@@ -77,13 +78,13 @@ class FastDecoder:
         finite: a NaN key or value poisons a softmax row even under the mask)."""
         ctx = self.context
         ctx.memory_buffer[:, :, ctx.block_allocator.dummy_block_idx] = 0
-        self._finite.clear()
 
     def begin(self) -> None:
         """Read the weights for one ``generate`` (the experts stacked for its duration, under
         EP gathered from every rank when ``rollout.decode_experts`` says so; kept in tensors of
         their own, refreshed in place, under CUDA graphs). Collective over the EP group."""
-        self._finite.clear()  # (held requests' slots are zeroed again once: cheap, safe)
+        # (a new buffer, or held requests: their slots past their keys are zeroed again once)
+        self._finite.clear()
         fresh = DecodeWeights.of(self.model, self.wrapper.real_vocab_size)
         self.replicated = fresh.ep_group is not None and self._replicate(fresh)
         if self.replicated:
@@ -108,8 +109,8 @@ class FastDecoder:
 
     @property
     def independent(self) -> bool:
-        """Whether this call's steps need no other rank (EP = 1, or the experts replicated):
-        a rank then runs only its own round's steps, and nothing while it has no request."""
+        """Whether this call's steps need no other rank (EP = 1, or the experts replicated): the
+        ranks then need no lock-step, and prefills run the step function too."""
         return self.weights.ep_group is None
 
     def _replicate(self, w: DecodeWeights) -> bool:
@@ -122,9 +123,8 @@ class FastDecoder:
             free = torch.cuda.mem_get_info(device)[0]
         else:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        fits = torch.tensor([int(4 * replica_bytes(w) <= free)], device=device)
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=w.ep_group)
-        return bool(fits.item())
+        fits = torch.tensor([int(4 * replica_bytes(w) <= free)])
+        return bool(all_reduce_(fits, w.ep_group, dist.ReduceOp.MIN).item())
 
     def ready(self, call) -> bool:
         """Whether the next steps are decode-only: nothing waiting, nothing paused, and every
@@ -156,10 +156,10 @@ class FastDecoder:
         held and tokens left; the steps this rank wants and the blocks they need.
         ``early_stop``: a partial rollout refills its requests as others end, and the new
         prompts wait for the round's end (a mixed step prefills them, :meth:`mixed_logits`),
-        and its stop lands at the round's end: rounds of a quarter of the steps then (4 of 16: 1.26x long-tailed /
-        uniform per real token on the long-tail benchmark's partial pool with kept KV, against
-        1.39x at 16 steps, where the refills wait too long, and 1.34x at 2, where each round's
-        bookkeeping is shared by two steps)."""
+        and its stop lands at the round's end: rounds of a quarter of the steps then (4 of 16:
+        1.26x long-tailed / uniform per real token on the long-tail benchmark's partial pool
+        with kept KV, against 1.39x at 16 steps, where the refills wait too long, and 1.34x at
+        2, where each round's bookkeeping is shared by two steps)."""
         ctx = self.context
         first, last = ctx.paused_request_count, ctx.total_request_count
         kv_off = ctx.request_kv_length_offsets[first:last]
@@ -203,19 +203,16 @@ class FastDecoder:
         for members in (m for kind in (True, False)
                         for m in _query_groups([r for r in range(len(q_len))
                                                 if (q_len[r] == 1) == kind], q_len, cached)):
-            lq = max(q_len[r] for r in members)
-            lk = max(cached[r] + q_len[r] for r in members)
-            rows = torch.tensor(members, device=device)
-            j = torch.arange(lk, device=device)
-            ends = torch.tensor([cached[r] + q_len[r] for r in members], device=device)
-            key_rows = table.index_select(0, rows)[:, j // bs] * bs + j % bs
-            key_rows = key_rows.masked_fill(j[None, :] >= ends[:, None], scratch)
-            a = torch.arange(lq, device=device)
-            real = a[None, :] < torch.tensor([q_len[r] for r in members], device=device)[:, None]
-            queries = torch.where(real, torch.tensor([starts[r] for r in members],
-                                                     device=device)[:, None] + a, T)
-            query_pos = torch.where(real, (ends - torch.tensor(
-                [q_len[r] for r in members], device=device))[:, None] + a, 0)  # [n_g, Lq]
+            # [n_g] each: new tokens, cached tokens, first token's row in the step
+            new, old, start = (torch.tensor([v[r] for r in members], device=device)
+                               for v in (q_len, cached, starts))
+            j = torch.arange(int((new + old).max()), device=device)
+            key_rows = _key_slots(table.index_select(0, torch.tensor(members, device=device)),
+                                  j, bs, new + old, scratch)
+            a = torch.arange(int(new.max()), device=device)
+            real = a[None, :] < new[:, None]  # [n_g, Lq]
+            queries = torch.where(real, start[:, None] + a, T)  # (T: the dropped row)
+            query_pos = torch.where(real, old[:, None] + a, 0)
             groups.append(KeyGroup(None, key_rows, j[None, None, :] <= query_pos[:, :, None],
                                    j, None, queries))
         cos, sin = self._cos_sin(w.embedding.dtype)
@@ -231,16 +228,12 @@ class FastDecoder:
         temperature = float(self.wrapper.temperature)
         return logits.div_(temperature) if temperature != 1.0 else logits
 
-    def idle(self, steps: int, ep_rows: int) -> int:
-        """``steps`` decoding steps of a rank without requests under EP (its experts serve the
-        others': :func:`~..kernels.decode.moe_only_step`; none when they are replicated).
-        Returns the steps run."""
-        if self.independent:
-            return 0
+    def idle(self, steps: int, ep_rows: int) -> None:
+        """``steps`` decoding steps of a rank without requests under EP lock-step (its experts
+        serve the others': :func:`~..kernels.decode.moe_only_step`)."""
         self.weights.ep_rows = ep_rows
         for _ in range(steps):
             moe_only_step(self.weights)
-        return steps
 
     def run(self, call, plan: "Plan", steps: int, record_routes=None,
             ep_rows: int = 0) -> tuple[list[list[int]], "_Pending"]:
@@ -250,8 +243,6 @@ class FastDecoder:
         ``ep_rows``: the most requests any EP rank decodes."""
         ctx, w = self.context, self.weights
         w.ep_rows = ep_rows
-        if self.independent:  # (no rank waits on this one's experts)
-            steps = plan.steps
         first, n, bs = plan.first, plan.n, ctx.block_size_tokens
         device = ctx.request_ids.device
         table = ctx.request_to_kv_block_ids
@@ -370,11 +361,18 @@ class FastDecoder:
                 flat.index_fill_(1, slots, 0)
             return KeyGroup(index, blocks[:, None] * bs + j, None, j, blocks)
         j_lk = j[:lk]
-        key_rows = table_rows[:, j_lk // bs] * bs + j_lk % bs
-        key_rows = key_rows.masked_fill(j_lk[None, :] >= (pos + plan.steps)[:, None], scratch)
+        key_rows = _key_slots(table_rows, j_lk, bs, pos + plan.steps, scratch)
         ahead = (pos[:, None] + torch.arange(1, plan.steps, device=device)).clamp(max=lk - 1)
         flat.index_fill_(1, key_rows.gather(1, ahead).reshape(-1), 0)
         return KeyGroup(index, key_rows, None, j_lk, None)
+
+
+def _key_slots(table_rows: torch.Tensor, j: torch.Tensor, bs: int, ends: torch.Tensor,
+               scratch: int) -> torch.Tensor:
+    """``[n, len(j)]``: the flat KV slots of keys ``j`` of each request (``table_rows [n, nb]``,
+    its block table), the scratch slot at and past its ``ends [n]``."""
+    return (table_rows[:, j // bs] * bs + j % bs).masked_fill(j[None, :] >= ends[:, None],
+                                                              scratch)
 
 
 def _query_groups(members: list[int], q_len: list[int], cached: list[int]) -> list[list[int]]:
@@ -383,9 +381,8 @@ def _query_groups(members: list[int], q_len: list[int], cached: list[int]) -> li
     each request's ``cached + q_len``); empty when ``members`` is."""
     if not members:
         return []
-    keys = [cached[r] + q_len[r] for r in members]
     return [[members[i] for i in g] if g is not None else members
-            for g in _length_groups([k - 1 for k in keys], 1)]
+            for g in _length_groups([cached[r] + q_len[r] for r in members], 0)]
 
 
 def _length_groups(lengths: list[int], steps: int, depth: int = 3) -> list[list[int] | None]:
@@ -424,7 +421,7 @@ class Plan:
     sooner."""
     blocks_free: bool
     """Whether the allocator holds the blocks ``need`` asks for."""
-    ids: list[int] = dataclasses.field(default_factory=list)
+    ids: list[int]
     """The requests' ids, by row."""
 
 
