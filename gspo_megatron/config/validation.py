@@ -246,6 +246,13 @@ def _packing_errors(cfg: TrainConfig) -> list[str]:
                       f"{cfg.data.max_prompt_length} + {cfg.rollout.max_new_tokens} = {longest}"
                       + (f" (rounded up to a multiple of {shards}: TP under sequence parallel"
                          " x 2 CP)" if shards > 1 else ""))
+    if tr.logprob_micro_batch_size is not None:
+        scaled = budget * tr.logprob_micro_batch_size // tr.micro_batch_size
+        if -(-longest // shards) * shards > scaled:
+            errors.append(f"trainer.logprob_micro_batch_size={tr.logprob_micro_batch_size} "
+                          f"scales {name} to {scaled} tokens for the log-prob passes, which "
+                          f"cannot hold the longest sequence ({longest}); raise it to at least "
+                          f"trainer.micro_batch_size={tr.micro_batch_size}")
     blocker = _packing_blocker(cfg)
     if blocker is not None:
         errors.append(f"{name} {blocker}; unset trainer.max_tokens_per_microbatch")

@@ -78,6 +78,7 @@ CONFIG_CASES = [
     ("", ["--trainer.max_tokens_per_microbatch=0"], 1, r"trainer.max_tokens_per_microbatch: must be >= 1, got 0"),
     ("", ["--trainer.logprob_micro_batch_size=0"], 1, r"trainer.logprob_micro_batch_size: must be >= 1, got 0"),
     ("", ["--trainer.max_tokens_per_microbatch=10"], 1, r"trainer.max_tokens_per_microbatch=10 cannot hold the longest sequence the recipe allows: data.max_prompt_length \+ rollout.max_new_tokens = \d+ \+ \d+ = \d+$"),
+    ("", ["--trainer.max_tokens_per_microbatch=16", "--trainer.logprob_micro_batch_size=8"], 1, r"trainer.logprob_micro_batch_size=8 scales trainer.max_tokens_per_microbatch=16 to 8 tokens for the log-prob passes, which cannot hold the longest sequence \(\d+\); raise it to at least trainer.micro_batch_size=16$"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--precision.transformer_impl=local", "--precision.local_kernels=false"], 1, r"trainer.max_tokens_per_microbatch=256 needs an attention kernel that packs: precision.local_kernels=false"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--routing.replay=r2", "--parallel.tensor_model_parallel_size=2"], 2, r"trainer.max_tokens_per_microbatch=256 with routing replay/diagnostics needs parallel.tensor_model_parallel_size=1, got 2"),
     # YaRN: a factor below 1 would shrink the context

@@ -244,28 +244,34 @@ def test_a_frozen_policy_keeps_no_gradient_buffer_and_scores_as_the_policy(group
     assert torch.equal(a, b)
 
 
-def test_logprob_passes_take_their_own_microbatch_size(groups, monkeypatch):
+@pytest.mark.parametrize("budget", [None, 60])
+def test_logprob_passes_take_their_own_microbatch_size(groups, monkeypatch, budget):
     """``trainer.logprob_micro_batch_size``: the no-grad log-prob pass cuts the batch into its
-    own microbatches (2 of 4 here, against 4 of 2 for the update's size) and scores every
-    sequence as the smaller microbatches do."""
+    own microbatches (padded: 2 of 4 sequences, against 4 of 2 for the update's size; packed:
+    the token budget scaled by ``logprob_micro_batch_size / micro_batch_size``, 60 -> 120, so
+    fewer microbatches) and scores every sequence as the update's microbatches do."""
     from gspo_megatron.backends.megatron import schedule
 
     model = model_config_from_preset("tiny")
     pols = {mbs: build_policy(model, ParallelConfig(), PrecisionConfig(), OptimConfig(), groups,
                               total_steps=1, with_optimizer=False, micro_batch_size=2,
-                              logprob_micro_batch_size=mbs) for mbs in (None, 4)}
+                              max_tokens_per_microbatch=budget, logprob_micro_batch_size=mbs)
+            for mbs in (None, 4)}
     pols[None].copy_weights_to(pols[4])
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
-            for k in torch.randint(5, 12, (8,), generator=gen)]
-    batch = make_policy_batch(seqs, [2] * 8, pad_id=0)
-    sizes = []
+            for k in torch.randint(5, 20, (10,), generator=gen)]
+    batch = make_policy_batch(seqs, [2] * 10, pad_id=0)
+    cuts = []
     real = schedule.make_microbatches
-    monkeypatch.setattr(schedule, "make_microbatches",
-                        lambda b, batching, g: sizes.append(batching.micro_batch_size)
-                        or real(b, batching, g))
+    monkeypatch.setattr(schedule, "make_microbatches", lambda b, batching, g: cuts.append(
+        (batching.micro_batch_size, batching.max_tokens, len(out := real(b, batching, g)))) or out)
     lp = {mbs: pol.logprobs(batch) for mbs, pol in pols.items()}
-    assert sizes == [2, 4]
+    (size_a, budget_a, count_a), (size_b, budget_b, count_b) = cuts
+    if budget is None:
+        assert (size_a, size_b, budget_a, budget_b, count_a, count_b) == (2, 4, None, None, 5, 3)
+    else:
+        assert (budget_a, budget_b) == (60, 120) and count_b < count_a
     mask = batch.response_mask.bool()
     assert mask.sum() > 20
     torch.testing.assert_close(lp[4][mask], lp[None][mask], rtol=1e-5, atol=1e-6)

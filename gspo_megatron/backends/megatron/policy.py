@@ -54,10 +54,15 @@ class MegatronPolicy:
             segment_multiple=1 if cp == 1 else 2 * cp)
         """How every pass cuts a batch into microbatches (padded rows, or packed under a token
         budget: ``trainer.max_tokens_per_microbatch``)."""
+        logprob_size = logprob_micro_batch_size or micro_batch_size
         self.logprob_batching = dataclasses.replace(
-            self.batching, micro_batch_size=logprob_micro_batch_size or micro_batch_size)
-        """The same for the no-grad log-prob passes (``trainer.logprob_micro_batch_size``
-        sequences per padded microbatch)."""
+            self.batching, micro_batch_size=logprob_size,
+            max_tokens=(None if max_tokens_per_microbatch is None
+                        else max_tokens_per_microbatch * logprob_size // micro_batch_size))
+        """The same for the no-grad log-prob passes: ``trainer.logprob_micro_batch_size``
+        sequences per padded microbatch, or, packed, the training budget scaled by
+        ``logprob_micro_batch_size / micro_batch_size`` (verl's
+        ``log_prob_max_token_len_per_gpu``; unchanged when it is unset)."""
         self.scoring = ScoringConfig(vocab_size=vocab_size)
         """The tokenizer's real vocabulary: padded entries are excluded from every softmax."""
         self.routing = (PolicyRouting(self, routing_cfg)

@@ -162,10 +162,12 @@ class RopeOnceSelfAttention(SelfAttention):
             cos, sin, rot_dim = self._rope_cache.get(
                 (id(rotary_pos_emb), query.dtype), lambda: rotary_pos_emb, self._mscale,
                 query.dtype, pin=(rotary_pos_emb,))
-            if packed_seq_params is not None:  # [max_seqlen, 1, 1, rot] -> [S, 1, 1, rot]
-                positions = _packed_positions(packed_seq_params, query.shape[0], query.device)
-                cos, sin = cos[positions], sin[positions]
-            query, key = rotate(query, cos, sin, rot_dim), rotate(key, cos, sin, rot_dim)
+            if packed_seq_params is not None:  # each token at its position in its sequence
+                (cos_q, sin_q), (cos_k, sin_k) = _packed_pairs(
+                    packed_seq_params, rotary_pos_emb, cos, sin, query, key)
+                query, key = rotate(query, cos_q, sin_q, rot_dim), rotate(key, cos_k, sin_k, rot_dim)
+            else:
+                query, key = rotate(query, cos, sin, rot_dim), rotate(key, cos, sin, rot_dim)
         core_attn_out = self.core_attention(query, key, value, attention_mask,
                                             attn_mask_type=self.attn_mask_type,
                                             attention_bias=None,
@@ -273,6 +275,30 @@ def _packed_positions(params, total: int, device) -> torch.Tensor:
         cached = segment_positions(cu.to(device), total)
         params.rope_positions = cached
     return cached.to(device)
+
+
+def _packed_pairs(params, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  query: torch.Tensor, key: torch.Tensor):
+    """``((cos, sin) of the queries, (cos, sin) of the keys)``: the pair ``[max_seqlen, 1, 1,
+    rot]`` at each token's position in its sequence of a packed row, ``[S, 1, heads, rot]``;
+    made once per microbatch (kept on the ``PackedSeqParams``, as its positions) and shared by
+    every layer (their pairs are equal: the same rotary ``table``, the same formula). On CPU
+    they are expanded to the head counts of ``query [S, 1, np, hn]`` and ``key [S, 1, ng, hn]``
+    (a product broadcast over heads costs ~4x a same-shaped one there: the rotation of TRL's
+    workload's update, forward and backward, 280 -> 160 us a layer; the same values, so
+    bitwise); elsewhere they stay broadcast views (no memory per head)."""
+    kept = getattr(params, "rope_pairs", None)
+    if kept is not None and kept[0] is table and kept[1] == (cos.dtype, query.shape, key.shape):
+        return kept[2]
+    positions = _packed_positions(params, query.shape[0], query.device)
+    cos, sin = cos[positions], sin[positions]  # [S, 1, 1, rot]
+    pairs = []
+    for x in (query, key):
+        shape = (*x.shape[:-1], cos.shape[-1])
+        pair = (cos.expand(shape), sin.expand(shape))
+        pairs.append(tuple(t.contiguous() for t in pair) if x.device.type == "cpu" else pair)
+    params.rope_pairs = (table, (cos.dtype, query.shape, key.shape), tuple(pairs))
+    return params.rope_pairs[2]
 
 
 def _positions(context, table: torch.Tensor, start: int, end: int, b0: int, b: int):

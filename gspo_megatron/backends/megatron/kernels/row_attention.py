@@ -15,6 +15,8 @@ and are differentiable.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -43,26 +45,56 @@ def packed_sdpa(query, key, value, params, scale):
     length (:func:`length_groups`), are gathered per group into right-padded
     ``[n_g, heads, L_g, hn]`` (``L_g``: the group's longest), where causal masking alone keeps a
     real query off the pads behind it; pad queries are dropped. Costs ``sum_g n_g L_g^2 <= 4 sum
-    len_i^2`` scores (flash-attn / TE: ``sum len_i^2``). Differentiable (gathers)."""
-    cu = _segment_starts(params).to(query.device)
+    len_i^2`` scores (flash-attn / TE: ``sum len_i^2``). Differentiable (gathers; a pad reads
+    its sequence's first token and gets an exact zero gradient). The gathers' indices are made
+    once per microbatch (:func:`_padding_plan`) and shared by every layer."""
+    plan = _padding_plan(params, query.shape[0], query.device)
+    outs = []
+    for gather, keep, (n, longest) in plan.groups:
+        q, k, v = (x.index_select(0, gather).view(n, longest, *x.shape[1:]).transpose(1, 2)
+                   for x in (query, key, value))  # [n_g, heads, L_g, hn]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = out.transpose(1, 2).reshape(n * longest, *query.shape[1:])
+        outs.append(out.index_select(0, keep))  # [S_g, np, hn]
+    if plan.order is None:  # every segment in one group, in order: already the packed order
+        return outs[0]
+    return torch.cat(outs).index_select(0, plan.order)  # [S, np, hn], packed order
+
+
+class PaddingPlan(NamedTuple):
+    """How :func:`packed_sdpa` pads a packed row of ``S`` tokens, by length group: the row each
+    padded position reads (``gather [n_g L_g]``), the padded positions of the real tokens
+    (``keep [S_g]``, row-major) and the group's shape ``(n_g, L_g)``; ``order [S]`` puts the
+    groups' outputs back in packed order (None: one group, already in order)."""
+
+    groups: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]]
+    order: torch.Tensor | None
+
+
+def _padding_plan(params, total: int, device) -> PaddingPlan:
+    """The :class:`PaddingPlan` of ``params``' packed row, made on first use and kept on the
+    ``PackedSeqParams`` (one per microbatch, shared by every layer)."""
+    kept = getattr(params, "padding_plan", None)
+    if kept is not None and kept[0] == (total, device):
+        return kept[1]
+    cu = _segment_starts(params).to(device)
     lens = cu[1:] - cu[:-1]
     host_lens = lens.tolist()
-    outs, where = [], []
+    groups, where = [], []
     for members in length_groups(host_lens):
-        seg = torch.tensor(members, device=query.device)
+        seg = torch.tensor(members, device=device)
         longest = max(host_lens[i] for i in members)
-        t = torch.arange(longest, device=query.device)
+        t = torch.arange(longest, device=device)
         valid = t[None, :] < lens[seg, None]  # [n_g, L_g]
         index = cu[seg, None] + t[None, :]
         index = torch.where(valid, index, cu[seg, None])  # pads read the segment's first token
-        q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [n_g, heads, L_g, hn]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        outs.append(out.transpose(1, 2)[valid])  # [S_g, np, hn]
+        groups.append((index.reshape(-1), valid.reshape(-1).nonzero().squeeze(1),
+                       (len(members), longest)))
         where.append(index[valid])
-    if len(outs) == 1:  # every segment in one group, in order: already the packed order
-        return outs[0]
-    return torch.cat(outs)[torch.argsort(torch.cat(where))]  # [S, np, hn], packed order
+    plan = PaddingPlan(groups, None if len(groups) == 1 else torch.argsort(torch.cat(where)))
+    params.padding_plan = ((total, device), plan)
+    return plan
 
 
 def _segment_starts(params) -> torch.Tensor:
