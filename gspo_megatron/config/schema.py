@@ -393,13 +393,10 @@ class TrainerConfig(Section, name="trainer"):
     it sizes the token budget (``max_tokens_per_microbatch``)."""
     logprob_micro_batch_size: int | None = None
     """Sequences per forward of the no-grad log-prob passes (old policy, reference model);
-    None: ``micro_batch_size``. They keep no activations for a backward, so larger microbatches
-    fit in the same memory and cost fewer per-call overheads (TRL's workload: 4 x 32 -> 1 x 128,
-    17 -> 13 ms). verl's ``log_prob_micro_batch_size_per_gpu``, NeMo-RL's
-    ``logprob_batch_size``. Packed (``pack_sequences``), it scales the token budget alike: the
-    no-grad passes' microbatches hold ``max_tokens_per_microbatch x logprob_micro_batch_size /
-    micro_batch_size`` tokens (verl's ``log_prob_max_token_len_per_gpu``; TRL's workload: 3
-    packed microbatches -> 1)."""
+    None: ``micro_batch_size``. Packed, their token budget is ``max_tokens_per_microbatch x
+    logprob_micro_batch_size / micro_batch_size``. They keep no activations for a backward, so
+    larger microbatches fit and cost fewer per-call overheads (TRL's workload: 3 packed -> 1,
+    15.3 -> 12.5 ms). verl's ``log_prob_micro_batch_size_per_gpu`` / ``_max_token_len_per_gpu``."""
     pack_sequences: bool = True
     """Padding-free training (the default): the sequences of every old-log-prob, update and SFT
     pass are packed (concatenated, Megatron's ``thd`` ``PackedSeqParams``: no attention across
