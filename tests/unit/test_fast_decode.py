@@ -208,3 +208,45 @@ def test_rounds_with_a_dense_layer_and_yarn(setup):  # noqa: F811
         out.append(eng.generate(make_prompts(8, seed=11), seed=0))
     assert_same(*out)
     assert all(len(s.response_ids) == 40 for s in out[0])  # past YaRN's original window
+
+
+def test_round_length_weighs_rows_past_their_end_against_a_rounds_cost():
+    """:func:`round_length`: half the steps before any end was seen, all of them when none
+    ended, ``sqrt(2 R / (rows p))`` between a quarter and all of them otherwise: shorter rounds
+    while many requests end at once, longer ones as the batch thins out."""
+    from gspo_megatron.backends.megatron.engine.rounds import ROUND_COST_ROWS, round_length
+
+    assert round_length(16, 128, None) == 8 and round_length(1, 128, None) == 1
+    assert round_length(16, 128, 0.0) == 16
+    p = 1 / 24  # the long-tail benchmark's end rate
+    lengths = [round_length(16, rows, p) for rows in (128, 64, 32, 16, 8, 4, 1)]
+    assert lengths == sorted(lengths) and lengths[0] == 5 and lengths[-1] == 16
+    rows = 40
+    assert round_length(16, rows, p) == round((2 * ROUND_COST_ROWS / (rows * p)) ** 0.5)
+    assert round_length(16, 128, 1.0) == 4  # never below a quarter
+
+
+def test_rounds_follow_how_fast_requests_end(setup, monkeypatch):  # noqa: F811
+    """A call's first round takes half of ``decode_steps_per_sync``; a batch whose requests
+    never end (``ignore_eos``) then takes whole rounds; one whose requests end as they go takes
+    the lengths :func:`round_length` gives for the end rate its previous round saw."""
+    from gspo_megatron.backends.megatron.engine import rounds as R
+
+    seen = []
+    real_run = R.FastDecoder.run
+
+    def run(self, call, plan, steps, *a, **k):
+        seen.append((plan.n, plan.steps, self._finish_rate))
+        return real_run(self, call, plan, steps, *a, **k)
+
+    monkeypatch.setattr(R.FastDecoder, "run", run)
+    _, uniform = engines(setup, record_routes=False, ignore_eos=True, max_new_tokens=40)
+    uniform.generate(make_prompts(16, seed=1), seed=0)
+    assert [s for _, s, _ in seen] == [8, 16, 15]  # 1 token from the prefill, then 8 + 16 + 15
+    seen.clear()
+    _, ending = engines(setup, record_routes=False, max_new_tokens=200, top_k=0, temperature=1.0)
+    ending.generate(make_prompts(16, seed=2), seed=0)
+    assert seen[0][1] == 8 and len(seen) > 2
+    for n, steps, rate in seen[1:]:
+        assert steps == min(R.round_length(16, n, rate), steps) and rate is not None
+    assert any(rate and rate > 0 for _, _, rate in seen)
