@@ -227,9 +227,10 @@ def test_round_length_weighs_rows_past_their_end_against_a_rounds_cost():
 
 
 def test_rounds_follow_how_fast_requests_end(setup, monkeypatch):  # noqa: F811
-    """A call's first round takes half of ``decode_steps_per_sync``; a batch whose requests
-    never end (``ignore_eos``) then takes whole rounds; one whose requests end as they go takes
-    the lengths :func:`round_length` gives for the end rate its previous round saw."""
+    """A batch whose requests never end (``ignore_eos``) takes whole rounds of
+    ``decode_steps_per_sync`` from the first; one whose requests end as they go takes the
+    lengths :func:`round_length` gives for the end rate the steps before saw (the first round:
+    the prefill's, the requests whose first token ended them)."""
     from gspo_megatron.backends.megatron.engine import rounds as R
 
     seen = []
@@ -242,11 +243,12 @@ def test_rounds_follow_how_fast_requests_end(setup, monkeypatch):  # noqa: F811
     monkeypatch.setattr(R.FastDecoder, "run", run)
     _, uniform = engines(setup, record_routes=False, ignore_eos=True, max_new_tokens=40)
     uniform.generate(make_prompts(16, seed=1), seed=0)
-    assert [s for _, s, _ in seen] == [8, 16, 15]  # 1 token from the prefill, then 8 + 16 + 15
+    # 1 token from the prefill (none ended: rate 0), then 16 + 16 + 7
+    assert [(s, rate) for _, s, rate in seen] == [(16, 0.0), (16, 0.0), (7, 0.0)]
     seen.clear()
     _, ending = engines(setup, record_routes=False, max_new_tokens=200, top_k=0, temperature=1.0)
     ending.generate(make_prompts(16, seed=2), seed=0)
-    assert seen[0][1] == 8 and len(seen) > 2
-    for n, steps, rate in seen[1:]:
-        assert steps == min(R.round_length(16, n, rate), steps) and rate is not None
-    assert any(rate and rate > 0 for _, _, rate in seen)
+    assert len(seen) > 2 and all(rate is not None for _, _, rate in seen)
+    for n, steps, rate in seen:
+        assert steps == min(R.round_length(16, n, rate), steps)
+    assert any(steps < 16 for _, steps, _ in seen) and any(rate > 0 for _, _, rate in seen)

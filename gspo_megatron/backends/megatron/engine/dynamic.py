@@ -301,6 +301,10 @@ class DynamicRollout:
                     for request_id in steps[0]:
                         if stop is not None:
                             stop.finished(call.row[request_id])
+                    if self.fast is not None:  # (the rounds' length starts from its end rate)
+                        ctx = self.context
+                        self.fast.observe(len(steps[0]), len(steps[0]) + ctx.total_request_count
+                                          - ctx.paused_request_count)
                 done = [request_id for step in steps for request_id in step]
                 if done and progress is not None:
                     finished += len(done)

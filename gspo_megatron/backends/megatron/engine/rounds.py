@@ -54,13 +54,14 @@ def round_length(most: int, rows: int, finish_rate: float | None) -> int:
     masked, to the round's end: with requests ending at a rate ``p`` per live row-step, a round of
     ``K`` steps computes about ``rows p K^2 / 2`` such rows, against its own cost ``R``
     (:data:`ROUND_COST_ROWS`) shared by its ``K`` steps; ``K = sqrt(2 R / (rows p))`` makes their
-    sum per step least. ``finish_rate``: ``p`` as the previous round of the call saw it; None
-    (the call's first round, nothing seen yet): half of ``most``, so a fast-ending batch does
-    not pay a whole round of dead rows first; 0 (none ended): ``most``. Never below a quarter of
-    ``most`` (the host reads per step stay <= 8 / ``most``). On the long-tail benchmark's tail
-    (ends at 1/24 a token, 128 requests) the rounds go 8, 6, 7, 8, 12, 11, 16, ... steps as the
-    batch thins out, where a fixed 16 computed ~24 % of the early rounds' rows past their end:
-    the long-tailed rollout 85 -> 81 ms, the uniform one unchanged (its rounds see no end)."""
+    sum per step least. ``finish_rate``: ``p`` as the steps just before saw it (the previous
+    round, or the engine's own step before it: a call's prefill, where the requests whose first
+    token ended them tell the rate); 0 (none ended): ``most``; None (nothing seen yet: a call
+    that starts with held requests): half of ``most``. Never below a quarter of ``most`` (the
+    host reads per step stay <= 8 / ``most``). On the long-tail benchmark's tail
+    (ends at 1/24 a token, 128 requests) the rounds go 5, 6, 7, 8, 12, ..., 16 steps as the
+    batch thins out, where a fixed 16 computed ~24 % of the early rounds' rows past their end;
+    a batch whose requests do not end takes whole rounds from the first."""
     if finish_rate is None:
         return max(1, most // 2)
     if finish_rate <= 0:
@@ -158,6 +159,13 @@ class FastDecoder:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         fits = torch.tensor([int(4 * replica_bytes(w) <= free)])
         return bool(all_reduce_(fits, w.ep_group, dist.ReduceOp.MIN).item())
+
+    def observe(self, ended: int, rows: int) -> None:
+        """A step outside the rounds (the engine's own: a prefill, admissions) forwarded
+        ``rows`` requests and ``ended`` of them ended: the rate the next round's length starts
+        from (:func:`round_length`)."""
+        if rows > 0:
+            self._finish_rate = ended / rows
 
     def ready(self, call) -> bool:
         """Whether the next steps are decode-only: nothing waiting, nothing paused, and every
