@@ -198,11 +198,11 @@ class RolloutConfig(Section, name="rollout"):
     ``num_scheduler_steps``): once every running request is decoding, up to this many steps run
     as one pure-torch step function over the model's weights and Megatron's paged KV cache
     (``backends/megatron/kernels/decode.py``), with no host read in between; requests that end
-    inside a round are masked until its end, new prompts join at round boundaries (their prefill
+    inside a round are masked until its end (so rounds are shorter while many end: the engine's
+    ``rounds.round_length``), new prompts join at round boundaries (their prefill
     runs the same step function, unless another EP rank's step waits on this one's). 0 =
-    Megatron's forward and bookkeeping at every step. Models the step function does not cover (TP or PP
-    rollouts, Transformer Engine modules, grouped or biased routing) decode through Megatron's
-    forward whatever this says."""
+    Megatron's forward and bookkeeping at every step. Models the step function does not cover (TP
+    or PP rollouts, TE modules, grouped or biased routing) decode through Megatron's forward."""
     decode_experts: Literal["auto", "replicated", "sharded"] = "auto"
     """Where the multi-step decoding step finds the experts under expert parallelism.
     ``sharded``: each EP rank its own, every MoE layer of every decoding step one gather of the
