@@ -17,13 +17,13 @@ from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, Evaluatio
                                          LoggingConfig, OptimConfig,
                                          RewardConfig, RolloutConfig, RoutingConfig, SFTConfig,
                                          TokenizerConfig, TrainConfig, TrainerConfig)
-from gspo_megatron.config.validation import (ConfigError, ConfigWarning, token_budget,
-                                             validate_config)
+from gspo_megatron.config.validation import (ConfigError, ConfigWarning, logprob_token_budget,
+                                             token_budget, validate_config)
 
 __all__ = [
     "DEMO_RECIPE", "MODEL_PRESETS", "CheckpointConfig", "ConfigError", "ConfigWarning",
     "DataConfig", "EvaluationConfig", "FieldError", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "PrecisionConfig", "RewardConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
     "TokenizerConfig", "TrainConfig", "TrainerConfig", "load_config", "save_config",
-    "token_budget", "validate_config",
+    "logprob_token_budget", "token_budget", "validate_config",
 ]

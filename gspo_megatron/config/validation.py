@@ -224,6 +224,16 @@ def token_budget(cfg: TrainConfig) -> int | None:
     return tr.micro_batch_size * cfg.model.seq_length
 
 
+def logprob_token_budget(budget: int | None, micro_batch_size: int,
+                         logprob_micro_batch_size: int | None) -> int | None:
+    """The packed token budget of the no-grad log-prob passes: the training ``budget`` scaled
+    by ``logprob_micro_batch_size / micro_batch_size`` (``trainer.logprob_micro_batch_size``;
+    the training budget when it is unset, None when not packing)."""
+    if budget is None or logprob_micro_batch_size is None:
+        return budget
+    return budget * logprob_micro_batch_size // micro_batch_size
+
+
 def _packing_errors(cfg: TrainConfig) -> list[str]:
     """Packed microbatches (``trainer.max_tokens_per_microbatch``) against the lengths, the
     attention kernel and routing replay."""
@@ -240,19 +250,19 @@ def _packing_errors(cfg: TrainConfig) -> list[str]:
     cp = par.context_parallel_size
     shards = (par.tensor_model_parallel_size if par.sequence_parallel else 1) * (
         2 * cp if cp > 1 else 1)
-    if -(-longest // shards) * shards > budget:
+    rounded = -(-longest // shards) * shards
+    if rounded > budget:
         errors.append(f"{name} cannot hold the longest sequence the recipe allows: "
                       f"data.max_prompt_length + rollout.max_new_tokens = "
                       f"{cfg.data.max_prompt_length} + {cfg.rollout.max_new_tokens} = {longest}"
                       + (f" (rounded up to a multiple of {shards}: TP under sequence parallel"
                          " x 2 CP)" if shards > 1 else ""))
-    if tr.logprob_micro_batch_size is not None:
-        scaled = budget * tr.logprob_micro_batch_size // tr.micro_batch_size
-        if -(-longest // shards) * shards > scaled:
-            errors.append(f"trainer.logprob_micro_batch_size={tr.logprob_micro_batch_size} "
-                          f"scales {name} to {scaled} tokens for the log-prob passes, which "
-                          f"cannot hold the longest sequence ({longest}); raise it to at least "
-                          f"trainer.micro_batch_size={tr.micro_batch_size}")
+    scaled = logprob_token_budget(budget, tr.micro_batch_size, tr.logprob_micro_batch_size)
+    if scaled < budget and rounded > scaled:  # (a smaller budget for the no-grad passes)
+        errors.append(f"trainer.logprob_micro_batch_size={tr.logprob_micro_batch_size} "
+                      f"scales {name} to {scaled} tokens for the log-prob passes, which "
+                      f"cannot hold the longest sequence ({longest}); raise it to at least "
+                      f"trainer.micro_batch_size={tr.micro_batch_size}")
     blocker = _packing_blocker(cfg)
     if blocker is not None:
         errors.append(f"{name} {blocker}; unset trainer.max_tokens_per_microbatch")

@@ -25,7 +25,7 @@ from gspo_megatron.backends.megatron.schedule import (Microbatching, ScoringConf
                                                       run_objective)
 from gspo_megatron.backends.megatron.kernels.moe import stacked_expert_weights
 from gspo_megatron.config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig,
-                                  RoutingConfig)
+                                  RoutingConfig, logprob_token_budget)
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
 from gspo_megatron.policy import PolicyBatch
 
@@ -54,11 +54,10 @@ class MegatronPolicy:
             segment_multiple=1 if cp == 1 else 2 * cp)
         """How every pass cuts a batch into microbatches (padded rows, or packed under a token
         budget: ``trainer.max_tokens_per_microbatch``)."""
-        logprob_size = logprob_micro_batch_size or micro_batch_size
         self.logprob_batching = dataclasses.replace(
-            self.batching, micro_batch_size=logprob_size,
-            max_tokens=(None if max_tokens_per_microbatch is None
-                        else max_tokens_per_microbatch * logprob_size // micro_batch_size))
+            self.batching, micro_batch_size=logprob_micro_batch_size or micro_batch_size,
+            max_tokens=logprob_token_budget(max_tokens_per_microbatch, micro_batch_size,
+                                            logprob_micro_batch_size))
         """The same for the no-grad log-prob passes: ``trainer.logprob_micro_batch_size``
         sequences per padded microbatch, or, packed, the training budget scaled by
         ``logprob_micro_batch_size / micro_batch_size`` (verl's

@@ -302,9 +302,7 @@ class DynamicRollout:
                         if stop is not None:
                             stop.finished(call.row[request_id])
                     if self.fast is not None:  # (the rounds' length starts from its end rate)
-                        ctx = self.context
-                        self.fast.observe(len(steps[0]), len(steps[0]) + ctx.total_request_count
-                                          - ctx.paused_request_count)
+                        self.fast.observe(len(steps[0]))
                 done = [request_id for step in steps for request_id in step]
                 if done and progress is not None:
                     finished += len(done)

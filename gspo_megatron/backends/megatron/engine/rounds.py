@@ -90,7 +90,8 @@ class FastDecoder:
         self._kept: DecodeWeights | None = None
         self._rotary: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._finish_rate: float | None = None
-        """Requests ended per live row-step in this call's last round (:func:`round_length`)."""
+        """Requests ended per live row-step in this call's last round, or in the engine's own
+        step before it (:meth:`observe`): what :func:`round_length` sizes the next round by."""
         self._finite: dict[int, int] = {}
         """Request id -> slots of its first KV block known to hold finite values (written by a
         step, or zeroed by a round): a round zeroes only the slots past that which it reads."""
@@ -160,10 +161,12 @@ class FastDecoder:
         fits = torch.tensor([int(4 * replica_bytes(w) <= free)])
         return bool(all_reduce_(fits, w.ep_group, dist.ReduceOp.MIN).item())
 
-    def observe(self, ended: int, rows: int) -> None:
-        """A step outside the rounds (the engine's own: a prefill, admissions) forwarded
-        ``rows`` requests and ``ended`` of them ended: the rate the next round's length starts
-        from (:func:`round_length`)."""
+    def observe(self, ended: int) -> None:
+        """A step outside the rounds (the engine's own: a prefill, admissions) just ended
+        ``ended`` of the requests it forwarded (those still running, and they): the rate the
+        next round's length starts from (:func:`round_length`)."""
+        ctx = self.context
+        rows = ended + ctx.total_request_count - ctx.paused_request_count
         if rows > 0:
             self._finish_rate = ended / rows
 
