@@ -157,6 +157,12 @@ METRICS: tuple[MetricDoc, ...] = (
               "`rollout.partial_rollouts`"),
     MetricDoc("rollout/partial_generated_tokens", "Tokens the rollout decoded (carried and fresh).",
               "`rollout.partial_rollouts`"),
+    # rollout/fp8_*: backends/megatron/rollout_numerics.py.
+    MetricDoc("rollout/fp8_weight_rel_err", "Relative error of the rollout's FP8 weights, "
+              "`||W - Q s|| / ||W||` (Frobenius, over every quantized weight of the rank, against "
+              "the live weights), at the step's weight refresh.", "`rollout.precision: fp8`"),
+    MetricDoc("rollout/fp8_weight_rel_err/layer_{i}", "The same over decoder layer i's weights.",
+              "`rollout.precision: fp8`"),
     # eval/*: trainer.py.
     MetricDoc("eval/accuracy", "Greedy accuracy on the whole held-out set.",
               "every `trainer.eval_interval` steps"),

@@ -72,7 +72,7 @@ class RolloutConfig(Section, name="rollout"):
     key-window bucket, captured when first met: ``backends/megatron/kernels/graphs.py``) instead
     of launching its kernels one by one. Under expert parallelism with sharded experts
     (``decode_experts``) eager, and nothing on CPU."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     """Numerics the engine samples in. ``auto`` (default) = the model's training precision: the
     engine runs the live policy module itself, no copy (today's behaviour, bitwise). ``bf16`` /
     ``fp32`` different from the training precision: the engine samples from a copy of the live
@@ -82,7 +82,28 @@ class RolloutConfig(Section, name="rollout"):
     weights); ``bf16`` on an fp32 trainer reproduces that rollout/training mismatch
     (``kl/rollout_vs_train``) on CPU, so importance-sampling corrections can be tested there. Cost:
     the copy's memory (bf16: half the fp32 parameters) and one cast-copy of every parameter per
-    generate (small next to decoding; the run logs it in ``perf/rollout_s``)."""
+    generate (small next to decoding; the run logs it in ``perf/rollout_s``). ``fp8``: the bf16
+    copy with its linear layers' weights (attention QKV and output projections, experts, shared
+    experts, dense MLPs) in FP8 e4m3 with one scale per ``fp8_block_size`` square block (the
+    layout of Qwen's and DeepSeek's FP8 checkpoints), quantized from the live weights at every
+    refresh; embeddings, norms, routers and the output layer stay bf16, as FP8 checkpoints keep
+    them. On CPU the copy holds the dequantized weights (the numerics of FP8 weights, bf16
+    activations); ``tools/gpu_check.py --stage fp8`` times the FP8 GEMMs (``torch._scaled_mm``)
+    on Hopper. Logs ``rollout/fp8_weight_rel_err`` (and per layer). Training is unchanged."""
+    fp8_block_size: int = 128
+    """``precision: fp8``: the side of the square weight blocks that share one scale (128 in
+    Qwen's and DeepSeek's FP8 checkpoints and the only size Hopper's block-scaled GEMM takes;
+    other powers of two >= 16 are for study on CPU). A dimension it does not divide ends in a
+    smaller block."""
+    router_noise_std: float = 0.0
+    """A research control, off (0) by default: the rollout's MoE router logits get Gaussian noise
+    of this standard deviation (fresh draws per token and layer, seeded from the rollout seed),
+    so sampler and trainer route differently by a set amount, as on real clusters (the R3 paper
+    measures ~10 % of router decisions differing on Qwen3-30B-A3B). The trainer's routers are
+    untouched; the engine samples from a copy of the policy (in ``precision``'s dtype) whose
+    routers carry the noise. ``examples/routing_study/router_noise.py`` maps the scale to the
+    measured disagreement and ``kl/rollout_vs_train`` (docs/routing.md). On CUDA the engine
+    decodes without CUDA graphs while it is on."""
 
     placement: Literal["colocated", "separate"] = "colocated"
     """Where rollouts run. ``colocated`` (default): every rank samples with the live policy, then
@@ -182,6 +203,13 @@ class RolloutConfig(Section, name="rollout"):
                 f"must be > 0 (greedy decoding is rollout.top_k: 1), got {self.temperature}"))
         if not 0 < self.top_p <= 1:
             yield self._problem("top_p", f"must be in (0, 1], got {self.top_p}")
+        b = self.fp8_block_size
+        if b < 16 or b & (b - 1):
+            yield self._problem("fp8_block_size", f"must be a power of two >= 16 (128 in FP8 "
+                                                  f"checkpoints and Hopper's GEMM), got {b}")
+        if not self.router_noise_std >= 0:
+            yield self._problem("router_noise_std", f"must be >= 0 (0 = off), got "
+                                                    f"{self.router_noise_std}")
         yield from self._at_least(0, "top_k", note=" (0 = off)")
         if self.top_k > 1 and 0 < self.top_p < 1:
             yield self._problem(("top_k", "top_p"), (

@@ -185,7 +185,7 @@ def _engine_errors(cfg: TrainConfig) -> list[str]:
         errors.append("rollout.partial_keep_kv needs rollout.partial_rollouts: it keeps the KV "
                       "cache of the responses a partial rollout carries")
     if ro.engine != "static" and ro.dynamic_buffer_size_gb is not None:
-        bf16 = ro.precision == "bf16" or (ro.precision == "auto" and cfg.precision.bf16)
+        bf16 = ro.precision in ("bf16", "fp8") or (ro.precision == "auto" and cfg.precision.bf16)
         need = kv_budget_bytes(1, m.seq_length, kv_bytes_per_token(
             m.num_layers, m.num_query_groups, m.kv_channels, par.tensor_model_parallel_size,
             par.pipeline_model_parallel_size, 2 if bf16 else 4))

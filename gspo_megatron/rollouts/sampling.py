@@ -71,6 +71,8 @@ class StepSampler:
                                         seed + EXTRA_BATCH_SEED_STRIDE * b)
                 generated += sum(len(s.response_ids) for s in samples)
             watch.lap("perf/rollout_s")
+            if b == 0 and hasattr(self.generator, "weight_metrics"):  # rollout/fp8_weight_*
+                metrics.update(self.generator.weight_metrics())
             rewards, stats = reward_stage(task.reward_fn, task.tokenizer, prompts, samples, group,
                                           cfg.reward.timeout_s, task.reward_workers)
             rewards = overlong_stage(rewards, samples, cfg.rollout.max_new_tokens,

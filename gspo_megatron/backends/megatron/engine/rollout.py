@@ -81,6 +81,7 @@ import torch.distributed as dist
 from gspo_megatron.backends.megatron.kernels.moe import stacked_expert_weights
 from gspo_megatron.backends.megatron.parallel import drop_inference_buffers
 from gspo_megatron.backends.megatron.engine.sampling_copy import SamplingCopy, copy_dtype
+from gspo_megatron.backends.megatron.rollout_numerics import attach_rollout_numerics
 from gspo_megatron.backends.megatron.schedule import module_list, set_training
 from gspo_megatron.config import RolloutConfig
 from gspo_megatron.distributed import ParallelGroups
@@ -207,8 +208,12 @@ class RolloutEngine:
         self.backend = choose_backend(config.engine, groups.pp_size, groups.ep_size)
         self.max_sequence_length = int(max_sequence_length or self.model.max_sequence_length)
         dtype = copy_dtype(config.precision, self.model)
+        if dtype is None and config.router_noise_std > 0:  # the noise goes on a copy's routers
+            dtype = next(self.model.parameters()).dtype
         self.copy = SamplingCopy(self.model, dtype) if dtype is not None else None
         """The other-precision copy sampled from, or None (the live module samples)."""
+        self.fp8, self.router_noise = attach_rollout_numerics(self.copy, config)
+        """``rollout.precision: fp8`` weights and ``rollout.router_noise_std``, or None each."""
         self._build(config.dynamic_buffer_size_gb)
         self._route_recorder = None
         """R3: records the MoE routes of every engine forward (:mod:`..routing.rollout_routes`)."""
@@ -230,6 +235,10 @@ class RolloutEngine:
     def _runner(self):
         """The module the Megatron wrapper calls (``Float16Module`` around a bf16 copy)."""
         return self.model if self.copy is None else self.copy.module
+
+    def weight_metrics(self) -> dict[str, float]:
+        """``rollout/fp8_weight_rel_err*`` of the latest refresh (empty without FP8 weights)."""
+        return dict(self.fp8.metrics) if self.fp8 is not None else {}
 
     @property
     def last_refresh_s(self) -> float:
@@ -291,7 +300,7 @@ class RolloutEngine:
             max_batch_size=self.config.max_batch_size,
             max_sequence_length=self.max_sequence_length, buffer_size_gb=buffer_size_gb,
             decode_steps_per_sync=self.config.decode_steps_per_sync,
-            decode_cuda_graphs=self.config.decode_cuda_graphs,
+            decode_cuda_graphs=self.config.decode_cuda_graphs and self.router_noise is None,
             decode_experts=self.config.decode_experts)
         self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
 
@@ -355,6 +364,8 @@ class RolloutEngine:
         self.controller.sampling_rng.manual_seed(int(seed))
         if self.copy is not None:
             self.copy.refresh()
+        if self.router_noise is not None:
+            self.router_noise.seed(seed)
         model = self.sampling_model
         was_training = model.training
         self.wrapper.route_recorder = self._route_recorder

@@ -101,6 +101,9 @@ class SamplingCopy:
                                                        live.named_buffers())
                       if s.is_floating_point()]  # e.g. a router's expert bias
         self.last_refresh_s = 0.0
+        self.on_refresh: list = []
+        """Called after each refresh's copy, in order (e.g. FP8 weights:
+        :class:`~..rollout_numerics.Fp8Weights`); their time counts in ``last_refresh_s``."""
 
     @torch.no_grad()
     def refresh(self) -> float:
@@ -109,17 +112,23 @@ class SamplingCopy:
         torch._foreach_copy_(self._dst, self._src)
         for d, s in self._bufs:
             d.copy_(s)
+        for hook in self.on_refresh:
+            hook()
         self.last_refresh_s = time.perf_counter() - start
         return self.last_refresh_s
 
 
 def copy_dtype(precision: str, model) -> torch.dtype | None:
     """The dtype of the copy ``rollout.precision`` asks for; None (sample from the live module)
-    for ``auto`` or the live parameters' own dtype."""
+    for ``auto`` or the live parameters' own dtype; ``fp8``: always a bf16 copy (it holds the
+    dequantized FP8 weights)."""
     if precision == "auto":
         return None
+    if precision == "fp8":  # FP8 weights dequantized into a bf16 copy (..rollout_numerics)
+        return torch.bfloat16
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if precision not in dtypes:
-        raise ValueError(f"rollout.precision must be 'auto', 'fp32' or 'bf16', got {precision!r}")
+        raise ValueError(f"rollout.precision must be 'auto', 'fp32', 'bf16' or 'fp8', got "
+                         f"{precision!r}")
     dtype = dtypes[precision]
     return None if dtype == next(model.parameters()).dtype else dtype

@@ -69,6 +69,9 @@ class DecodeLayer:
     key head, so one RMSNorm and one rotation serve both (our ``RMSNorm`` on both sides, same
     eps: its formula, in fp32, then the activations' dtype); None: the two modules are called."""
     qk_eps: float = 0.0
+    logit_noise: object = None
+    """``logits [T, E] -> logits``: the router's ``rollout.router_noise_std`` noise
+    (:class:`~..rollout_numerics.RouterNoise`, also in its Megatron forward); None: none."""
 
 
 @dataclasses.dataclass
@@ -133,7 +136,8 @@ class DecodeWeights:
                 layer.input_layernorm, att.linear_qkv.weight, q_norm, k_norm,
                 att.linear_proj.weight, layer.pre_mlp_layernorm,
                 mlp.router.weight if moe else None, w1, w2, qk_weight,
-                q_norm.eps if qk_weight is not None else 0.0))
+                q_norm.eps if qk_weight is not None else 0.0,
+                getattr(mlp.router, "logit_noise", None) if moe else None))
         head_dim = c.kv_channels
         rot = model.rotary_pos_emb
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype)
@@ -439,6 +443,8 @@ def _route(w: DecodeWeights, layer: DecodeLayer, tokens: torch.Tensor):
     branch (its top-k indices kept: what R3 records)."""
     dtype = w.router_dtype or tokens.dtype
     logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
+    if layer.logit_noise is not None:  # rollout.router_noise_std (a research control)
+        logits = layer.logit_noise(logits)
     if w.pre_softmax:
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
         probs, top = torch.topk(scores, k=w.topk, dim=1)

@@ -1,0 +1,121 @@
+"""Block-wise FP8 (e4m3) weight quantization, pure torch: the layout of Qwen's and DeepSeek's FP8
+checkpoints, for rollouts that sample from FP8 weights (``rollout.precision: fp8``).
+
+A weight ``W [N, K]`` (out x in) is cut into ``b x b`` blocks (``b = 128`` in those checkpoints;
+the last block of a dimension that ``b`` does not divide is smaller: ``ceil(N / b) x ceil(K / b)``
+blocks). Each block ``B`` stores
+
+    scale_inv[B] = amax(|W_B|) / 448          (448: the largest finite e4m3 value)
+    Q_B          = e4m3(W_B / scale_inv[B])    (round to nearest even, |Q| <= 448)
+
+so ``W ~= Q * scale_inv`` (the checkpoints' ``weight`` and ``weight_scale_inv``). An all-zero block
+gets ``scale_inv = 1`` (its ``Q`` is 0 whatever the scale). A stacked tensor ``[..., N, K]``
+(e.g. experts ``[E, N, K]``) is quantized per leading index.
+
+The rollout engine's use (:mod:`gspo_megatron.backends.megatron.fp8_rollout`): on CPU the
+sampling copy holds ``dequantize(quantize(W))`` (dequantize-then-matmul: what reaches the policy
+is what FP8 weights give); on Hopper the same ``Q``, ``scale_inv`` feed ``torch._scaled_mm``
+(:func:`fp8_linear`), with the activations quantized per ``1 x b`` group as DeepSeek-V3's FP8
+GEMMs do (:func:`quantize_activations`; :func:`fp8_linear_reference` is the same maths in
+float32, for CPU tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
+"""The largest finite e4m3 value."""
+
+
+def _blocks(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1])
+
+
+def _expand(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """``scale [..., nN, nK]`` repeated over each block's elements and cut to ``shape [..., N, K]``."""
+    full = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return full[..., :shape[-2], :shape[-1]]
+
+
+def block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``[..., ceil(N / b0), ceil(K / b1)]``: the largest |value| of each block of ``w [..., N, K]``
+    (the edge blocks zero-padded, which leaves their maximum unchanged)."""
+    n, k = w.shape[-2:]
+    nb, kb = _blocks(w.shape, block)
+    padded = torch.nn.functional.pad(w.abs(), (0, kb * block[1] - k, 0, nb * block[0] - n))
+    tiles = padded.reshape(*w.shape[:-2], nb, block[0], kb, block[1])
+    return tiles.amax(dim=(-3, -1))
+
+
+@torch.no_grad()
+def quantize_blockwise(w: torch.Tensor, block: int | tuple[int, int] = 128
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q [..., N, K] float8_e4m3fn, scale_inv [..., ceil(N / b), ceil(K / b)] float32)`` of a
+    weight ``w [..., N, K]`` (any float dtype; the division is done in float32, or float64 for a
+    float64 input). ``block``: ``b`` or ``(b_rows, b_cols)``."""
+    block = (block, block) if isinstance(block, int) else tuple(block)
+    if w.dim() < 2 or min(block) < 1:
+        raise ValueError(f"quantize_blockwise: needs a [..., N, K] tensor and a block >= 1, got "
+                         f"shape {tuple(w.shape)} and block {block}")
+    work = w.double() if w.dtype == torch.float64 else w.float()
+    amax = block_amax(work, block)
+    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (work / _expand(scale_inv, w.shape, block)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale_inv.float()
+
+
+def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                         block: int | tuple[int, int] = 128) -> torch.Tensor:
+    """``[..., N, K]`` in ``dtype``: ``Q * scale_inv`` per block (the product in float32, or in
+    float64 when ``dtype`` is float64, then cast)."""
+    block = (block, block) if isinstance(block, int) else tuple(block)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return (q.to(work) * _expand(scale_inv.to(work), q.shape, block)).to(dtype)
+
+
+def relative_error(w: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
+    """``(||w - approx||^2, ||w||^2)`` in float64 (sum them over tensors, then divide and take the
+    square root: the Frobenius relative error of a group of weights)."""
+    w64 = w.detach().double()
+    return float((w64 - approx.detach().double()).square().sum()), float(w64.square().sum())
+
+
+# --------------------------------------------------------------------------- the GEMM (Hopper)
+def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q [T, K] e4m3, scale_inv [T, ceil(K / group)] float32)`` of activations ``x [T, K]``,
+    one scale per token and ``group`` columns (DeepSeek-V3's ``1 x 128`` activation tiles)."""
+    return quantize_blockwise(x, (1, group))
+
+
+def fp8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
+                         block: int = 128) -> torch.Tensor:
+    """``[T, N]`` float32: what :func:`fp8_linear` computes, in float32 on any device: ``x [T, K]``
+    quantized per ``1 x block`` group, times ``(Q * scale_inv)^T`` (``Q [N, K]``), accumulated in
+    float32."""
+    xq, xs = quantize_activations(x, block)
+    return dequantize_blockwise(xq, xs, torch.float32, (1, block)) @ \
+        dequantize_blockwise(q, scale_inv, torch.float32, block).t()
+
+
+def fp8_gemm_runs_on(device: torch.device) -> bool:
+    """Whether :func:`fp8_linear` has a kernel here: a CUDA device of compute capability 9.0
+    (Hopper), where ``torch._scaled_mm`` takes block-wise scales."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``[T, N]`` in ``out_dtype``: ``x [T, K]`` times the FP8 weight ``(Q [N, K], scale_inv)``
+    transposed, as one ``torch._scaled_mm`` (Hopper; :func:`fp8_gemm_runs_on`): activations
+    quantized per ``1 x 128`` group, weights per ``128 x 128`` block, float32 accumulation.
+    ``K`` must be a multiple of 16 and ``block`` 128 (the kernel's); elsewhere use
+    :func:`fp8_linear_reference`. GPU-only: checked by ``tools/gpu_check.py --stage fp8``."""
+    xq, xs = quantize_activations(x, block)
+    # The kernel wants the activation scales column-major ([T, K/128] with stride (1, T)) and
+    # the second operand column-major (Q^T as a view of the row-major Q).
+    return torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_inv.t(),
+                            out_dtype=out_dtype)
