@@ -49,11 +49,14 @@ COLUMNS = [
 ]
 
 
-def run_arm(out_dir: str, name: str, extra: list[str], steps: int) -> list[dict]:
+def run_arm(out_dir: str, name: str, extra: list[str], steps: int,
+            base: list[str] = BASE) -> list[dict]:
+    """One ``gspo-train`` run of ``steps`` RL steps (``base`` + ``extra`` overrides) under
+    ``out_dir``; its metrics.jsonl records."""
     run_dir = os.path.join(out_dir, name.replace(" ", "_").replace(",", "").replace("/", "_")
                            .replace("(", "").replace(")", "").replace("[", "").replace("]", ""))
     cmd = [sys.executable, "-m", "gspo_megatron.cli", f"--logging.run_dir={run_dir}",
-           f"--trainer.steps={steps}", *BASE, *extra]
+           f"--trainer.steps={steps}", *base, *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
