@@ -23,6 +23,11 @@ GPU; the first H200 run took 115 s for all of them at N = 8), then the timed one
                    the step's memory-bound limit, greedy tokens per path against the per-step
                    loop's, a profile of a few decoding steps. ``tiny_rollout_bench``: the same on
                    the tiny model (fp32).
+``fp8_decode``     tools.bench.gpu_fp8: ``rollout.precision: fp8`` on the slice: ms per decoding
+                   step with the attention GEMMs in FP8 (``torch._scaled_mm``, 128 x 128 block
+                   scales; Hopper), with every GEMM dequantized to bf16, and bf16's; greedy tokens
+                   against bf16's; the GEMMs alone at the slice's shapes. ``tiny_fp8_rollout``: the
+                   tiny fp32 trainer sampling from FP8 weights with R3.
 ``slice_rl``       examples/configs/gpu_qwen3_slice_rl.yaml: a 1.87B-parameter Qwen3-30B-A3B-shaped
                    slice, bf16, dynamic engine, R2, 2 RL steps + checkpoint, then resumed for one
                    more; step breakdown and peak memory per phase. ``slice_rl_local_kernels``: the
@@ -161,6 +166,13 @@ def stages(work: str, size: str = "full") -> list[Stage]:
         # The same paths on the tiny model (issue 48's target: <= 3 ms per decoding step).
         Stage("tiny_rollout_bench", [[sys.executable, "-m", "tools.bench.gpu_rollout", "--size",
                                       "smoke" if smoke else "quick", "--tiny"]], 240, timed=True),
+        # FP8 rollouts (rollout.precision: fp8): the decoding step with the attention GEMMs as
+        # torch._scaled_mm on 128 x 128 block-scaled weights, against bf16's; then the tiny RL
+        # run sampling from FP8 weights (kl/rollout_vs_train, routing/rollout/* under R3).
+        Stage("fp8_decode", [[sys.executable, "-m", "tools.bench.gpu_fp8", "--size", size]], 300,
+              timed=True),
+        Stage("tiny_fp8_rollout", [tiny("tiny_fp8_rollout", "--precision.bf16=false",
+                                        "--rollout.precision=fp8", "--routing.replay=r3")], 300),
         # The slice's RL steps with our local kernels (SDPA attention, grouped expert GEMMs via
         # torch._grouped_mm): 7.0x Megatron's local spec in forward + backward on the H200, not
         # yet measured in rollouts.

@@ -119,3 +119,27 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block:
     # the second operand column-major (Q^T as a view of the row-major Q).
     return torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_inv.t(),
                             out_dtype=out_dtype)
+
+
+class Fp8Linear:
+    """An FP8 weight ``(Q [N, K], scale_inv)`` that stands where a ``[N, K]`` weight tensor is
+    passed to ``F.linear``: ``F.linear(x [..., K], Fp8Linear)`` runs ``gemm`` (:func:`fp8_linear`
+    on Hopper, :func:`fp8_linear_reference` for CPU tests) through torch's ``__torch_function__``
+    protocol, so a kernel written for tensors (the multi-step decoding step) takes it unchanged.
+    Any other torch function on it is an error (a caller that needs the tensor)."""
+
+    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128, gemm=None):
+        self.q, self.scale_inv, self.block = q, scale_inv, int(block)
+        self.gemm = gemm or fp8_linear
+        """``(x [T, K], Q, scale_inv, block) -> [T, N]``."""
+        self.shape = q.shape
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) == 2 and not kwargs.get("bias") \
+                and isinstance(args[1], cls):
+            x, w = args
+            out = w.gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale_inv, w.block)
+            return out.to(x.dtype).view(*x.shape[:-1], w.q.shape[0])
+        raise TypeError(f"Fp8Linear supports F.linear(x, weight) only, not {func}")

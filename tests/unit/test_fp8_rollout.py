@@ -157,6 +157,37 @@ def test_fp8_greedy_tokens_agree_with_bf16(setup):  # noqa: F811
 
 
 @pytest.mark.slow
+def test_decoding_step_runs_attention_as_fp8_gemms(setup):  # noqa: F811
+    """What Hopper runs, with the GEMM's CPU twin: the copy's attention weights become
+    ``Fp8Linear`` objects (kept in the same tensors across refreshes, for CUDA graphs) that the
+    multi-step decoding step calls through ``F.linear``; greedy tokens stay within the FP8
+    agreement of the dequantized path (activation quantization is the only difference)."""
+    from gspo_megatron.backends.megatron.kernels.decode import DecodeWeights
+    from gspo_megatron.rollouts.fp8 import Fp8Linear
+
+    prompts = make_prompts(24, seed=11)
+    plain = fp8_engine(setup, precision="fp8", top_k=1)
+    assert plain.fp8.gemm is None and not plain.fp8.packed  # CPU: dequantized weights only
+    want = plain.generate(prompts, seed=0)
+    eng = fp8_engine(setup, precision="fp8", top_k=1)
+    eng.fp8.gemm = fp8_linear_reference
+    got = eng.generate(prompts, seed=0)
+    w = DecodeWeights.of(eng.copy.model)
+    assert all(isinstance(layer.qkv, Fp8Linear) and isinstance(layer.proj, Fp8Linear)
+               for layer in w.layers)
+    q = w.layers[0].qkv.q
+    eng.generate(prompts[:2], seed=0)
+    assert DecodeWeights.of(eng.copy.model).layers[0].qkv.q is q  # refreshed in place
+    x = torch.randn(3, 1, q.shape[1], dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.nn.functional.linear(x, w.layers[0].qkv).float(),
+                               fp8_linear_reference(x.view(3, -1), q, w.layers[0].qkv.scale_inv)
+                               .view(3, 1, -1), rtol=1e-2, atol=1e-2)
+    same = sum(a.response_ids == b.response_ids for a, b in zip(want, got)) / len(want)
+    print(f"MEASURED FP8 GEMM twin vs dequantized weights: {same:.1%} of greedy responses equal")
+    assert same >= 0.75, same
+
+
+@pytest.mark.slow
 def test_router_noise_moves_routes_by_its_scale(setup):  # noqa: F811
     """With the noise on, the engine samples from a copy whose routers add seeded Gaussian
     noise: through Megatron's forward (``decode_steps_per_sync: 0``) the routes taken differ
@@ -205,3 +236,22 @@ def test_bad_fp8_and_noise_settings_are_refused():
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_config(demo(*args))
     validate_config(demo("--rollout.precision=fp8", "--rollout.router_noise_std=0.5"))
+
+
+@pytest.mark.slow
+def test_gpu_fp8_bench_runs_its_gpu_code_on_cpu(tmp_path):
+    """``tools/gpu_check``'s ``fp8_decode`` stage at toy size on CPU (the tiny preset): the three
+    paths are timed, FP8 greedy tokens compared with bf16's, the error logged; the GEMM timing
+    says it needs Hopper. Both stages are in the check's list."""
+    from tools.bench.gpu_fp8 import PATHS, run
+    from tools.gpu_check import stages
+
+    res = run("smoke", tiny=True)
+    assert res["fp8_gemm"] is False and res["gemms"] == {"skipped": "needs a Hopper GPU"}
+    assert set(res["paths"]) == set(PATHS)
+    for name, rec in res["paths"].items():
+        assert "error" not in rec and rec["tokens"] > 0, (name, rec)
+        assert (rec["refresh_s"] > 0) == (name != "bf16")
+    assert 0 < res["fp8_weight_rel_err"]["rollout/fp8_weight_rel_err"] < 0.06
+    assert all(0 <= n <= res["batch"] for n in res["greedy_requests_differing_from_bf16"].values())
+    assert {"fp8_decode", "tiny_fp8_rollout"} <= {s.name for s in stages(str(tmp_path), "quick")}

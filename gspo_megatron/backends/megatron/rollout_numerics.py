@@ -25,8 +25,8 @@ from typing import Iterable
 
 import torch
 
-from gspo_megatron.rollouts.fp8 import (dequantize_blockwise, fp8_gemm_runs_on,
-                                        quantize_blockwise, relative_error)
+from gspo_megatron.rollouts.fp8 import (Fp8Linear, dequantize_blockwise, fp8_gemm_runs_on,
+                                        fp8_linear, quantize_blockwise, relative_error)
 
 FP8_WEIGHT = re.compile(
     r"(linear_qkv|linear_proj|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
@@ -53,25 +53,39 @@ class Fp8Weights:
         block: the block size ``b`` (128 in Qwen's and DeepSeek's checkpoints).
 
     Attributes:
-        packed: on Hopper, ``name -> (Q [N, K] e4m3, scale_inv [ceil(N/b), ceil(K/b)] fp32)``
-            kept for the FP8 GEMMs (:func:`~gspo_megatron.rollouts.fp8.fp8_linear`); empty
-            elsewhere (the copy's dequantized weights are all that is used).
+        packed: with a ``gemm`` (Hopper), the attention weights' ``name ->``
+            :class:`~gspo_megatron.rollouts.fp8.Fp8Linear` (``Q [N, K]`` e4m3,
+            ``scale_inv [ceil(N/b), ceil(K/b)]``), also set as the copy model's
+            ``fp8_gemm_weights`` (by parameter id), which the multi-step decoding step runs as
+            FP8 GEMMs (``torch._scaled_mm``); empty elsewhere (the copy's dequantized weights are
+            all that is used). The experts stay dequantized in the decoding step (their FP8
+            grouped GEMM, ``torch._scaled_grouped_mm``, is not wired yet).
         metrics: the latest ``rollout/fp8_weight_rel_err`` (Frobenius ``||W - Q s|| / ||W||``
             over every quantized weight, against the live weights) and
             ``rollout/fp8_weight_rel_err/layer_{i}`` (per decoder layer).
     """
 
-    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], block: int):
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], block: int,
+                 gemm=None, model=None):
         self.pairs = list(pairs)
         self.block = int(block)
-        self.packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gemm = gemm
+        """None: dequantized weights only; else the FP8 GEMM ``(x, Q, scale_inv, block)`` the
+        decoding step's attention runs (:class:`~gspo_megatron.rollouts.fp8.Fp8Linear`)."""
+        self.model = model
+        self.packed: dict[str, Fp8Linear] = {}
         self.metrics: dict[str, float] = {}
 
     @classmethod
-    def of(cls, copy_model, live_model, block: int) -> "Fp8Weights":
+    def of(cls, copy_model, live_model, block: int, gemm="auto") -> "Fp8Weights":
+        """``gemm``: ``auto`` = :func:`~gspo_megatron.rollouts.fp8.fp8_linear` where it runs
+        (Hopper), else None."""
         live = dict(live_model.named_parameters())
+        if gemm == "auto":
+            device = next(copy_model.parameters()).device
+            gemm = fp8_linear if block == 128 and fp8_gemm_runs_on(device) else None
         return cls(((n, p, live[n]) for n, p in copy_model.named_parameters()
-                    if FP8_WEIGHT.search(n)), block)
+                    if FP8_WEIGHT.search(n)), block, gemm, copy_model)
 
     @torch.no_grad()
     def apply(self) -> dict[str, float]:
@@ -84,8 +98,8 @@ class Fp8Weights:
             q, scale_inv = quantize_blockwise(w, self.block)
             deq = dequantize_blockwise(q, scale_inv, dst.dtype, self.block)
             dst.copy_(deq.t() if transposed else deq)
-            if fp8_gemm_runs_on(dst.device):
-                self.packed[name] = (q, scale_inv)
+            if self.gemm is not None and name.endswith(("linear_qkv.weight", "linear_proj.weight")):
+                self._pack(name, dst, q, scale_inv)
             err, norm = relative_error(w, deq)
             m = _LAYER.search(name)
             for key in (None, int(m.group(1))) if m else (None,):
@@ -97,10 +111,24 @@ class Fp8Weights:
             e, n = sums.get(key, (0.0, 0.0))
             return (e / n) ** 0.5 if n > 0 else 0.0
 
+        if self.packed:  # what DecodeWeights.of reads (by parameter)
+            self.model.fp8_gemm_weights = {id(dst): self.packed[n] for n, dst, _ in self.pairs
+                                           if n in self.packed}
         self.metrics = {"rollout/fp8_weight_rel_err": rel(None)}
         self.metrics.update({f"rollout/fp8_weight_rel_err/layer_{i}": rel(i)
                              for i in sorted(k for k in sums if k is not None)})
         return self.metrics
+
+
+    def _pack(self, name: str, dst: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor):
+        """Keep ``(q, scale_inv)`` for the GEMM, in the same tensors at every refresh (CUDA
+        graphs captured on them read the new weights)."""
+        held = self.packed.get(name)
+        if held is None:
+            self.packed[name] = Fp8Linear(q, scale_inv, self.block, self.gemm)
+        else:
+            held.q.copy_(q)
+            held.scale_inv.copy_(scale_inv)
 
 
 class RouterNoise:

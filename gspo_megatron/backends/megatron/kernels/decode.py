@@ -117,6 +117,9 @@ class DecodeWeights:
         columns Megatron pads the vocabulary with are never sampled)."""
         c = model.config
         layers = []
+        # rollout.precision fp8 where FP8 GEMMs run: attention weights as FP8 (F.linear on them
+        # is torch._scaled_mm: ..rollout_numerics.Fp8Weights); else the tensors themselves
+        fp8 = getattr(model, "fp8_gemm_weights", None) or {}
         for layer in model.decoder.layers:
             att, mlp = layer.self_attention, layer.mlp
             moe = hasattr(mlp, "router")
@@ -133,8 +136,9 @@ class DecodeWeights:
                     q_norm.weight.float().expand(c.num_attention_heads, -1),
                     k_norm.weight.float().expand(c.num_query_groups, -1)))
             layers.append(DecodeLayer(
-                layer.input_layernorm, att.linear_qkv.weight, q_norm, k_norm,
-                att.linear_proj.weight, layer.pre_mlp_layernorm,
+                layer.input_layernorm, fp8.get(id(att.linear_qkv.weight), att.linear_qkv.weight),
+                q_norm, k_norm, fp8.get(id(att.linear_proj.weight), att.linear_proj.weight),
+                layer.pre_mlp_layernorm,
                 mlp.router.weight if moe else None, w1, w2, qk_weight,
                 q_norm.eps if qk_weight is not None else 0.0,
                 getattr(mlp.router, "logit_noise", None) if moe else None))
