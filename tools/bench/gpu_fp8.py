@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from tools.bench.gpu_rollout import SIZES, SLICE_RECIPE, _time_engines
+from tools.bench.gpu_rollout import SIZES, SLICE_RECIPE, _time_engines, size_cli
 
 PATHS = {"bf16": dict(precision="auto"), "fp8": dict(precision="fp8"),
          "fp8_dequantized": dict(precision="fp8")}
@@ -114,15 +114,7 @@ def run(size: str = "full", tiny: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default="full")
-    ap.add_argument("--tiny", action="store_true", help="the tiny preset in fp32 (any device)")
-    args = ap.parse_args(argv)
-    print(json.dumps(run(args.size, args.tiny)))
-    return 0
+    return size_cli(run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -203,16 +203,21 @@ def run(size: str = "full", tiny: bool = False) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def size_cli(run_fn, description: str, argv: list[str] | None = None) -> int:
+    """``--size`` / ``--tiny`` parsed, ``run_fn(size, tiny)``'s record printed as JSON."""
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="full")
     ap.add_argument("--tiny", action="store_true", help="the tiny preset in fp32 (CPU check)")
     args = ap.parse_args(argv)
-    print(json.dumps(run(args.size, args.tiny)))
+    print(json.dumps(run_fn(args.size, args.tiny)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return size_cli(run, __doc__, argv)
 
 
 if __name__ == "__main__":
