@@ -43,12 +43,15 @@ def main() -> int:
     ap.add_argument("--stds", default="0,0.01,0.03,0.1,0.3,1",
                     help="comma-separated rollout.router_noise_std values (fp32 rollouts)")
     ap.add_argument("--json", default=None, help="also write the record (commit, date, means) here")
+    ap.add_argument("--noise-only", action="store_true",
+                    help="only the noise rows (no bf16 / FP8 rows): to refine the scale grid")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = {f"fp32 rollout, noise {s}": (NOISE_BASE, [f"--rollout.router_noise_std={s}"])
             for s in args.stds.split(",")}
-    rows["bf16 rollout"] = (BASE, [])
-    rows["FP8 rollout (128 x 128 blocks)"] = (NOISE_BASE, ["--rollout.precision=fp8"])
+    if not args.noise_only:
+        rows["bf16 rollout"] = (BASE, [])
+        rows["FP8 rollout (128 x 128 blocks)"] = (NOISE_BASE, ["--rollout.precision=fp8"])
     lines = ["| rollout | " + " | ".join(c[1] for c in COLUMNS) + " |",
              "|---" * (len(COLUMNS) + 1) + "|"]
     means: dict[str, dict] = {}
