@@ -39,11 +39,6 @@ stores ``weight1`` / ``weight2`` as ``[in, out]``, quantized transposed)."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def fp8_weight_names(model) -> list[str]:
-    """The names of ``model``'s parameters that :class:`Fp8Weights` quantizes, in order."""
-    return [n for n, _ in model.named_parameters() if FP8_WEIGHT.search(n)]
-
-
 class Fp8Weights:
     """Block-wise FP8 of the copy's linear weights, requantized from the live ones at every
     refresh (:meth:`apply`), with the quantization error per layer.
@@ -99,7 +94,7 @@ class Fp8Weights:
             deq = dequantize_blockwise(q, scale_inv, dst.dtype, self.block)
             dst.copy_(deq.t() if transposed else deq)
             if self.gemm is not None and name.endswith(("linear_qkv.weight", "linear_proj.weight")):
-                self._pack(name, dst, q, scale_inv)
+                self._pack(name, q, scale_inv)
             err, norm = relative_error(w, deq)
             m = _LAYER.search(name)
             for key in (None, int(m.group(1))) if m else (None,):
@@ -119,8 +114,7 @@ class Fp8Weights:
                              for i in sorted(k for k in sums if k is not None)})
         return self.metrics
 
-
-    def _pack(self, name: str, dst: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor):
+    def _pack(self, name: str, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
         """Keep ``(q, scale_inv)`` for the GEMM, in the same tensors at every refresh (CUDA
         graphs captured on them read the new weights)."""
         held = self.packed.get(name)
