@@ -102,8 +102,9 @@ class RolloutConfig(Section, name="rollout"):
     measures ~10 % of router decisions differing on Qwen3-30B-A3B). The trainer's routers are
     untouched; the engine samples from a copy of the policy (in ``precision``'s dtype) whose
     routers carry the noise. ``examples/routing_study/router_noise.py`` maps the scale to the
-    measured disagreement and ``kl/rollout_vs_train`` (docs/routing.md). On CUDA the engine
-    decodes without CUDA graphs while it is on."""
+    measured disagreement and ``kl/rollout_vs_train`` (docs/routing.md). The held-out evaluation
+    decodes with the same engine, so it sees the noise too (as it sees ``precision``). On CUDA
+    the engine decodes without CUDA graphs while it is on."""
 
     placement: Literal["colocated", "separate"] = "colocated"
     """Where rollouts run. ``colocated`` (default): every rank samples with the live policy, then
