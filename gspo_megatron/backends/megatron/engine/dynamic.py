@@ -29,11 +29,13 @@ What else it adds (:class:`DynamicRollout`):
   budget that cannot hold one request before anything is built.
 * **Expert parallelism in lock-step.** Under EP > 1 the MoE all-to-all couples ranks that hold
   different prompts, so the rank that finishes first would leave the others waiting in a
-  collective (gloo: "Connection closed by peer"; NCCL: a hang). Every rank of the world agrees
-  each step whether anyone still has work (one MAX all-reduce of a flag), and a rank without
-  requests runs Megatron's ``dummy_forward`` (one all-to-all round with no tokens). Nothing is
-  decoded past EOS. With the experts replicated for decoding (``rollout.decode_experts``) no
-  step of a rank involves another, and each rank runs alone.
+  collective (gloo: "Connection closed by peer"; NCCL: a hang). The coupled ranks (the EP
+  group, :func:`.lockstep.coupled_group`) decide each step's kind by one MAX all-reduce
+  (:func:`.lockstep.next_step`: Megatron's step, a round, an idle round, a dummy, done), and a
+  rank without requests runs Megatron's ``dummy_forward`` (one all-to-all round with no tokens)
+  or a round's idle steps. Nothing is decoded past EOS. With the experts replicated for decoding
+  (``rollout.decode_experts``, decided over the same group) no step of a rank involves another,
+  and each rank runs alone.
 * **Memory between phases.** After a rollout the KV buffer is released (Megatron's
   ``deallocate_all_tensors``) and restored before the next (``resume()``), so the old-log-prob
   pass and the updates run without it; :attr:`DynamicRollout.kv_bytes` says what it holds.
@@ -70,7 +72,8 @@ import itertools
 import torch
 
 from gspo_megatron.backends.megatron.schedule import set_training
-from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
+from gspo_megatron.distributed import ParallelGroups
+from gspo_megatron.backends.megatron.engine.lockstep import StepKind, coupled_group, next_step
 from gspo_megatron.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
@@ -96,6 +99,9 @@ class DynamicRollout:
         )
 
         self.groups = groups
+        self.coupled = coupled_group(groups) if groups.ep_size > 1 else None
+        """Under EP: the ranks whose decoding steps exchange tensors (:mod:`.lockstep`; None:
+        the world), over which the experts' replication and every lock-step are decided."""
         cfg = model.config
         # The controller's constructor needs a context; the dynamic one replaces it below.
         placeholder = StaticInferenceContext.from_config(wrapper_config)
@@ -160,7 +166,8 @@ class DynamicRollout:
         self._held: set[int] = set()
         """Ids of the requests a partial rollout cut and kept (``GroupStop.hold_cut``)."""
         self.fast = _fast_decoder(model, groups, self.context, self.controller, self.wrapper,
-                                  decode_steps_per_sync, decode_cuda_graphs, decode_experts)
+                                  decode_steps_per_sync, decode_cuda_graphs, decode_experts,
+                                  self.coupled)
         """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
@@ -252,9 +259,9 @@ class DynamicRollout:
         told the number of requests finished after each step that finishes some. With
         ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
         allocated) for the next call to continue
-        (``stop.continue_ids``). Collective over the world under EP > 1 (lock-step; with the
-        experts replicated for decoding only its start is: each rank then steps alone), over
-        the model-parallel group otherwise."""
+        (``stop.continue_ids``). Collective over the coupled group under EP > 1 (lock-step; with
+        the experts replicated for decoding only its start is: each rank then steps alone),
+        over the model-parallel group otherwise."""
         held = self._claim_held(stop)
         self.resume()
         try:
@@ -273,9 +280,10 @@ class DynamicRollout:
                     call.add(next(self._request_ids), prompt, budget)
             # EP ranks step together while a step's MoE layers exchange tokens (Megatron's
             # dispatcher, or sharded experts in the step function); with every expert here
-            # (rollout.decode_experts) no step of this rank waits on another's: each runs alone
-            lock_step = self.groups.ep_size > 1 and not (self.fast is not None
-                                                         and self.fast.independent)
+            # (rollout.decode_experts, decided over the same coupled group) no step of this
+            # rank waits on another's: each runs alone
+            coupled = self.groups.ep_size > 1 and not (self.fast is not None
+                                                       and self.fast.independent)
             self.steps = self.tokens_forwarded = finished = 0
             while True:
                 if refill is not None and not stop.done:
@@ -285,18 +293,20 @@ class DynamicRollout:
                     not (stop and stop.done)
                 plan = (self.fast.plan(early_stop=stop is not None)
                         if mine and self.fast and self.fast.ready(call) else None)
-                go, rounds, steps, rows = self._agree(mine, plan, lock_step)
-                if not go:
+                step = next_step(mine, plan, coupled, self.fast is not None, self.coupled)
+                if step.kind is StepKind.DONE:
                     break
-                if not mine:  # (lock-step only: alone, a rank without work is done)
-                    if rounds:
-                        self.fast.idle(steps, rows)
-                    else:
-                        self.controller.dummy_forward()  # (its MoE layers' collectives)
-                    self.steps += steps if rounds else 1
+                if step.kind is StepKind.IDLE_ROUND:
+                    self.fast.idle(step.steps, step.rows)
+                    self.steps += step.steps
                     continue
-                steps = self._round(call, stop, plan, steps, rows) if rounds else None
-                if steps is None:  # Megatron's step
+                if step.kind is StepKind.DUMMY:
+                    self.controller.dummy_forward()  # (its MoE layers' collectives)
+                    self.steps += 1
+                    continue
+                if step.kind is StepKind.ROUND:
+                    steps = self._round(call, stop, plan, step.steps, step.rows)
+                else:  # Megatron's step
                     steps = [self._step(call)]
                     for request_id in steps[0]:
                         if stop is not None:
@@ -322,21 +332,6 @@ class DynamicRollout:
             if not self._held:
                 self.suspend()
             self.kv_bytes = self._kv_bytes()
-
-    def _agree(self, mine: bool, plan, lock_step: bool) -> tuple[bool, bool, int, int]:
-        """``(any rank has work, the next steps are a round of :mod:`.rounds`, its steps, the
-        most requests a rank decodes)``. Under EP lock-step one MAX all-reduce decides it for
-        every rank alike (a round only when no rank with work needs Megatron's step: a prefill,
-        a paused request, blocks the allocator lacks); alone, this rank's own state."""
-        ready = plan is not None and plan.blocks_free
-        steps, rows = (plan.steps, plan.n) if ready else (1, 0)
-        if not lock_step:
-            return mine, ready, steps, rows
-        if self.fast is None:  # the per-step loop's one flag
-            return any_rank(mine), False, 1, 0
-        flags = torch.tensor([int(mine), int(mine and not ready), steps if ready else 0, rows])
-        go, blocked, steps, rows = all_reduce_(flags, None, torch.distributed.ReduceOp.MAX).tolist()
-        return bool(go), bool(go) and not blocked, max(steps, 1), rows
 
     def _round(self, call: "_Call", stop, plan, steps: int, rows: int) -> list[list[int]]:
         """Decoding steps of one round (:class:`~.rounds.FastDecoder`): per step, the ids of the
@@ -408,7 +403,7 @@ class DynamicRollout:
 
 
 def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: int,
-                  cuda_graphs: bool, experts: str):
+                  cuda_graphs: bool, experts: str, coupled=None):
     """A :class:`~.rounds.FastDecoder` when ``steps_per_sync`` > 0 and the step function covers
     ``model`` on ``groups`` (else None, with a line saying why)."""
     if steps_per_sync <= 0:
@@ -423,7 +418,8 @@ def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: i
         logging.getLogger(__name__).info("rollout.decode_steps_per_sync: %s decode through "
                                          "Megatron's forward at every step", why)
         return None
-    return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs, experts)
+    return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs, experts,
+                       coupled)
 
 
 def _plain_state(attrs: dict, skip: tuple[str, ...]) -> dict:

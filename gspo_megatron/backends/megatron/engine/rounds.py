@@ -33,19 +33,25 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
                                                             KeyGroup, decode_forward,
                                                             moe_only_step, replica_bytes,
                                                             replicate_experts)
-from gspo_megatron.distributed import all_reduce_
+from gspo_megatron.backends.megatron.engine.lockstep import agree_all
 
 ROUND_COST_ROWS = 64
 """A round's own cost (two host reads, the plan, the write-back and Megatron's
 ``update_requests``: ~0.44 ms on CPU) in decoding row-steps (~0.008 ms a row and step on the tiny
 model at 90-120 rows): what :func:`round_length` weighs against the rows a round computes past
 their end."""
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` (the host's available pages on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def round_length(most: int, rows: int, finish_rate: float | None) -> int:
@@ -76,8 +82,11 @@ class FastDecoder:
     weights sample: the policy, or the bf16 copy inside its ``Float16Module``)."""
 
     def __init__(self, runner_model, context, controller, wrapper, steps_per_sync: int,
-                 cuda_graphs: bool = False, experts: str = "auto"):
+                 cuda_graphs: bool = False, experts: str = "auto", coupled=None):
         self.model = runner_model
+        self.coupled = coupled
+        """Under EP: the group that decides the experts' replication (:mod:`.lockstep`'s, the
+        same that decides each lock-step; None: the world)."""
         self.experts = experts
         """``rollout.decode_experts``: under EP, ``replicated``, ``sharded`` or ``auto``."""
         self.replicated = False
@@ -149,17 +158,15 @@ class FastDecoder:
         return self.weights.ep_group is None
 
     def _replicate(self, w: DecodeWeights) -> bool:
-        """``rollout.decode_experts`` for this call; ``auto``: whether the other ranks' experts
-        take at most a quarter of the free memory on every EP rank (one MIN all-reduce)."""
+        """``rollout.decode_experts`` for this call, decided alike on every coupled rank (one
+        MIN all-reduce over :attr:`coupled`, the group that then decides each lock-step):
+        ``replicated`` / ``sharded`` as asked; ``auto``: whether the other ranks' experts take
+        at most a quarter of the free memory on every coupled rank."""
         if self.experts != "auto":
-            return self.experts == "replicated"
-        device = w.embedding.device
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
+            want = self.experts == "replicated"
         else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        fits = torch.tensor([int(4 * replica_bytes(w) <= free)])
-        return bool(all_reduce_(fits, w.ep_group, dist.ReduceOp.MIN).item())
+            want = 4 * replica_bytes(w) <= _free_bytes(w.embedding.device)
+        return agree_all(want, self.coupled)
 
     def observe(self, ended: int) -> None:
         """A step outside the rounds (the engine's own: a prefill, admissions) just ended
