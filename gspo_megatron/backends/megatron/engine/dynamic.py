@@ -74,6 +74,7 @@ import torch
 from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.backends.megatron.engine.lockstep import StepKind, coupled_group, next_step
+from gspo_megatron.backends.megatron.engine.sampler import FinishRule, Sampler
 from gspo_megatron.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
@@ -87,8 +88,8 @@ class DynamicRollout:
 
     def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
                  max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None,
-                 decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = True,
-                 decode_experts: str = "auto"):
+                 decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = False,
+                 decode_experts: str = "auto", decode_round_cost_rows: int = 64):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         from gspo_megatron.backends.megatron.engine.admission import AdmittingContext
@@ -167,7 +168,7 @@ class DynamicRollout:
         """Ids of the requests a partial rollout cut and kept (``GroupStop.hold_cut``)."""
         self.fast = _fast_decoder(model, groups, self.context, self.controller, self.wrapper,
                                   decode_steps_per_sync, decode_cuda_graphs, decode_experts,
-                                  self.coupled)
+                                  self.coupled, decode_round_cost_rows)
         """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
@@ -180,7 +181,10 @@ class DynamicRollout:
         return 0 if buf is None else buf.numel() * buf.element_size()
 
     def suspend(self) -> None:
-        """Release the KV buffer (between rollouts: training runs without it)."""
+        """Release the KV buffer and everything the fast decoder made for the rollout (between
+        rollouts: training runs without them)."""
+        if self.fast is not None:
+            self.fast.release()
         self.context.deallocate_all_tensors()
         self.kv_bytes = self._kv_bytes()
 
@@ -215,15 +219,29 @@ class DynamicRollout:
         n = ctx.total_request_count
         blocks = ctx.request_to_kv_block_ids[:n].flatten()
         blocks = torch.unique(blocks[blocks >= 0]).long()
-        return {"context": _plain_state(vars(ctx), skip=("memory_buffer",)),
+        return {"fingerprint": self._fingerprint(),
+                "context": _plain_state(vars(ctx), skip=("memory_buffer",)),
                 "allocator": _plain_state(vars(alloc), skip=("context",)),
                 "blocks": blocks.cpu(), "kv": ctx.memory_buffer[:, :, blocks].cpu(),
                 "held": sorted(self._held), "next_id": self._peek_request_id()}
 
-    def restore_held(self, state: dict) -> None:
-        """Hold the requests of :meth:`held_state` again (in an engine built as the one that saved
-        it): the next call continues them as the uninterrupted engine would."""
+    def restore_held(self, state: dict) -> bool:
+        """Hold the requests of :meth:`held_state` again: the next call continues them as the
+        uninterrupted engine would. True when restored; False (one WARNING, nothing held) when
+        this engine's shapes differ from the saving engine's (another ``max_batch_size``, KV
+        budget or sequence length: its tables would not fit these): the next call then prefills
+        the requests it continues, prompt + written tokens, as after a plain checkpoint."""
         self.resume()
+        if state.get("fingerprint") != self._fingerprint():
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "rollout: the held requests of the checkpoint were saved by an engine of other "
+                "shapes (max_batch_size, KV budget or sequence length); they are prefilled again")
+            self._held.clear()
+            self._request_ids = itertools.count(state["next_id"])
+            self.suspend()
+            return False
         ctx = self.context
         _load_plain_state(ctx, state["context"])
         _load_plain_state(ctx.block_allocator, state["allocator"])
@@ -232,6 +250,18 @@ class DynamicRollout:
         self._held = set(state["held"])
         self._request_ids = itertools.count(state["next_id"])
         self.kv_bytes = self._kv_bytes()
+        return True
+
+    def _fingerprint(self) -> dict:
+        """The engine's shapes (the context's and allocator's tensors, the KV buffer, block
+        size and count, the longest sequence): what a held state must match to be loaded."""
+        ctx, alloc = self.context, self.context.block_allocator
+        shapes = {f"{where}.{name}": tuple(value.shape)
+                  for where, obj in (("context", ctx), ("allocator", alloc))
+                  for name, value in sorted(vars(obj).items()) if torch.is_tensor(value)}
+        return {"shapes": shapes, "block_size": int(ctx.block_size_tokens),
+                "blocks": int(alloc.total_count),
+                "max_sequence_length": int(ctx.max_sequence_length)}
 
     def _peek_request_id(self) -> int:
         nxt = next(self._request_ids)
@@ -272,7 +302,7 @@ class DynamicRollout:
                 self.fast.begin()
             if not held:
                 self.context.reset()
-            call = self.call = _Call(sp)
+            call = self.call = _Call(sp, self.controller.sampling_rng)
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
                     call.join(held[i], prompt, budget)
@@ -327,6 +357,7 @@ class DynamicRollout:
                     self.context.reset()
             return out
         finally:
+            self.call = None  # (its per-step tensors: nothing of the call outlives it)
             if self.fast is not None:
                 self.fast.end()
             if not self._held:
@@ -381,20 +412,18 @@ class DynamicRollout:
             last_logits = self.controller._dynamic_step_forward_logits(
                 input_ids, position_ids).squeeze(0)
         first, last = ctx.paused_request_count, ctx.total_request_count
-        sp = call.sp
         # Drawn over the real vocabulary only: the padded columns have probability 0, and
         # Megatron's filter + softmax + multinomial cost follows the columns (TRL's workload:
         # 18 real of 128, 0.27 -> 0.06 ms a step). The draws differ from a draw over all
         # columns (torch's multinomial consumes its generator by column count); greedy
         # decoding and the distribution are the same.
-        sampled = self.controller._torch_sampling_func(
-            last_logits[:, :self.wrapper.real_vocab_size], 1.0, int(sp.top_k), float(sp.top_p))
-        logprobs = torch.log_softmax(last_logits.float(), dim=-1).gather(
-            -1, sampled.unsqueeze(-1)).squeeze(-1)  # [n]
+        sampled = call.sampler.draw(last_logits[:, :self.wrapper.real_vocab_size])
+        logprobs = call.sampler.logprobs(last_logits.float(), sampled)  # [n]
         ids = ctx.request_ids[first:last].clone()  # [n]: update_requests moves the slots
-        # Megatron's rule: a request ends at its termination id or at prompt + budget tokens.
-        active = (sampled != ctx.request_metadata["termination_id"][first:last]) & (
-            ctx.get_active_sequence_lengths() + 1 < ctx.get_max_sequence_lengths())
+        # (one finish rule: :class:`.sampler.FinishRule`, Megatron's)
+        active = ~call.finish_rule.ends(sampled, ctx.request_metadata["termination_id"][first:last],
+                                        ctx.get_active_sequence_lengths(),
+                                        ctx.get_max_sequence_lengths())
         call.record(ids, sampled, logprobs)
         finished = [] if bool(active.all()) else ids[~active].tolist()
         call.finish(finished)
@@ -403,7 +432,7 @@ class DynamicRollout:
 
 
 def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: int,
-                  cuda_graphs: bool, experts: str, coupled=None):
+                  cuda_graphs: bool, experts: str, coupled=None, round_cost_rows: int = 64):
     """A :class:`~.rounds.FastDecoder` when ``steps_per_sync`` > 0 and the step function covers
     ``model`` on ``groups`` (else None, with a line saying why)."""
     if steps_per_sync <= 0:
@@ -418,8 +447,18 @@ def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: i
         logging.getLogger(__name__).info("rollout.decode_steps_per_sync: %s decode through "
                                          "Megatron's forward at every step", why)
         return None
-    return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs, experts,
-                       coupled)
+    from gspo_megatron.backends.megatron.engine.megatron_kv import LayoutError
+
+    try:
+        return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs,
+                           experts, coupled, round_cost_rows)
+    except LayoutError as exc:  # another Megatron's context: its own forward, never a guess
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "rollout.decode_steps_per_sync: Megatron's inference context is not laid out as "
+            "the multi-step decoder writes it (%s); decoding through Megatron's forward", exc)
+        return None
 
 
 def _plain_state(attrs: dict, skip: tuple[str, ...]) -> dict:
@@ -471,8 +510,11 @@ class _Call:
     queue waiting for a slot, and every step's ``(ids, tokens, log-probs)`` (joined per request
     once, at the end, instead of a Python append per request and step)."""
 
-    def __init__(self, sp):
+    def __init__(self, sp, generator=None):
         self.sp = sp
+        self.sampler = Sampler(int(sp.top_k), float(sp.top_p), generator)
+        """The call's one sampling rule (every decoding path's: :mod:`.sampler`)."""
+        self.finish_rule = FinishRule()
         self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}
         """One ``SamplingParams`` per budget, shared by the requests of that budget."""
         self.row: dict[int, int] = {}
