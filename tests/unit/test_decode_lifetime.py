@@ -73,7 +73,7 @@ class FakeGraphs:
         self.fail = fail
         self.pool: list[torch.Tensor] = []
 
-    def capture(self, run):
+    def capture(self, run, generators=()):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.pool.append(torch.empty(4096))
@@ -238,3 +238,20 @@ def test_held_state_of_other_shapes_is_prefilled_again(setup, caplog):  # noqa: 
         assert (eng.dynamic.tokens_forwarded == written) is restored  # no prefill: restored
         for i, s in zip(cut, rest):
             assert first[i].response_ids + s.response_ids == whole[i].response_ids, batch
+
+
+def test_sampling_inside_the_graph_reports_the_trainers_logprobs(setup):  # noqa: F811
+    """Under graphs the rounds sample inside the captured step (Gumbel-max at temperature 0.8,
+    the generator the graph's): each sampled token's log-prob (``logit - logsumexp``) is the
+    trainer's for that token; the same seed draws the same tokens."""
+    from tests.unit.test_rollout import LOGPROB_TOL, trainer_logprobs
+
+    eng = _graphed_engine(setup, FakeGraphs(), temperature=0.8, top_k=0)
+    prompts = make_prompts(12, seed=4)
+    samples = eng.generate(prompts, seed=3)
+    assert any(key[4] is not None and key[4][2] == "gumbel" for key in eng.dynamic.fast.graphs.met)
+    worst = max((torch.tensor(s.response_logprobs) - ref).abs().max().item()
+                for s, ref in zip(samples, trainer_logprobs(setup, samples, 0.8)))
+    assert worst <= LOGPROB_TOL
+    again = eng.generate(prompts, seed=3)
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples]

@@ -256,7 +256,7 @@ class DynamicRollout:
         """The engine's shapes (the context's and allocator's tensors, the KV buffer, block
         size and count, the longest sequence): what a held state must match to be loaded."""
         ctx, alloc = self.context, self.context.block_allocator
-        shapes = {f"{where}.{name}": tuple(value.shape)
+        shapes = {f"{where}.{name}": list(value.shape)
                   for where, obj in (("context", ctx), ("allocator", alloc))
                   for name, value in sorted(vars(obj).items()) if torch.is_tensor(value)}
         return {"shapes": shapes, "block_size": int(ctx.block_size_tokens),
@@ -302,7 +302,11 @@ class DynamicRollout:
                 self.fast.begin()
             if not held:
                 self.context.reset()
-            call = self.call = _Call(sp, self.controller.sampling_rng)
+            # (under CUDA graphs the rounds sample inside the graph: Gumbel-max, no
+            # data-dependent kernel; the same distribution as Megatron's multinomial)
+            graphs = self.fast is not None and self.fast.graphs is not None
+            call = self.call = _Call(sp, self.controller.sampling_rng,
+                                     "gumbel" if graphs else "multinomial")
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
                     call.join(held[i], prompt, budget)
@@ -510,9 +514,9 @@ class _Call:
     queue waiting for a slot, and every step's ``(ids, tokens, log-probs)`` (joined per request
     once, at the end, instead of a Python append per request and step)."""
 
-    def __init__(self, sp, generator=None):
+    def __init__(self, sp, generator=None, method: str = "multinomial"):
         self.sp = sp
-        self.sampler = Sampler(int(sp.top_k), float(sp.top_p), generator)
+        self.sampler = Sampler(int(sp.top_k), float(sp.top_p), generator, method)
         """The call's one sampling rule (every decoding path's: :mod:`.sampler`)."""
         self.finish_rule = FinishRule()
         self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}

@@ -308,6 +308,8 @@ class FastDecoder:
         cos, sin = self._cos_sin(w.embedding.dtype)
         sampler, finish = call.sampler, call.finish_rule
         temperature = float(self.wrapper.temperature)
+        in_graph = (_TemperedSampler(sampler, temperature)
+                    if self.step_fn is self.graphs and sampler.method == "gumbel" else None)
         alive = torch.ones(n, dtype=torch.bool, device=device)
         out_tokens, out_logprobs, live, ends, routes = [], [], [], [], []
         # every request's round in one block: its slots are that block's start + position
@@ -324,12 +326,16 @@ class FastDecoder:
                     pos if g.rows is None else pos.index_select(0, g.rows))[:, None],
                     g.positions, g.key_blocks)
                 for g in groups])
-            # [n, vocab]: the output layer's real rows only (DecodeWeights.of)
-            logits, step_routes = self.step_fn(w, ctx.memory_buffer, batch,
-                                               record_routes is not None)
-            if temperature != 1.0:
-                logits.div_(temperature)
-            sampled, logprobs = sampler(logits)
+            if in_graph is not None:  # the graph samples too (Gumbel-max: no host read)
+                (sampled, logprobs), step_routes = self.graphs(
+                    w, ctx.memory_buffer, batch, record_routes is not None, sample=in_graph)
+            else:
+                # [n, vocab]: the output layer's real rows only (DecodeWeights.of)
+                logits, step_routes = self.step_fn(w, ctx.memory_buffer, batch,
+                                                   record_routes is not None)
+                if temperature != 1.0:
+                    logits.div_(temperature)
+                sampled, logprobs = sampler(logits)
             end = alive & finish.ends(sampled, term, pos + 1, max_len)
             out_tokens.append(sampled)
             out_logprobs.append(logprobs)
@@ -398,6 +404,21 @@ class FastDecoder:
         ahead = (pos[:, None] + torch.arange(1, plan.steps, device=device)).clamp(max=lk - 1)
         flat.index_fill_(1, key_rows.gather(1, ahead).reshape(-1), 0)
         return KeyGroup(index, key_rows, None, j_lk, None)
+
+
+class _TemperedSampler:
+    """``sampler(logits / temperature)``: what a graph captures after the step (its key: the
+    sampler's settings and the temperature; its generator registered with the graph)."""
+
+    def __init__(self, sampler, temperature: float):
+        self.sampler, self.temperature = sampler, float(temperature)
+        self.generator = sampler.generator
+        self.key = (sampler.top_k, sampler.top_p, sampler.method, self.temperature)
+
+    def __call__(self, logits: torch.Tensor):
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return self.sampler(logits)
 
 
 def _key_slots(table_rows: torch.Tensor, j: torch.Tensor, bs: int, ends: torch.Tensor,

@@ -71,10 +71,16 @@ def storage_key(w, kv: torch.Tensor) -> tuple:
     return (kv.data_ptr(), tuple(kv.shape), tuple(seen))
 
 
+def _eager(w, kv, batch, record_routes: bool, sample):
+    """The step (and ``sample`` of its logits) without graphs."""
+    logits, routes = decode_forward(w, kv, batch, record_routes)
+    return (logits if sample is None else sample(logits)), routes
+
+
 class EagerBuckets:
     """The graph backend of a CPU run: a "capture" is the bucket's step function itself."""
 
-    def capture(self, run):
+    def capture(self, run, generators=()):
         return run
 
     def release(self) -> None:
@@ -91,7 +97,7 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()
 
-    def capture(self, run):
+    def capture(self, run, generators=()):
         # warm-up on the side stream (lazy initialisation must not happen inside the capture);
         # the KV writes go to the scratch slot only
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -100,6 +106,8 @@ class CudaGraphs:
                 run()
         torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
+        for generator in generators:  # (a sampler's: each replay advances its offset)
+            graph.register_generator_state(generator)
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             outputs = run()
 
@@ -127,14 +135,16 @@ class GraphedDecode:
         self.block_size = int(block_size)
         self.backend = backend
         self.graphs: dict = {}
-        self.met: dict[tuple, None] = {}
-        """Bucket keys replayed since the engine was built (what :meth:`prepare` re-captures)."""
+        self.met: dict[tuple, object] = {}
+        """Bucket keys replayed since the engine was built, with their sampler (what
+        :meth:`prepare` re-captures)."""
         self._captured_on: tuple | None = None
         """:func:`storage_key` the graphs were captured on."""
         self.captures = 0
         """Graphs captured so far (one per bucket, again after what they read moved)."""
         self.captured: list[tuple] = []
-        """Their bucket keys ``(rows, window, routes, one block)``, in capture order."""
+        """Their bucket keys ``(rows, window, routes, one block, sampler)``, in capture
+        order."""
         self.failed: str | None = None
         """Why a capture raised (the step then runs eagerly for the engine's life), or None."""
         self._checked: tuple | None = None
@@ -170,10 +180,9 @@ class GraphedDecode:
         if self.failed is not None:
             return
         self._check_storage(w, kv)
-        for key in sorted(self.met, key=lambda k: (k[0] * k[1], k), reverse=True):
+        for key in sorted(self.met, key=lambda k: (k[0] * k[1], k[:4]), reverse=True):
             if key not in self.graphs:
-                rows, window, routes, blocks = key
-                self._capture_key(w, kv, key, kv.device, cos, sin, blocks)
+                self._capture_key(w, kv, key, kv.device, cos, sin, self.met[key])
                 if self.failed is not None:
                     return
 
@@ -191,33 +200,40 @@ class GraphedDecode:
         return {"rollout/decode_graphs": float(self.failed is None),
                 "rollout/decode_graph_captures": float(self.captures)}
 
-    def __call__(self, w, kv: torch.Tensor, batch: DecodeBatch, record_routes: bool = False):
+    def __call__(self, w, kv: torch.Tensor, batch: DecodeBatch, record_routes: bool = False,
+                 sample=None):
+        """:func:`~.decode.decode_forward`'s ``(logits [B, V], routes)``; with ``sample`` (a
+        callable ``logits -> (tokens [B], logprobs [B])`` with a ``key`` and a ``generator``,
+        captured with the step, its generator registered with the graph):
+        ``((tokens, logprobs), routes)``."""
         if self.failed is not None:
-            return decode_forward(w, kv, batch, record_routes)
+            return _eager(w, kv, batch, record_routes, sample)
         (group,) = batch.groups  # (the rounds hand graphs one group of every row)
         B, Lk = group.key_rows.shape
-        key = (_bucket(B), self.window(Lk), bool(record_routes), group.key_blocks is not None)
+        key = (_bucket(B), self.window(Lk), bool(record_routes), group.key_blocks is not None,
+               None if sample is None else sample.key)
         self._check_storage(w, kv)
-        self.met[key] = None
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture_key(w, kv, key, batch.tokens.device, batch.cos, batch.sin,
-                                      group.key_blocks is not None)
+                                      sample)
             if entry is None:  # the capture raised: eager from now on
-                return decode_forward(w, kv, batch, record_routes)
+                return _eager(w, kv, batch, record_routes, sample)
+        self.met[key] = sample
         static, replay = entry
         self._fill(static, batch, B, Lk)
-        logits, routes = replay()
-        # (the next replay overwrites the graph's outputs: the caller consumes the logits at
-        # once, the routes are kept for the round, so they are copied)
-        return logits[:B], (routes[:, :B].clone() if routes is not None else None)
+        out, routes = replay()
+        # (the next replay overwrites the graph's outputs: the caller consumes the logits or
+        # tokens at once, the routes are kept for the round, so they are copied)
+        out = out[:B] if sample is None else (out[0][:B].clone(), out[1][:B].clone())
+        return out, (routes[:, :B].clone() if routes is not None else None)
 
-    def _capture_key(self, w, kv, key: tuple, device, cos, sin, blocks: bool):
+    def _capture_key(self, w, kv, key: tuple, device, cos, sin, sample):
         """Capture bucket ``key``; None (and :attr:`failed` set, one WARNING) if it raises."""
-        rows, window, record_routes, _ = key
+        rows, window, record_routes, blocks, _ = key
         try:
             entry = self.graphs[key] = self._capture(w, kv, device, cos, sin, rows, window,
-                                                     record_routes, blocks)
+                                                     record_routes, blocks, sample)
         except Exception as exc:  # noqa: BLE001 (any capture error: eager is always correct)
             self.failed = f"{type(exc).__name__}: {exc}"
             self.graphs.clear()
@@ -251,7 +267,7 @@ class GraphedDecode:
             mine.key_mask[B:, 0] = True
 
     def _capture(self, w, kv, device, cos, sin, rows: int, window: int, record_routes: bool,
-                 blocks: bool):
+                 blocks: bool, sample=None):
         group = KeyGroup(
             rows=None,
             key_rows=torch.full((rows, window), self.scratch_slot, dtype=torch.long,
@@ -268,7 +284,9 @@ class GraphedDecode:
             cos=cos, sin=sin, groups=[group])
 
         def run():
-            return decode_forward(w, kv, static, record_routes)
-        replay = self._backend(kv).capture(run)
+            return _eager(w, kv, static, record_routes, sample)
+        replay = self._backend(kv).capture(
+            run, generators=() if sample is None or sample.generator is None
+            else (sample.generator,))
         self.captures += 1
         return static, replay
