@@ -71,10 +71,10 @@ class RolloutConfig(Section, name="rollout"):
     """On CUDA, replay the multi-step decoding step from CUDA graphs (one per batch-size and
     key-window bucket, all in one memory pool: ``backends/megatron/kernels/graphs.py``) instead
     of launching its kernels one by one. Off by default: the capture has not yet passed the GPU
-    check (``tools/gpu_check.sh``, stage ``decode_graphs``: graph vs eager tokens equal, memory
+    check (``tools/gpu_check.sh``, stage ``decode_probe``: graph vs eager tokens equal, memory
     reserved flat across RL steps); turn it on where that stage passes on your machine. The
-    graphs are dropped with the KV cache after each rollout and the buckets the last rollout met
-    are captured again when the next starts (not inside its rounds); a capture that raises
+    graphs are dropped at the end of each rollout call and the buckets the last call met are
+    captured again when the next starts (not inside its rounds); a capture that raises
     falls back to the eager step with one WARNING and ``rollout/decode_graphs`` 0. Under expert
     parallelism with sharded experts (``decode_experts``) eager, and nothing on CPU."""
     decode_round_cost_rows: int = 64

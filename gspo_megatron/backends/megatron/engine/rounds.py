@@ -137,18 +137,20 @@ class FastDecoder:
             self.step_fn = decode_forward
 
     def end(self) -> None:
-        """The call ended: its weights (stacks, replicas) let go."""
+        """The call ended: its weights (stacks, replicas) let go, and the graphs and their pool
+        with them (they read the call's stacks; even when the engine holds requests and their
+        KV cache for the next call, nothing else of this one is kept)."""
         self.weights = None
         self.provider.release()
+        if self.graphs is not None:
+            self.graphs.release()
 
     def release(self) -> None:
-        """The rollout phase ended (the engine's ``suspend()``): the graphs, their pool and the
-        rotary table let go too; nothing of the decoder outlives the rollout."""
+        """The rollout phase ended (the engine's ``suspend()``): the rotary table let go too;
+        nothing of the decoder outlives the rollout."""
         self.end()
         self._rotary = None
         self._finite.clear()
-        if self.graphs is not None:
-            self.graphs.release()
 
     def metrics(self) -> dict[str, float]:
         """``rollout/decode_graphs`` and ``rollout/decode_graph_captures`` under CUDA graphs

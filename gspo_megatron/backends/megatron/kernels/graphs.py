@@ -21,10 +21,11 @@ What the graphs hold, and for how long:
   every weight tensor's (``data_ptr``, shape, stride). In-place updates (the optimizer's) are
   read by the replay and need nothing; a tensor that moved (a resume's new KV buffer, a call's
   new expert stack) makes every graph stale, and they are dropped.
-- **The rollout's lifetime**: :meth:`GraphedDecode.release` (the engine's ``suspend()``) drops
-  the graphs and their pool; the next call's ``begin()`` re-captures, largest first, the buckets
-  the last call met (a bounded set), so the steady RL loop captures at ``begin()``, not inside a
-  round; a bucket never met before is captured at its round's first step.
+- **A call's lifetime**: :meth:`GraphedDecode.release` (at the end of every ``generate``) drops
+  the graphs and their pool (they read the call's stacked experts, freed then too); the next
+  call's ``begin()`` re-captures, largest first, the buckets the last call met (a bounded set),
+  so the steady RL loop captures at ``begin()``, not inside a round; a bucket never met before
+  is captured at its round's first step.
 - **A capture that raises** falls back to the eager step for the engine's life, with one WARNING
   line and ``rollout/decode_graphs`` 0 (:meth:`GraphedDecode.metrics`).
 
@@ -187,8 +188,8 @@ class GraphedDecode:
                     return
 
     def release(self) -> None:
-        """Drop every graph and the pool they share (the engine's ``suspend()``): nothing of
-        them outlives the rollout; :attr:`met` stays, for the next :meth:`prepare`."""
+        """Drop every graph and the pool they share (the end of a ``generate``): nothing of
+        them outlives the call; :attr:`met` stays, for the next :meth:`prepare`."""
         self.graphs.clear()
         self._captured_on = self._checked = None
         if self.backend is not None:
