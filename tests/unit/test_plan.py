@@ -130,7 +130,8 @@ def test_recipe_is_the_layout_source(plan):
     q = plan("--gpus", "1", "--fp32", "--model", "tiny", "--seq-length", "4096", "--recompute", "none",
              "--rollout-tokens", str(16 * 8 * (8 + 4)), "--rollout-requests", "256")
     assert p.returncode == q.returncode == 0
-    assert p.stdout == q.stdout
+    # (a recipe adds the fast decoder's lines, rollout.decode_steps_per_sync: its own test)
+    assert "".join(line for line in p.stdout.splitlines(True) if "decode" not in line) == q.stdout
 
 
 @pytest.mark.parametrize("recipe,gpus,layout", [("qwen3_30b_a3b_gspo.yaml", 16, "2 1 8 1 1"),

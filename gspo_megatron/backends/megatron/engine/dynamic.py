@@ -347,7 +347,7 @@ class DynamicRollout:
                             stop.finished(call.row[request_id])
                     if self.fast is not None:  # (the rounds' length starts from its end rate)
                         self.fast.observe(len(steps[0]))
-                done = [request_id for step in steps for request_id in step]
+                done = [request_id for ids in steps for request_id in ids]
                 if done and progress is not None:
                     finished += len(done)
                     progress(finished)
