@@ -163,6 +163,12 @@ METRICS: tuple[MetricDoc, ...] = (
               "the live weights), at the step's weight refresh.", "`rollout.precision: fp8`"),
     MetricDoc("rollout/fp8_weight_rel_err/layer_{i}", "The same over decoder layer i's weights.",
               "`rollout.precision: fp8`"),
+    # rollout/decode_*: backends/megatron/engine/rounds.py, kernels/graphs.py (the fast decoder).
+    MetricDoc("rollout/decode_graphs", "1 while the decoding step replays from CUDA graphs, 0 when "
+              "it runs eagerly (graphs off, or a capture raised: one WARNING says why).",
+              "`RolloutEngine.decode_metrics()`"),
+    MetricDoc("rollout/decode_graph_captures", "CUDA graphs of the decoding step captured so far.",
+              "`rollout.decode_cuda_graphs`"),
     # eval/*: trainer.py.
     MetricDoc("eval/accuracy", "Greedy accuracy on the whole held-out set.",
               "every `trainer.eval_interval` steps"),

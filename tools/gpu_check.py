@@ -163,6 +163,11 @@ def stages(work: str, size: str = "full") -> list[Stage]:
               480, timed=True),
         Stage("rollout_bench", [[sys.executable, "-m", "tools.bench.gpu_rollout", "--size", size]],
               480, timed=True),
+        # The fast decoder's instrumentation: decode path, SDPA backend, sync warnings over the
+        # rounds, memory reserved after each capture and across three RL steps, ms per step
+        # against the weights' read time, graph vs eager greedy tokens.
+        Stage("decode_probe", [[sys.executable, "-m", "tools.bench.decode_probe", "--size",
+                                size]], 300, timed=True),
         # The same paths on the tiny model (issue 48's target: <= 3 ms per decoding step).
         Stage("tiny_rollout_bench", [[sys.executable, "-m", "tools.bench.gpu_rollout", "--size",
                                       "smoke" if smoke else "quick", "--tiny"]], 240, timed=True),

@@ -67,11 +67,24 @@ class RolloutConfig(Section, name="rollout"):
     weights more on each rank for the call. ``auto`` (default): replicated when that extra copy
     takes at most a quarter of the memory free on every EP rank (device memory on CUDA, RAM on
     CPU), sharded otherwise."""
-    decode_cuda_graphs: bool = True
+    decode_cuda_graphs: bool = False
     """On CUDA, replay the multi-step decoding step from CUDA graphs (one per batch-size and
-    key-window bucket, captured when first met: ``backends/megatron/kernels/graphs.py``) instead
-    of launching its kernels one by one. Under expert parallelism with sharded experts
-    (``decode_experts``) eager, and nothing on CPU."""
+    key-window bucket, all in one memory pool: ``backends/megatron/kernels/graphs.py``) instead
+    of launching its kernels one by one. Off by default: the capture has not yet passed the GPU
+    check (``tools/gpu_check.sh``, stage ``decode_probe``: graph vs eager tokens equal, memory
+    reserved flat across RL steps); turn it on where that stage passes on your machine. The
+    graphs are dropped at the end of each rollout call and the buckets the last call met are
+    captured again when the next starts (not inside its rounds); a capture that raises
+    falls back to the eager step with one WARNING and ``rollout/decode_graphs`` 0. Under expert
+    parallelism with sharded experts (``decode_experts``) eager, and nothing on CPU."""
+    decode_round_cost_rows: int = 64
+    """A multi-step decoding round's own cost (its two host reads, the plan, the write-back and
+    Megatron's ``update_requests``), in decoding row-steps: what the round length weighs
+    against the rows a round computes past their request's end (``rounds.round_length``:
+    ``K = sqrt(2 R / (rows p))`` for an end rate ``p``). 64 is the CPU's (~0.44 ms a round
+    against ~0.008 ms a row and step on the tiny model); on a memory-bound GPU a masked row is
+    nearly free and a round costs a host round trip, so a few thousand (rounds near
+    ``decode_steps_per_sync``) fits better; ``tools/gpu_check`` measures both terms."""
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     """Numerics the engine samples in. ``auto`` (default) = the model's training precision: the
     engine runs the live policy module itself, no copy (today's behaviour, bitwise). ``bf16`` /
@@ -187,6 +200,7 @@ class RolloutConfig(Section, name="rollout"):
                                          f"{self.ranks}")
         yield from self._at_least(0, "ranks", "max_staleness", "in_flight_groups",
                                   "partial_max_age", "decode_steps_per_sync")
+        yield from self._at_least(1, "decode_round_cost_rows")
         if not self.weight_bucket_bytes() >= 1024:
             yield self._problem("weight_bucket_mb", f"must be at least 1/1024 (a KiB: a bucket "
                                                     f"holds whole elements), got "

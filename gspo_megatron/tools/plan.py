@@ -176,7 +176,8 @@ def from_recipe(args, overrides: list[str]):
                            and r.placement != "separate"),
                   prompt_length=cfg.data.max_prompt_length,
                   rollout_ranks=r.ranks if r.placement == "separate" else 0,
-                  transfer=(r.max_staleness, r.weight_bucket_bytes()))
+                  transfer=(r.max_staleness, r.weight_bucket_bytes()),
+                  decode=r)
     return cfg.model.preset, cfg.model, layout, kwargs
 
 
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_length = kwargs.pop("prompt_length", None)
     rollout_ranks = kwargs.pop("rollout_ranks", 0)
     transfer = kwargs.pop("transfer", None)
+    decode = kwargs.pop("decode", None)  # the recipe's rollout section (the fast decoder's peak)
     if args.prompt_length is not None:
         prompt_length = args.prompt_length
     prompt_length = 1024 if prompt_length is None else prompt_length
@@ -298,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         _print_suggestions(model, args, kwargs)
         return 2
     print(table(plan), file=out)
+    if decode is not None:
+        _decode_report(model, layout, decode, plan, args, out)
     if plan.total > args.gpu_memory * GIB:
         print(f"plan: does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory} GiB per GPU",
               file=sys.stderr)
@@ -306,6 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     if not rollout_ranks:
         return 0
     return _rollout_ranks_report(model, plan, rollout_ranks, args, kwargs, out, *transfer)
+
+
+def _decode_report(model, layout, rollout, plan, args, out) -> None:
+    """The fast decoder's memory per phase (:mod:`gspo_megatron.decode_plan`), after the table."""
+    from gspo_megatron.decode_plan import decode_lines, recipe_decode_peak
+
+    peak = recipe_decode_peak(model, layout, rollout, args.gpu_memory * GIB - plan.rollout_peak)
+    if peak is not None:
+        print("\n".join(decode_lines(peak)), file=out)
+        print(f"  {'rollout peak with the decoder':32s} {(plan.rollout_peak + peak.peak) / GIB:8.2f} "
+              f"GiB", file=out)
 
 
 def _rollout_ranks_report(model, plan, rollout_ranks: int, args, kwargs, out,

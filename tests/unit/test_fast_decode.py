@@ -224,6 +224,9 @@ def test_round_length_weighs_rows_past_their_end_against_a_rounds_cost():
     rows = 40
     assert round_length(16, rows, p) == round((2 * ROUND_COST_ROWS / (rows * p)) ** 0.5)
     assert round_length(16, 128, 1.0) == 4  # never below a quarter
+    # rollout.decode_round_cost_rows: a GPU's round costs many masked rows -> longer rounds
+    assert round_length(16, 128, p, cost_rows=4096) == 16
+    assert round_length(16, 40, p, cost_rows=16) == round((2 * 16 / (40 * p)) ** 0.5)
 
 
 def test_rounds_follow_how_fast_requests_end(setup, monkeypatch):  # noqa: F811

@@ -130,7 +130,8 @@ def test_recipe_is_the_layout_source(plan):
     q = plan("--gpus", "1", "--fp32", "--model", "tiny", "--seq-length", "4096", "--recompute", "none",
              "--rollout-tokens", str(16 * 8 * (8 + 4)), "--rollout-requests", "256")
     assert p.returncode == q.returncode == 0
-    assert p.stdout == q.stdout
+    # (a recipe adds the fast decoder's lines, rollout.decode_steps_per_sync: its own test)
+    assert "".join(line for line in p.stdout.splitlines(True) if "decode" not in line) == q.stdout
 
 
 @pytest.mark.parametrize("recipe,gpus,layout", [("qwen3_30b_a3b_gspo.yaml", 16, "2 1 8 1 1"),
@@ -487,3 +488,30 @@ def test_weight_transfer_shard_is_a_direct_count_of_the_pieces(bf16):
     layout = pack([p.box for p in pieces], moved.bucket)
     boxes = sum(len(b) for b in layout.buckets)
     assert direct <= layout.total < direct + 16 * boxes and layout.largest <= moved.rollout
+
+
+def test_decode_peak_of_the_qwen3_30b_recipe(plan):
+    """gspo-plan lists the fast decoder's memory per phase for the Qwen3-30B-A3B recipe: the
+    experts stacked for the call (this rank's 16 of 128, 48 MoE layers, bf16), no replica (47 GiB
+    would not fit a quarter of what is free), the step's logits and activations; 0 in training."""
+    from gspo_megatron.decode_plan import decode_peak
+
+    m = model_config_from_preset("qwen3-30b-a3b")
+    peak = decode_peak(m, tp=2, ep=8, etp=1, pp=1, max_batch_size=64, seq_length=m.seq_length,
+                       replicated=False, cuda_graphs=False)
+    assert peak.stacked_experts == 48 * 16 * 3 * 2048 * 768 * 2
+    assert peak.replicated_experts == 0
+    assert peak.logits == 3 * 64 * m.vocab_size * 4
+    assert decode_peak(m, tp=2, ep=8, etp=1, pp=1, max_batch_size=64, seq_length=m.seq_length,
+                       replicated=True, cuda_graphs=False).replicated_experts == \
+        7 * peak.stacked_experts
+    assert decode_peak(m, tp=2, ep=8, etp=1, pp=1, max_batch_size=64, seq_length=m.seq_length,
+                       replicated=False, cuda_graphs=False,
+                       grouped_experts=True).stacked_experts == 0
+    r = plan("--config", os.path.join(RECIPES, "qwen3_30b_a3b_gspo.yaml"), "--gpus", "16")
+    assert r.returncode == 0, r.stderr
+    lines = {line[:34].strip(): line[34:].strip() for line in r.stdout.splitlines()}
+    assert lines["decode: stacked experts"] == f"{peak.stacked_experts / GIB:.2f} GiB"
+    assert lines["decode: replicated experts"] == "0.00 GiB"
+    assert lines["decode peak, training"] == "0.00 GiB"
+    assert "decode peak, rollout" in lines and "rollout peak with the decoder" in lines

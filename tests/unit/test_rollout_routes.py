@@ -228,3 +228,24 @@ def test_static_engine_r3_routes_of_left_padded_prompts(setup):
     samples = engine.generate(prompts, seed=5)
     store, _, _, _, changed = replay_pass(policy, samples, batch_of(samples))
     assert int(changed[:, store.known].sum()) == 0
+
+
+def test_a_position_forwarded_twice_keeps_its_first_route():
+    """An evicted request prefilled again forwards its positions a second time (a recompute,
+    other routes possible): ``take_request`` keeps each position's first route, the one taken
+    when the next token was sampled, whatever the recording order within a step."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.backends.megatron.routing.rollout_routes import PackedRouteRecorder
+
+    rec = PackedRouteRecorder(SimpleNamespace(dtype=torch.int16, reset=lambda: None))
+    L, k = 2, 2
+    first = torch.arange(L * 3 * k, dtype=torch.int16).view(L, 3, k)  # positions 0..2
+    rec.record_tokens(torch.tensor([7, 7, 7]), torch.tensor([0, 1, 2]), first)
+    rec.record_tokens(torch.tensor([9]), torch.tensor([0]), torch.zeros(L, 1, k))
+    # the re-prefill after an eviction: positions 2, 1, 0 again (other routes), then 3
+    again = torch.full((L, 4, k), 99, dtype=torch.int16)
+    rec.record_tokens(torch.tensor([7, 7, 7, 7]), torch.tensor([2, 1, 0, 3]), again)
+    got = rec.take_request(7, 4)
+    assert torch.equal(got[:, :3], first)
+    assert bool((got[:, 3] == 99).all())

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from tools.bench.gpu_rollout import SIZES, SLICE_RECIPE, _time_engines, size_cli
+from tools.bench.gpu_rollout import SIZES, SLICE_RECIPE, _time_engines, sized_cli
 
 PATHS = {"bf16": dict(precision="auto"), "fp8": dict(precision="fp8"),
          "fp8_dequantized": dict(precision="fp8")}
@@ -114,7 +114,7 @@ def run(size: str = "full", tiny: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return size_cli(run, __doc__, argv)
+    return sized_cli(__doc__, SIZES, run, argv)
 
 
 if __name__ == "__main__":

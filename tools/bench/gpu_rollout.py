@@ -54,7 +54,7 @@ def profile_generate(engine, prompts: list[list[int]], top: int = 12) -> dict:
 ENGINES = {
     "dynamic_per_step": dict(engine="dynamic", decode_steps_per_sync=0),
     "dynamic_rounds_eager": dict(engine="dynamic", decode_cuda_graphs=False),
-    "dynamic_rounds_graphs": dict(engine="dynamic"),
+    "dynamic_rounds_graphs": dict(engine="dynamic", decode_cuda_graphs=True),
     "static": dict(engine="static"),
 }
 """The engine paths compared: Megatron's forward and bookkeeping every step (the 2026-11-26
@@ -203,13 +203,14 @@ def run(size: str = "full", tiny: bool = False) -> dict:
     return results
 
 
-def size_cli(run_fn, description: str, argv: list[str] | None = None) -> int:
-    """``--size`` / ``--tiny`` parsed, ``run_fn(size, tiny)``'s record printed as JSON."""
+def sized_cli(doc: str, sizes: dict, run_fn, argv: list[str] | None = None) -> int:
+    """``--size`` (one of ``sizes``) and ``--tiny`` -> ``run_fn(size, tiny)``'s record as one
+    JSON line (the GPU-check benchmarks' command line)."""
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description=description.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(sizes), default="full")
     ap.add_argument("--tiny", action="store_true", help="the tiny preset in fp32 (CPU check)")
     args = ap.parse_args(argv)
     print(json.dumps(run_fn(args.size, args.tiny)))
@@ -217,7 +218,7 @@ def size_cli(run_fn, description: str, argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return size_cli(run, __doc__, argv)
+    return sized_cli(__doc__, SIZES, run, argv)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,13 @@ What else it adds (:class:`DynamicRollout`):
   budget that cannot hold one request before anything is built.
 * **Expert parallelism in lock-step.** Under EP > 1 the MoE all-to-all couples ranks that hold
   different prompts, so the rank that finishes first would leave the others waiting in a
-  collective (gloo: "Connection closed by peer"; NCCL: a hang). Every rank of the world agrees
-  each step whether anyone still has work (one MAX all-reduce of a flag), and a rank without
-  requests runs Megatron's ``dummy_forward`` (one all-to-all round with no tokens). Nothing is
-  decoded past EOS. With the experts replicated for decoding (``rollout.decode_experts``) no
-  step of a rank involves another, and each rank runs alone.
+  collective (gloo: "Connection closed by peer"; NCCL: a hang). The coupled ranks (the EP
+  group, :func:`.lockstep.coupled_group`) decide each step's kind by one MAX all-reduce
+  (:func:`.lockstep.next_step`: Megatron's step, a round, an idle round, a dummy, done), and a
+  rank without requests runs Megatron's ``dummy_forward`` (one all-to-all round with no tokens)
+  or a round's idle steps. Nothing is decoded past EOS. With the experts replicated for decoding
+  (``rollout.decode_experts``, decided over the same group) no step of a rank involves another,
+  and each rank runs alone.
 * **Memory between phases.** After a rollout the KV buffer is released (Megatron's
   ``deallocate_all_tensors``) and restored before the next (``resume()``), so the old-log-prob
   pass and the updates run without it; :attr:`DynamicRollout.kv_bytes` says what it holds.
@@ -70,7 +72,9 @@ import itertools
 import torch
 
 from gspo_megatron.backends.megatron.schedule import set_training
-from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank
+from gspo_megatron.distributed import ParallelGroups
+from gspo_megatron.backends.megatron.engine.lockstep import StepKind, coupled_group, next_step
+from gspo_megatron.backends.megatron.engine.sampler import FinishRule, Sampler
 from gspo_megatron.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
@@ -84,8 +88,8 @@ class DynamicRollout:
 
     def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
                  max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None,
-                 decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = True,
-                 decode_experts: str = "auto"):
+                 decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = False,
+                 decode_experts: str = "auto", decode_round_cost_rows: int = 64):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         from gspo_megatron.backends.megatron.engine.admission import AdmittingContext
@@ -96,6 +100,9 @@ class DynamicRollout:
         )
 
         self.groups = groups
+        self.coupled = coupled_group(groups) if groups.ep_size > 1 else None
+        """Under EP: the ranks whose decoding steps exchange tensors (:mod:`.lockstep`; None:
+        the world), over which the experts' replication and every lock-step are decided."""
         cfg = model.config
         # The controller's constructor needs a context; the dynamic one replaces it below.
         placeholder = StaticInferenceContext.from_config(wrapper_config)
@@ -160,7 +167,8 @@ class DynamicRollout:
         self._held: set[int] = set()
         """Ids of the requests a partial rollout cut and kept (``GroupStop.hold_cut``)."""
         self.fast = _fast_decoder(model, groups, self.context, self.controller, self.wrapper,
-                                  decode_steps_per_sync, decode_cuda_graphs, decode_experts)
+                                  decode_steps_per_sync, decode_cuda_graphs, decode_experts,
+                                  self.coupled, decode_round_cost_rows)
         """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
@@ -173,7 +181,10 @@ class DynamicRollout:
         return 0 if buf is None else buf.numel() * buf.element_size()
 
     def suspend(self) -> None:
-        """Release the KV buffer (between rollouts: training runs without it)."""
+        """Release the KV buffer and everything the fast decoder made for the rollout (between
+        rollouts: training runs without them)."""
+        if self.fast is not None:
+            self.fast.release()
         self.context.deallocate_all_tensors()
         self.kv_bytes = self._kv_bytes()
 
@@ -208,15 +219,29 @@ class DynamicRollout:
         n = ctx.total_request_count
         blocks = ctx.request_to_kv_block_ids[:n].flatten()
         blocks = torch.unique(blocks[blocks >= 0]).long()
-        return {"context": _plain_state(vars(ctx), skip=("memory_buffer",)),
+        return {"fingerprint": self._fingerprint(),
+                "context": _plain_state(vars(ctx), skip=("memory_buffer",)),
                 "allocator": _plain_state(vars(alloc), skip=("context",)),
                 "blocks": blocks.cpu(), "kv": ctx.memory_buffer[:, :, blocks].cpu(),
                 "held": sorted(self._held), "next_id": self._peek_request_id()}
 
-    def restore_held(self, state: dict) -> None:
-        """Hold the requests of :meth:`held_state` again (in an engine built as the one that saved
-        it): the next call continues them as the uninterrupted engine would."""
+    def restore_held(self, state: dict) -> bool:
+        """Hold the requests of :meth:`held_state` again: the next call continues them as the
+        uninterrupted engine would. True when restored; False (one WARNING, nothing held) when
+        this engine's shapes differ from the saving engine's (another ``max_batch_size``, KV
+        budget or sequence length: its tables would not fit these): the next call then prefills
+        the requests it continues, prompt + written tokens, as after a plain checkpoint."""
         self.resume()
+        if state.get("fingerprint") != self._fingerprint():
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "rollout: the held requests of the checkpoint were saved by an engine of other "
+                "shapes (max_batch_size, KV budget or sequence length); they are prefilled again")
+            self._held.clear()
+            self._request_ids = itertools.count(state["next_id"])
+            self.suspend()
+            return False
         ctx = self.context
         _load_plain_state(ctx, state["context"])
         _load_plain_state(ctx.block_allocator, state["allocator"])
@@ -225,6 +250,18 @@ class DynamicRollout:
         self._held = set(state["held"])
         self._request_ids = itertools.count(state["next_id"])
         self.kv_bytes = self._kv_bytes()
+        return True
+
+    def _fingerprint(self) -> dict:
+        """The engine's shapes (the context's and allocator's tensors, the KV buffer, block
+        size and count, the longest sequence): what a held state must match to be loaded."""
+        ctx, alloc = self.context, self.context.block_allocator
+        shapes = {f"{where}.{name}": list(value.shape)
+                  for where, obj in (("context", ctx), ("allocator", alloc))
+                  for name, value in sorted(vars(obj).items()) if torch.is_tensor(value)}
+        return {"shapes": shapes, "block_size": int(ctx.block_size_tokens),
+                "blocks": int(alloc.total_count),
+                "max_sequence_length": int(ctx.max_sequence_length)}
 
     def _peek_request_id(self) -> int:
         nxt = next(self._request_ids)
@@ -252,9 +289,9 @@ class DynamicRollout:
         told the number of requests finished after each step that finishes some. With
         ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
         allocated) for the next call to continue
-        (``stop.continue_ids``). Collective over the world under EP > 1 (lock-step; with the
-        experts replicated for decoding only its start is: each rank then steps alone), over
-        the model-parallel group otherwise."""
+        (``stop.continue_ids``). Collective over the coupled group under EP > 1 (lock-step; with
+        the experts replicated for decoding only its start is: each rank then steps alone),
+        over the model-parallel group otherwise."""
         held = self._claim_held(stop)
         self.resume()
         try:
@@ -265,7 +302,11 @@ class DynamicRollout:
                 self.fast.begin()
             if not held:
                 self.context.reset()
-            call = self.call = _Call(sp)
+            # (under CUDA graphs the rounds sample inside the graph: Gumbel-max, no
+            # data-dependent kernel; the same distribution as Megatron's multinomial)
+            graphs = self.fast is not None and self.fast.graphs is not None
+            call = self.call = _Call(sp, self.controller.sampling_rng,
+                                     "gumbel" if graphs else "multinomial")
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
                     call.join(held[i], prompt, budget)
@@ -273,9 +314,10 @@ class DynamicRollout:
                     call.add(next(self._request_ids), prompt, budget)
             # EP ranks step together while a step's MoE layers exchange tokens (Megatron's
             # dispatcher, or sharded experts in the step function); with every expert here
-            # (rollout.decode_experts) no step of this rank waits on another's: each runs alone
-            lock_step = self.groups.ep_size > 1 and not (self.fast is not None
-                                                         and self.fast.independent)
+            # (rollout.decode_experts, decided over the same coupled group) no step of this
+            # rank waits on another's: each runs alone
+            coupled = self.groups.ep_size > 1 and not (self.fast is not None
+                                                       and self.fast.independent)
             self.steps = self.tokens_forwarded = finished = 0
             while True:
                 if refill is not None and not stop.done:
@@ -285,25 +327,27 @@ class DynamicRollout:
                     not (stop and stop.done)
                 plan = (self.fast.plan(early_stop=stop is not None)
                         if mine and self.fast and self.fast.ready(call) else None)
-                go, rounds, steps, rows = self._agree(mine, plan, lock_step)
-                if not go:
+                step = next_step(mine, plan, coupled, self.fast is not None, self.coupled)
+                if step.kind is StepKind.DONE:
                     break
-                if not mine:  # (lock-step only: alone, a rank without work is done)
-                    if rounds:
-                        self.fast.idle(steps, rows)
-                    else:
-                        self.controller.dummy_forward()  # (its MoE layers' collectives)
-                    self.steps += steps if rounds else 1
+                if step.kind is StepKind.IDLE_ROUND:
+                    self.fast.idle(step.steps, step.rows)
+                    self.steps += step.steps
                     continue
-                steps = self._round(call, stop, plan, steps, rows) if rounds else None
-                if steps is None:  # Megatron's step
+                if step.kind is StepKind.DUMMY:
+                    self.controller.dummy_forward()  # (its MoE layers' collectives)
+                    self.steps += 1
+                    continue
+                if step.kind is StepKind.ROUND:
+                    steps = self._round(call, stop, plan, step.steps, step.rows)
+                else:  # Megatron's step
                     steps = [self._step(call)]
                     for request_id in steps[0]:
                         if stop is not None:
                             stop.finished(call.row[request_id])
                     if self.fast is not None:  # (the rounds' length starts from its end rate)
                         self.fast.observe(len(steps[0]))
-                done = [request_id for step in steps for request_id in step]
+                done = [request_id for ids in steps for request_id in ids]
                 if done and progress is not None:
                     finished += len(done)
                     progress(finished)
@@ -317,26 +361,12 @@ class DynamicRollout:
                     self.context.reset()
             return out
         finally:
+            self.call = None  # (its per-step tensors: nothing of the call outlives it)
             if self.fast is not None:
                 self.fast.end()
             if not self._held:
                 self.suspend()
             self.kv_bytes = self._kv_bytes()
-
-    def _agree(self, mine: bool, plan, lock_step: bool) -> tuple[bool, bool, int, int]:
-        """``(any rank has work, the next steps are a round of :mod:`.rounds`, its steps, the
-        most requests a rank decodes)``. Under EP lock-step one MAX all-reduce decides it for
-        every rank alike (a round only when no rank with work needs Megatron's step: a prefill,
-        a paused request, blocks the allocator lacks); alone, this rank's own state."""
-        ready = plan is not None and plan.blocks_free
-        steps, rows = (plan.steps, plan.n) if ready else (1, 0)
-        if not lock_step:
-            return mine, ready, steps, rows
-        if self.fast is None:  # the per-step loop's one flag
-            return any_rank(mine), False, 1, 0
-        flags = torch.tensor([int(mine), int(mine and not ready), steps if ready else 0, rows])
-        go, blocked, steps, rows = all_reduce_(flags, None, torch.distributed.ReduceOp.MAX).tolist()
-        return bool(go), bool(go) and not blocked, max(steps, 1), rows
 
     def _round(self, call: "_Call", stop, plan, steps: int, rows: int) -> list[list[int]]:
         """Decoding steps of one round (:class:`~.rounds.FastDecoder`): per step, the ids of the
@@ -386,20 +416,18 @@ class DynamicRollout:
             last_logits = self.controller._dynamic_step_forward_logits(
                 input_ids, position_ids).squeeze(0)
         first, last = ctx.paused_request_count, ctx.total_request_count
-        sp = call.sp
         # Drawn over the real vocabulary only: the padded columns have probability 0, and
         # Megatron's filter + softmax + multinomial cost follows the columns (TRL's workload:
         # 18 real of 128, 0.27 -> 0.06 ms a step). The draws differ from a draw over all
         # columns (torch's multinomial consumes its generator by column count); greedy
         # decoding and the distribution are the same.
-        sampled = self.controller._torch_sampling_func(
-            last_logits[:, :self.wrapper.real_vocab_size], 1.0, int(sp.top_k), float(sp.top_p))
-        logprobs = torch.log_softmax(last_logits.float(), dim=-1).gather(
-            -1, sampled.unsqueeze(-1)).squeeze(-1)  # [n]
+        sampled = call.sampler.draw(last_logits[:, :self.wrapper.real_vocab_size])
+        logprobs = call.sampler.logprobs(last_logits.float(), sampled)  # [n]
         ids = ctx.request_ids[first:last].clone()  # [n]: update_requests moves the slots
-        # Megatron's rule: a request ends at its termination id or at prompt + budget tokens.
-        active = (sampled != ctx.request_metadata["termination_id"][first:last]) & (
-            ctx.get_active_sequence_lengths() + 1 < ctx.get_max_sequence_lengths())
+        # (one finish rule: :class:`.sampler.FinishRule`, Megatron's)
+        active = ~call.finish_rule.ends(sampled, ctx.request_metadata["termination_id"][first:last],
+                                        ctx.get_active_sequence_lengths(),
+                                        ctx.get_max_sequence_lengths())
         call.record(ids, sampled, logprobs)
         finished = [] if bool(active.all()) else ids[~active].tolist()
         call.finish(finished)
@@ -408,7 +436,7 @@ class DynamicRollout:
 
 
 def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: int,
-                  cuda_graphs: bool, experts: str):
+                  cuda_graphs: bool, experts: str, coupled=None, round_cost_rows: int = 64):
     """A :class:`~.rounds.FastDecoder` when ``steps_per_sync`` > 0 and the step function covers
     ``model`` on ``groups`` (else None, with a line saying why)."""
     if steps_per_sync <= 0:
@@ -423,7 +451,18 @@ def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: i
         logging.getLogger(__name__).info("rollout.decode_steps_per_sync: %s decode through "
                                          "Megatron's forward at every step", why)
         return None
-    return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs, experts)
+    from gspo_megatron.backends.megatron.engine.megatron_kv import LayoutError
+
+    try:
+        return FastDecoder(model, context, controller, wrapper, steps_per_sync, cuda_graphs,
+                           experts, coupled, round_cost_rows)
+    except LayoutError as exc:  # another Megatron's context: its own forward, never a guess
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "rollout.decode_steps_per_sync: Megatron's inference context is not laid out as "
+            "the multi-step decoder writes it (%s); decoding through Megatron's forward", exc)
+        return None
 
 
 def _plain_state(attrs: dict, skip: tuple[str, ...]) -> dict:
@@ -475,8 +514,11 @@ class _Call:
     queue waiting for a slot, and every step's ``(ids, tokens, log-probs)`` (joined per request
     once, at the end, instead of a Python append per request and step)."""
 
-    def __init__(self, sp):
+    def __init__(self, sp, generator=None, method: str = "multinomial"):
         self.sp = sp
+        self.sampler = Sampler(int(sp.top_k), float(sp.top_p), generator, method)
+        """The call's one sampling rule (every decoding path's: :mod:`.sampler`)."""
+        self.finish_rule = FinishRule()
         self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}
         """One ``SamplingParams`` per budget, shared by the requests of that budget."""
         self.row: dict[int, int] = {}

@@ -301,7 +301,8 @@ class RolloutEngine:
             max_sequence_length=self.max_sequence_length, buffer_size_gb=buffer_size_gb,
             decode_steps_per_sync=self.config.decode_steps_per_sync,
             decode_cuda_graphs=self.config.decode_cuda_graphs and self.router_noise is None,
-            decode_experts=self.config.decode_experts)
+            decode_experts=self.config.decode_experts,
+            decode_round_cost_rows=self.config.decode_round_cost_rows)
         self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
 
     def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":
@@ -386,6 +387,12 @@ class RolloutEngine:
             drop_inference_buffers()  # (sequence parallel stays on under EP > 1)
         return samples
 
+    def decode_metrics(self) -> dict[str, float]:
+        """The fast decoder's (``rollout/decode_graphs``, ``rollout/decode_graph_captures``:
+        :meth:`~.rounds.FastDecoder.metrics`); ``rollout/decode_graphs`` 0 without it."""
+        fast = self.dynamic.fast if self.dynamic is not None else None
+        return fast.metrics() if fast is not None else {"rollout/decode_graphs": 0.0}
+
     def held_state(self) -> dict | None:
         """The requests the engine holds (``GroupStop.hold_cut``) whole, with their recorded R3
         routes, for a checkpoint taken at a stop signal; None when it holds none."""
@@ -396,7 +403,8 @@ class RolloutEngine:
 
     def restore_held(self, state: dict) -> None:
         """Hold :meth:`held_state`'s requests again (an engine built from the same config)."""
-        self.dynamic.restore_held(state)
+        if not self.dynamic.restore_held(state):  # other shapes: prefilled again
+            return
         if self._route_recorder is not None:
             self._route_recorder.load_state_dict(state["routes"])
 

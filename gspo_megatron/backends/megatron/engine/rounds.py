@@ -30,30 +30,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
-import torch.distributed as dist
 
 from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeWeights,
                                                             KeyGroup, decode_forward,
-                                                            moe_only_step, replica_bytes,
-                                                            replicate_experts)
-from gspo_megatron.distributed import all_reduce_
+                                                            moe_only_step)
+from gspo_megatron.backends.megatron.engine.decode_weights import WeightsProvider
+from gspo_megatron.backends.megatron.engine.megatron_kv import MegatronKV
 
 ROUND_COST_ROWS = 64
-"""A round's own cost (two host reads, the plan, the write-back and Megatron's
+"""The default of ``rollout.decode_round_cost_rows``: a round's own cost (two host reads, the plan, the write-back and Megatron's
 ``update_requests``: ~0.44 ms on CPU) in decoding row-steps (~0.008 ms a row and step on the tiny
 model at 90-120 rows): what :func:`round_length` weighs against the rows a round computes past
 their end."""
 
 
-def round_length(most: int, rows: int, finish_rate: float | None) -> int:
+def round_length(most: int, rows: int, finish_rate: float | None,
+                 cost_rows: int = ROUND_COST_ROWS) -> int:
     """Steps of the next decoding round of ``rows`` requests, at most ``most``
     (``rollout.decode_steps_per_sync``). A request that ends inside a round is computed on,
     masked, to the round's end: with requests ending at a rate ``p`` per live row-step, a round of
     ``K`` steps computes about ``rows p K^2 / 2`` such rows, against its own cost ``R``
-    (:data:`ROUND_COST_ROWS`) shared by its ``K`` steps; ``K = sqrt(2 R / (rows p))`` makes their
+    (``cost_rows``: ``rollout.decode_round_cost_rows``) shared by its ``K`` steps; ``K = sqrt(2 R / (rows p))`` makes their
     sum per step least. ``finish_rate``: ``p`` as the steps just before saw it (the previous
     round, or the engine's own step before it: a call's prefill, where the requests whose first
     token ended them tell the rate); 0 (none ended): ``most``; None (nothing seen yet: a call
@@ -66,7 +65,7 @@ def round_length(most: int, rows: int, finish_rate: float | None) -> int:
         return max(1, most // 2)
     if finish_rate <= 0:
         return most
-    best = math.sqrt(2 * ROUND_COST_ROWS / (max(rows, 1) * finish_rate))
+    best = math.sqrt(2 * cost_rows / (max(rows, 1) * finish_rate))
     return max(max(1, most // 4), min(most, round(best)))
 
 
@@ -76,18 +75,21 @@ class FastDecoder:
     weights sample: the policy, or the bf16 copy inside its ``Float16Module``)."""
 
     def __init__(self, runner_model, context, controller, wrapper, steps_per_sync: int,
-                 cuda_graphs: bool = False, experts: str = "auto"):
+                 cuda_graphs: bool = False, experts: str = "auto", coupled=None,
+                 round_cost_rows: int = ROUND_COST_ROWS):
         self.model = runner_model
-        self.experts = experts
-        """``rollout.decode_experts``: under EP, ``replicated``, ``sharded`` or ``auto``."""
-        self.replicated = False
-        """Whether the current (or last) call gathered every EP rank's experts here."""
+        self.provider = WeightsProvider(runner_model, wrapper.real_vocab_size, experts, coupled)
+        """The weights of each call and their lifetime (stacks, replicas: :mod:`.decode_weights`)."""
         self.context = context
+        self.kv = MegatronKV(context)
+        """Megatron's tables, blocks and buffer as a round reads and writes them (its layout
+        checked: :class:`~.megatron_kv.LayoutError` otherwise)."""
         self.controller = controller
         self.wrapper = wrapper
         self.steps_per_sync = int(steps_per_sync)
+        self.round_cost_rows = int(round_cost_rows)
+        """``rollout.decode_round_cost_rows``: a round's own cost in row-steps."""
         self.weights: DecodeWeights | None = None
-        self._kept: DecodeWeights | None = None
         self._rotary: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._finish_rate: float | None = None
         """Requests ended per live row-step in this call's last round, or in the engine's own
@@ -103,8 +105,13 @@ class FastDecoder:
             from gspo_megatron.backends.megatron.kernels.graphs import GraphedDecode
 
             alloc = context.block_allocator
-            self.graphs = self.step_fn = GraphedDecode(
-                alloc.dummy_block_idx * context.block_size_tokens, context.block_size_tokens)
+            self.graphs = GraphedDecode(alloc.dummy_block_idx * context.block_size_tokens,
+                                        context.block_size_tokens)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the current (or last) call gathered every EP rank's experts here."""
+        return self.provider.replicated
 
     def buffer_allocated(self) -> None:
         """The KV buffer was allocated anew (``torch.empty``): zero Megatron's dummy block,
@@ -114,27 +121,43 @@ class FastDecoder:
         ctx.memory_buffer[:, :, ctx.block_allocator.dummy_block_idx] = 0
 
     def begin(self) -> None:
-        """Read the weights for one ``generate`` (the experts stacked for its duration, under
-        EP gathered from every rank when ``rollout.decode_experts`` says so; kept in tensors of
-        their own, refreshed in place, under CUDA graphs). Collective over the EP group."""
+        """Read the weights for one ``generate`` (:class:`~.decode_weights.WeightsProvider`:
+        the experts stacked for its duration, under EP gathered from every rank when
+        ``rollout.decode_experts`` says so); under CUDA graphs, the buckets the last call met
+        captured now, largest first, not inside a round. Collective over the coupled group."""
         # (a new buffer, or held requests: their slots past their keys are zeroed again once)
         self._finite.clear()
         self._finish_rate = None
-        fresh = DecodeWeights.of(self.model, self.wrapper.real_vocab_size)
-        self.replicated = fresh.ep_group is not None and self._replicate(fresh)
-        if self.replicated:
-            fresh = replicate_experts(fresh)
-        if self.graphs is not None and fresh.ep_group is None:
-            from gspo_megatron.backends.megatron.kernels.graphs import persistent_weights
-
-            fresh = self._kept = persistent_weights(self._kept, fresh)
+        self.weights = self.provider.acquire()
+        if self.graphs is not None and self.weights.ep_group is None:
             self.step_fn = self.graphs
+            cos, sin = self._cos_sin(self.weights.embedding.dtype)
+            self.graphs.prepare(self.weights, self.context.memory_buffer, cos, sin)
         else:  # (EP: the gathers' shapes change every round; eager)
             self.step_fn = decode_forward
-        self.weights = fresh
 
     def end(self) -> None:
+        """The call ended: its weights (stacks, replicas) let go, and the graphs and their pool
+        with them (they read the call's stacks; even when the engine holds requests and their
+        KV cache for the next call, nothing else of this one is kept)."""
         self.weights = None
+        self.provider.release()
+        if self.graphs is not None:
+            self.graphs.release()
+
+    def release(self) -> None:
+        """The rollout phase ended (the engine's ``suspend()``): the rotary table let go too;
+        nothing of the decoder outlives the rollout."""
+        self.end()
+        self._rotary = None
+        self._finite.clear()
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/decode_graphs`` and ``rollout/decode_graph_captures`` under CUDA graphs
+        (:meth:`~..kernels.graphs.GraphedDecode.metrics`), else ``rollout/decode_graphs`` 0."""
+        if self.graphs is None:
+            return {"rollout/decode_graphs": 0.0}
+        return self.graphs.metrics()
 
     def evicted(self, request_ids: list[int]) -> None:
         """Requests Megatron evicted (their blocks freed; each comes back under its id with
@@ -147,19 +170,6 @@ class FastDecoder:
         """Whether this call's steps need no other rank (EP = 1, or the experts replicated): the
         ranks then need no lock-step, and prefills run the step function too."""
         return self.weights.ep_group is None
-
-    def _replicate(self, w: DecodeWeights) -> bool:
-        """``rollout.decode_experts`` for this call; ``auto``: whether the other ranks' experts
-        take at most a quarter of the free memory on every EP rank (one MIN all-reduce)."""
-        if self.experts != "auto":
-            return self.experts == "replicated"
-        device = w.embedding.device
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        fits = torch.tensor([int(4 * replica_bytes(w) <= free)])
-        return bool(all_reduce_(fits, w.ep_group, dist.ReduceOp.MIN).item())
 
     def observe(self, ended: int) -> None:
         """A step outside the rounds (the engine's own: a prefill, admissions) just ended
@@ -204,21 +214,14 @@ class FastDecoder:
         1.26x long-tailed / uniform per real token on the long-tail benchmark's partial pool
         with kept KV, against 1.39x at 16 steps, where the refills wait too long, and 1.34x at
         2, where each round's bookkeeping is shared by two steps)."""
-        ctx = self.context
-        first, last = ctx.paused_request_count, ctx.total_request_count
-        kv_off = ctx.request_kv_length_offsets[first:last]
-        # Megatron's length rule: a request ends when kv + 1 reaches its max sequence length
-        pos0, counts, room, ids = torch.stack((
-            kv_off, ctx.request_kv_block_counts[first:last],
-            ctx.request_output_lengths[first:last] - kv_off - 1,
-            ctx.request_ids[first:last])).tolist()
+        first, n = self.kv.running()
+        pos0, counts, room, ids = self.kv.read_plan()
         longest = (max(1, self.steps_per_sync // 4) if early_stop else
-                   round_length(self.steps_per_sync, last - first, self._finish_rate))
+                   round_length(self.steps_per_sync, n, self._finish_rate,
+                                self.round_cost_rows))
         steps = max(1, min(longest, max(room)))
-        bs = ctx.block_size_tokens
-        need = [max(0, (p + steps - 1) // bs + 1 - c) for p, c in zip(pos0, counts)]
-        return Plan(first, last - first, pos0, counts, need, steps,
-                    ctx.block_allocator.is_memory_available(sum(need)), ids)
+        need = self.kv.blocks_needed(pos0, counts, steps)
+        return Plan(first, n, pos0, counts, need, steps, self.kv.has_blocks(sum(need)), ids)
 
     def mixed_logits(self, recorder=None) -> torch.Tensor:
         """``[n, V]`` fp32, divided by the sampling temperature: the logits of each request's
@@ -291,14 +294,7 @@ class FastDecoder:
         first, n, bs = plan.first, plan.n, ctx.block_size_tokens
         device = ctx.request_ids.device
         table = ctx.request_to_kv_block_ids
-        total = sum(plan.need)
-        if total:
-            blocks = ctx.block_allocator.allocate_memory_blocks(total)
-            rows = torch.tensor([r for r, k in enumerate(plan.need) for _ in range(k)],
-                                device=device) + first
-            cols = torch.tensor([c + j for c, k in zip(plan.counts, plan.need) for j in range(k)],
-                                device=device)
-            table[rows, cols] = blocks.to(table.dtype)
+        self.kv.reserve(first, plan.counts, plan.need)
         pos = ctx.request_kv_length_offsets[first:first + n].long().clone()
         lk = max(plan.pos0) + steps  # the round's key window
         table_rows = table[first:first + n, : -(-lk // bs)].long()  # [n, nb]; -1: none yet
@@ -310,11 +306,12 @@ class FastDecoder:
             [self._keys(table_rows, pos, plan, steps, None, graphed=True)]
         tokens = ctx.token_to_input_ids[:n].long().clone()
         term = ctx.request_metadata["termination_id"][first:first + n].long()
-        last_pos = ctx.request_output_lengths[first:first + n].long() - 2  # (Megatron's rule)
+        max_len = ctx.request_output_lengths[first:first + n].long()
         cos, sin = self._cos_sin(w.embedding.dtype)
-        sp = call.sp
-        plain, rng = int(sp.top_k) == 0 and float(sp.top_p) == 0.0, self.controller.sampling_rng
+        sampler, finish = call.sampler, call.finish_rule
         temperature = float(self.wrapper.temperature)
+        in_graph = (_TemperedSampler(sampler, temperature)
+                    if self.step_fn is self.graphs and sampler.method == "gumbel" else None)
         alive = torch.ones(n, dtype=torch.bool, device=device)
         out_tokens, out_logprobs, live, ends, routes = [], [], [], [], []
         # every request's round in one block: its slots are that block's start + position
@@ -331,20 +328,17 @@ class FastDecoder:
                     pos if g.rows is None else pos.index_select(0, g.rows))[:, None],
                     g.positions, g.key_blocks)
                 for g in groups])
-            # [n, vocab]: the output layer's real rows only (DecodeWeights.of)
-            logits, step_routes = self.step_fn(w, ctx.memory_buffer, batch,
-                                               record_routes is not None)
-            if temperature != 1.0:
-                logits.div_(temperature)
-            if plain:  # Megatron's sampling without its filters, op for op (bitwise)
-                sampled = torch.multinomial(logits.softmax(dim=-1), num_samples=1,
-                                            generator=rng).view(-1)
+            if in_graph is not None:  # the graph samples too (Gumbel-max: no host read)
+                (sampled, logprobs), step_routes = self.graphs(
+                    w, ctx.memory_buffer, batch, record_routes is not None, sample=in_graph)
             else:
-                sampled = self.controller._torch_sampling_func(
-                    logits, 1.0, int(sp.top_k), float(sp.top_p))
-            logprobs = torch.log_softmax(logits, dim=-1).gather(
-                -1, sampled.unsqueeze(-1)).squeeze(-1)
-            end = alive & ((sampled == term) | (pos >= last_pos))
+                # [n, vocab]: the output layer's real rows only (DecodeWeights.of)
+                logits, step_routes = self.step_fn(w, ctx.memory_buffer, batch,
+                                                   record_routes is not None)
+                if temperature != 1.0:
+                    logits.div_(temperature)
+                sampled, logprobs = sampler(logits)
+            end = alive & finish.ends(sampled, term, pos + 1, max_len)
             out_tokens.append(sampled)
             out_logprobs.append(logprobs)
             live.append(alive)
@@ -364,7 +358,7 @@ class FastDecoder:
         finished = [[ids_host[r] for r in range(n) if ends_host[s][r]] for s in range(steps)]
         lived = sum(map(sum, live_host))
         self._finish_rate = sum(map(len, finished)) / lived if lived else None
-        pending = _Pending(ctx, call, plan, ids, live_host, ends_host, torch.stack(out_tokens),
+        pending = _Pending(self.kv, call, plan, ids, live_host, ends_host, torch.stack(out_tokens),
                            torch.stack(out_logprobs), torch.stack(routes) if routes else None,
                            record_routes)
         return finished, pending
@@ -412,6 +406,21 @@ class FastDecoder:
         ahead = (pos[:, None] + torch.arange(1, plan.steps, device=device)).clamp(max=lk - 1)
         flat.index_fill_(1, key_rows.gather(1, ahead).reshape(-1), 0)
         return KeyGroup(index, key_rows, None, j_lk, None)
+
+
+class _TemperedSampler:
+    """``sampler(logits / temperature)``: what a graph captures after the step (its key: the
+    sampler's settings and the temperature; its generator registered with the graph)."""
+
+    def __init__(self, sampler, temperature: float):
+        self.sampler, self.temperature = sampler, float(temperature)
+        self.generator = sampler.generator
+        self.key = (sampler.top_k, sampler.top_p, sampler.method, self.temperature)
+
+    def __call__(self, logits: torch.Tensor):
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return self.sampler(logits)
 
 
 def _key_slots(table_rows: torch.Tensor, j: torch.Tensor, bs: int, ends: torch.Tensor,
@@ -476,7 +485,8 @@ class Plan:
 class _Pending:
     """A round decoded but not yet written back (the caller decides where it ends)."""
 
-    context: object
+    kv: object
+    """The round's :class:`~.megatron_kv.MegatronKV`."""
     call: object
     plan: Plan
     ids: torch.Tensor
@@ -495,8 +505,8 @@ class _Pending:
         """The round's live tokens join the call (R3: their routes the recorder), Megatron's
         tables are set as after its own last step of the round, and its ``update_requests``
         runs. Returns its result (evicted request ids)."""
-        ctx, plan = self.context, self.plan
-        n, first, bs = plan.n, plan.first, ctx.block_size_tokens
+        plan = self.plan
+        n, first = plan.n, plan.first
         steps = len(self.live)
         last_step = steps - 1
         flat = [s * n + r for s in range(steps) for r in range(n) if self.live[s][r]]
@@ -513,28 +523,7 @@ class _Pending:
             positions = torch.tensor([plan.pos0[f % n] + f // n for f in flat], dtype=torch.long)
             self.recorder.record_tokens(self.ids.index_select(0, col).long().cpu(), positions,
                                         routes)
-        # Megatron's tables as after its step ``last_step``: each request's newest token at
-        # ``pos0 + last_step``, its blocks up to the one holding it (the rest of the round's
-        # blocks back to the allocator).
-        table = ctx.request_to_kv_block_ids
-        keep = [(p + last_step) // bs + 1 for p in plan.pos0]
-        extra_rows, extra_cols = [], []
-        for r in range(n):
-            for c in range(keep[r], plan.counts[r] + plan.need[r]):
-                extra_rows.append(first + r)
-                extra_cols.append(c)
-        if extra_rows:
-            rows = torch.tensor(extra_rows, device=device)
-            cols = torch.tensor(extra_cols, device=device)
-            ctx.block_allocator.release_memory_blocks(table[rows, cols].clone())
-            table[rows, cols] = -1
-        keep_t = torch.tensor(keep, device=device)
-        last_pos = torch.tensor([p + last_step for p in plan.pos0], device=device)
-        ctx.request_kv_length_offsets[first:first + n] = last_pos
-        ctx.request_kv_block_counts[first:first + n] = keep_t
-        ctx.request_last_kv_block_id[first:first + n] = table[first:first + n].gather(
-            1, (keep_t - 1).long().unsqueeze(1)).squeeze(1)
-        ctx.request_last_kv_block_offset[first:first + n] = last_pos % bs
         active = torch.tensor([not any(self.ends[s][r] for s in range(steps)) for r in range(n)],
                               device=device)
-        return ctx.update_requests(active.byte(), self.tokens[last_step].clone())
+        return self.kv.commit(first, plan.pos0, plan.counts, plan.need, last_step, active,
+                              self.tokens[last_step].clone())

@@ -135,7 +135,10 @@ class PackedRouteRecorder:
 
     def take_request(self, request_id: int, length: int) -> torch.Tensor:
         """``[L, length, k]``: the routes of request ``request_id`` at positions ``0 .. length -
-        1`` (every token it forwarded). Raises if one was never recorded."""
+        1`` (every token it forwarded). Raises if one was never recorded. A position forwarded
+        twice (a request Megatron evicted, prefilled again with what it wrote) keeps its first
+        route: the forward whose logits sampled the next token (R3 replays the routes taken at
+        sampling, not a recompute's)."""
         if self._table is None:
             ids, pos, routes = (torch.cat(x, dim=-2 if i == 2 else 0)
                                 for i, x in enumerate(zip(*self._steps)))
@@ -148,7 +151,15 @@ class PackedRouteRecorder:
         if p.numel() and int(p.max()) >= length:
             raise RuntimeError(f"rollout routes: request {request_id} forwarded position "
                                f"{int(p.max())}, past its {length} tokens")
-        out[:, p] = routes[:, mine]
+        picked = routes[:, mine]
+        if p.numel() and p.unique().numel() < p.numel():  # duplicates: the earliest of each
+            order = torch.sort(p, stable=True).indices  # (steps are recorded in time order)
+            sorted_p = p[order]
+            first = torch.ones_like(sorted_p, dtype=torch.bool)
+            first[1:] = sorted_p[1:] != sorted_p[:-1]
+            keep = order[first]
+            p, picked = p[keep], picked[:, keep]
+        out[:, p] = picked
         seen[p] = True
         if not bool(seen.all()):
             raise RuntimeError(f"rollout routes: request {request_id} has no route for "

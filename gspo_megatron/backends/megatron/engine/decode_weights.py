@@ -1,0 +1,86 @@
+"""The fast decoder's weights for one rollout call, and their lifetime.
+
+:class:`WeightsProvider` owns what the decoding step reads beyond the model's own parameters:
+the experts stacked for the call (:meth:`~..kernels.decode.DecodeWeights.of`; a grouped
+container is read in place), under expert parallelism the other ranks' experts gathered here
+(``rollout.decode_experts``, decided over the ranks coupled with this one: :mod:`.lockstep`),
+and the QK-norm weights joined per head. It hands them out at a call's start
+(:meth:`WeightsProvider.acquire`) and lets go of every one at its end
+(:meth:`WeightsProvider.release`): nothing of it is kept between rollouts, so the trainer's
+passes run without it (``gspo-plan`` counts it in the rollout phase:
+:mod:`gspo_megatron.decode_plan`). :meth:`WeightsProvider.held_bytes` says what it holds now.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gspo_megatron.backends.megatron.engine.lockstep import agree_all
+from gspo_megatron.backends.megatron.kernels.decode import (DecodeWeights, replica_bytes,
+                                                            replicate_experts)
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` (the host's available pages on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class WeightsProvider:
+    """The decoding step's weights of ``model`` (the ``GPTModel`` that samples) for one call
+    at a time. ``vocab``: the output layer's real rows; ``experts``: ``rollout.decode_experts``;
+    ``coupled``: the group that decides the replication (:func:`.lockstep.coupled_group`, the
+    one that decides each lock-step; None: the world)."""
+
+    def __init__(self, model, vocab: int, experts: str = "auto", coupled=None):
+        self.model = model
+        self.vocab = int(vocab)
+        self.experts = experts
+        self.coupled = coupled
+        self.weights: DecodeWeights | None = None
+        """The current call's (None between calls)."""
+        self.replicated = False
+        """Whether the current (or last) call gathered every EP rank's experts here."""
+
+    def acquire(self) -> DecodeWeights:
+        """The weights for a call: the model's tensors, the experts stacked (and gathered from
+        every EP rank when this call replicates them). Collective over :attr:`coupled` under EP."""
+        w = DecodeWeights.of(self.model, self.vocab)
+        self.replicated = w.ep_group is not None and self._replicate(w)
+        if self.replicated:
+            w = replicate_experts(w)
+        self.weights = w
+        return w
+
+    def release(self) -> None:
+        """The call ended: every tensor made for it (stacks, replicas) is let go."""
+        self.weights = None
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors held for the current call beyond the model's own storage (the
+        stacked and gathered experts, the joined QK-norm weights); 0 between calls."""
+        if self.weights is None:
+            return 0
+        own = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        seen: dict[int, int] = {}
+        for layer in self.weights.layers:
+            for t in vars(layer).values():
+                if torch.is_tensor(t):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in own:
+                        seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def _replicate(self, w: DecodeWeights) -> bool:
+        """``rollout.decode_experts`` for this call, decided alike on every coupled rank (one
+        MIN all-reduce over :attr:`coupled`): ``replicated`` / ``sharded`` as asked; ``auto``:
+        whether the other ranks' experts take at most a quarter of the free memory on every
+        coupled rank."""
+        if self.experts != "auto":
+            want = self.experts == "replicated"
+        else:
+            want = 4 * replica_bytes(w) <= free_bytes(w.embedding.device)
+        return agree_all(want, self.coupled)
