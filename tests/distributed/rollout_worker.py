@@ -89,6 +89,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--weights", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--make-reference", action="store_true")
@@ -96,6 +97,7 @@ def main():
 
     model_cfg = model_config()
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep,
+                              expert_tensor_parallel_size=args.etp,
                               pipeline_model_parallel_size=args.pp, sequence_parallel=args.tp > 1)
     groups = initialize_distributed(parallel, model_cfg, seed=1234)
     policy = build_policy(model_cfg, parallel, PrecisionConfig(transformer_impl="local"),
@@ -120,6 +122,10 @@ def main():
         # step) instead of gathered once per call (``auto`` here: the tiny model's fit)
         "greedy_sharded": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4,
                                         decode_experts="sharded"),
+        # Megatron's forward at every step (the layout's own modules and collectives): what
+        # the step function's greedy tokens must equal on this layout
+        "greedy_megatron": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4,
+                                         decode_steps_per_sync=0),
     }.items():
         engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
                                config=cfg)
@@ -131,6 +137,7 @@ def main():
         result[f"own_{name}"] = as_json(own.generate(own_prompts(groups.dp_rank), seed=23))
         fast = own.dynamic.fast if own.dynamic is not None else None
         result[f"own_{name}_replicated"] = fast is not None and fast.replicated
+        result[f"own_{name}_fast"] = fast is not None
         if groups.world_size == 1:
             result[f"own_{name}_by_dp"] = [as_json(own.generate(own_prompts(dp), seed=23))
                                            for dp in (0, 1)]

@@ -36,9 +36,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from gspo_megatron.backends.megatron.kernels.adapters import Unsupported
 from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
-                                                         permute_without_host_reads,
-                                                         stack_experts)
+                                                         permute_without_host_reads)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
 from gspo_megatron.backends.megatron.model import RMSNorm
 
@@ -107,33 +107,35 @@ class DecodeWeights:
     """Under EP: the tokens every rank contributes to a MoE layer's gather (the most any rank
     decodes this round; fewer are padded): set per round (:class:`~..engine.rounds.FastDecoder`)."""
 
+    tp_group: object = None
+    """The tensor-parallel group of attention, dense MLPs, embedding and output layer (None: one
+    rank): ``qkv`` / ``w1`` are column shards (this rank's heads, its part of ``F``), ``proj`` /
+    ``w2`` row shards whose partial sums are all-reduced, ``embedding`` / ``output`` this rank's
+    rows of the (padded) vocabulary. No sequence parallelism: every TP rank holds every row."""
+    expert_tp_group: object = None
+    """The experts' own tensor-parallel group (Megatron's ``expert_tensor_parallel_size``; None:
+    one rank): each expert's ``W1`` / ``W2`` a column / row shard of ``F``, the experts' partial
+    sums all-reduced over it. Its ranks lie inside one ``tp_group`` (:func:`unsupported`), so
+    they hold the same rows."""
+    vocab_start: int = 0
+    """The first vocabulary id of this TP rank's ``embedding`` rows."""
+    vocab: int | None = None
+    """Under TP: the logits' columns kept after the gather (the tokenizer's ids)."""
+
     @classmethod
     def of(cls, model, vocab: int | None = None) -> "DecodeWeights":
-        """The weights of ``model`` (a ``GPTModel``, :func:`unsupported` None), experts stacked;
-        ``vocab``: the output layer's first ``vocab`` rows only (the tokenizer's ids: the
-        columns Megatron pads the vocabulary with are never sampled)."""
+        """The weights of ``model`` (a ``GPTModel``, :func:`unsupported` None), read through
+        :mod:`.adapters` (experts stacked, or viewed where the layout allows); ``vocab``: the
+        output layer's first ``vocab`` rows only (the tokenizer's ids: the columns Megatron pads
+        the vocabulary with are never sampled)."""
+        from gspo_megatron.backends.megatron.kernels.adapters import group_or_none
+
         c = model.config
-        layers = []
-        for layer in model.decoder.layers:
-            att, mlp = layer.self_attention, layer.mlp
-            moe = hasattr(mlp, "router")
-            if moe and getattr(mlp.experts, "stacked", None) is not None:
-                w1, w2 = mlp.experts.stacked  # (stacked_expert_weights: the rollout call's)
-            elif moe:
-                w1, w2 = stack_experts(mlp.experts.local_experts)
-            else:
-                w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
-            q_norm, k_norm = getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None)
-            qk_weight = None
-            if (type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps):
-                qk_weight = torch.cat((
-                    q_norm.weight.float().expand(c.num_attention_heads, -1),
-                    k_norm.weight.float().expand(c.num_query_groups, -1)))
-            layers.append(DecodeLayer(
-                layer.input_layernorm, att.linear_qkv.weight, q_norm, k_norm,
-                att.linear_proj.weight, layer.pre_mlp_layernorm,
-                mlp.router.weight if moe else None, w1, w2, qk_weight,
-                q_norm.eps if qk_weight is not None else 0.0))
+        embedding = model.embedding.word_embeddings
+        tp_group = group_or_none(getattr(embedding, "tp_group", None))
+        tp = tp_group.size() if tp_group is not None else 1
+        heads, groups = c.num_attention_heads // tp, c.num_query_groups // tp
+        layers = [_read_layer(layer, c, heads, groups) for layer in model.decoder.layers]
         head_dim = c.kv_channels
         rot = model.rotary_pos_emb
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype)
@@ -141,17 +143,56 @@ class DecodeWeights:
                    None)
         ep_group = moe.ep_group if moe is not None and moe.ep_group.size() > 1 else None
         local = (moe.local_expert_indices[0], moe.num_local_experts) if moe is not None else (0, 0)
+        expert_tp = (group_or_none(getattr(moe.experts, "tp_group", None))
+                     if moe is not None else None)
         output = (model.shared_embedding_or_output_weight()
                   if model.share_embeddings_and_output_weights else model.output_layer.weight)
-        output = output[:vocab] if vocab is not None else output  # (a view: no copy)
-        return cls(model.embedding.word_embeddings.weight, layers, model.decoder.final_layernorm,
-                   output, c.num_attention_heads, c.num_query_groups, head_dim,
+        if tp_group is None:
+            output = output[:vocab] if vocab is not None else output  # (a view: no copy)
+        return cls(embedding.weight, layers, model.decoder.final_layernorm,
+                   output, heads, groups, head_dim,
                    rot.inv_freq.numel() * 2, c.moe_router_topk, bool(c.moe_router_pre_softmax),
                    c.moe_router_topk_scaling_factor, router_dtype, bool(c.gated_linear_unit),
                    c.activation_func, float(c.glu_linear_offset),
                    c.softmax_scale if c.softmax_scale is not None else head_dim ** -0.5,
                    c.num_attention_heads != c.num_query_groups,
-                   grouped_mm_runs_on(layers[0].w1) if layers else True, ep_group, local)
+                   grouped_mm_runs_on(layers[0].w1) if layers else True, ep_group, local,
+                   tp_group=tp_group, expert_tp_group=expert_tp,
+                   vocab_start=int(getattr(embedding, "vocab_start_index", 0)),
+                   vocab=vocab if vocab is not None else output.shape[0] * tp)
+
+
+def _read_layer(layer, c, heads: int, groups: int, stack: bool = True) -> DecodeLayer:
+    """One layer's tensors through the adapters (:mod:`.adapters`); ``heads`` / ``groups``: this
+    TP rank's query heads and key/value heads; ``stack`` False: the experts' weights are only
+    checked (None). Raises :class:`~.adapters.Unsupported`."""
+    from gspo_megatron.backends.megatron.kernels.adapters import (expert_weights, linear_weight,
+                                                                  norm_of)
+
+    att, mlp = layer.self_attention, layer.mlp
+    qkv = getattr(att, "linear_qkv", None)
+    proj = getattr(att, "linear_proj", None)
+    if qkv is None or proj is None:
+        raise Unsupported(f"attention of type {type(att).__name__} (no linear_qkv / linear_proj)")
+    moe = hasattr(mlp, "router")
+    if moe:
+        w1, w2 = expert_weights(mlp.experts, stack) or (None, None)
+        mlp_norm = norm_of(layer.pre_mlp_layernorm, None, c)
+    else:
+        fc1, fc2 = getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)
+        if fc1 is None or fc2 is None:
+            raise Unsupported(f"MLP of type {type(mlp).__name__}")
+        w1, w2 = linear_weight(fc1, "linear_fc1"), linear_weight(fc2, "linear_fc2")
+        mlp_norm = norm_of(layer.pre_mlp_layernorm, fc1, c)
+    q_norm, k_norm = getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None)
+    qk_weight = None
+    if type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps:
+        qk_weight = torch.cat((q_norm.weight.float().expand(heads, -1),
+                               k_norm.weight.float().expand(groups, -1)))
+    return DecodeLayer(
+        norm_of(layer.input_layernorm, qkv, c), linear_weight(qkv, "linear_qkv"), q_norm, k_norm,
+        linear_weight(proj, "linear_proj"), mlp_norm, mlp.router.weight if moe else None, w1, w2,
+        qk_weight, q_norm.eps if qk_weight is not None else 0.0)
 
 
 def replica_bytes(w: DecodeWeights) -> int:
@@ -189,31 +230,44 @@ def replicate_experts(w: DecodeWeights) -> DecodeWeights:
 
 
 def unsupported(model, groups) -> str | None:
-    """Why :func:`decode_forward` cannot decode ``model`` on ``groups`` (None: it can)."""
+    """Why :func:`decode_forward` cannot decode ``model`` on ``groups`` (None: it can). Decided
+    by capability: the configuration's maths, and whether :mod:`.adapters` find every tensor
+    (whatever the modules' types: the local spec, Transformer Engine's fused modules,
+    ``SequentialMLP`` / ``GroupedMLP`` / ``TEGroupedMLP``)."""
+    import torch.distributed as dist
+
     c = model.config
-    if groups.tp_size != 1 or groups.pp_size != 1:
-        return "tensor or pipeline parallel rollout"
+    if groups.pp_size != 1:
+        return "pipeline parallel rollout"
     if c.multi_latent_attention or c.apply_rope_fusion or c.rotary_interleaved:
         return "MLA or fused / interleaved RoPE"
     if c.add_bias_linear or c.add_qkv_bias or c.attention_output_gate:
         return "biases or an attention output gate"
+    if c.fp8 or getattr(c, "fp4", None):
+        return "fp8 / fp4 weights"
     if c.num_moe_experts and (c.moe_router_score_function != "softmax" or c.moe_router_num_groups
                               or c.moe_router_enable_expert_bias or c.moe_shared_expert_intermediate_size
-                              or c.moe_expert_capacity_factor is not None or c.moe_latent_size):
+                              or c.moe_expert_capacity_factor is not None or c.moe_latent_size
+                              or c.moe_apply_probs_on_input):
         return "MoE routing other than dropless softmax top-k (groups, expert bias, shared experts)"
     if getattr(model, "position_embedding_type", "rope") not in ("rope", "yarn"):
         return f"position embedding {model.position_embedding_type!r}"
+    tp = groups.tp_size
+    if c.num_query_groups % tp:
+        return f"{c.num_query_groups} key/value heads over {tp} tensor-parallel ranks"
     for layer in model.decoder.layers:
-        att, mlp = layer.self_attention, layer.mlp
-        if not (hasattr(att, "linear_qkv") and torch.is_tensor(getattr(att.linear_qkv, "weight", None))
-                and callable(layer.input_layernorm) and hasattr(layer.input_layernorm, "weight")):
-            return "Transformer Engine's fused norm + linear modules"
-        if hasattr(mlp, "router"):
-            experts = getattr(mlp.experts, "local_experts", None)
-            if not experts:
-                return f"experts of type {type(mlp.experts).__name__}"
-        elif not hasattr(mlp, "linear_fc1"):
-            return f"MLP of type {type(mlp).__name__}"
+        try:
+            _read_layer(layer, c, c.num_attention_heads // tp, c.num_query_groups // tp,
+                        stack=False)
+        except Unsupported as why:
+            return str(why)
+        experts = getattr(layer.mlp, "experts", None)
+        etp = getattr(experts, "tp_group", None)
+        if experts is not None and etp is not None and etp.size() > 1:
+            attn_tp = layer.self_attention.linear_qkv.tp_group
+            if not set(dist.get_process_group_ranks(etp)) <= set(
+                    dist.get_process_group_ranks(attn_tp)):
+                return "expert tensor-parallel ranks outside one attention tensor-parallel group"
     return None
 
 
@@ -275,7 +329,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
     order (what R3 records)."""
     B = batch.tokens.shape[0]
     np_, ng, hn = w.heads, w.groups, w.head_dim
-    x = F.embedding(batch.tokens, w.embedding).unsqueeze(1)  # [B, 1, H] (sequence-major, b = 1)
+    x = _embed(w, batch.tokens).unsqueeze(1)  # [B, 1, H] (sequence-major, b = 1)
     cos, sin = batch.cos[batch.positions], batch.sin[batch.positions]  # [B, 1, 1, rot]
     routes = []
     for i, layer in enumerate(w.layers):
@@ -310,7 +364,8 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
                     padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))
                 out.index_copy_(0, g.queries.reshape(-1), _attend_queries(w, kv, i, padded, g))
             out = out[:B]
-        x = x + F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj)
+        x = x + _reduce(F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj),
+                        w.tp_group)
         y = _norm(layer.mlp_norm, x)
         if layer.router is None:
             mlp, top = _dense(w, layer, y), None
@@ -321,8 +376,43 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             routes.append(top)
     if batch.last is not None:
         x = x.index_select(0, batch.last)
-    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1).float()  # [B or n, V]
+    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1)  # [B or n, V / tp]
+    if w.tp_group is not None:  # every rank's columns, the padded ones dropped
+        logits = _gather_columns(logits, w.tp_group)[:, :w.vocab]
+    logits = logits.float()  # [B or n, V]
     return logits, (torch.stack(routes) if record_routes and routes else None)
+
+
+def _embed(w: DecodeWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, H]``: Megatron's ``VocabParallelEmbedding``: under TP each rank looks up the ids in
+    its rows (the others zero) and the ranks' rows are summed (one exact term each)."""
+    if w.tp_group is None:
+        return F.embedding(tokens, w.embedding)
+    local = tokens - w.vocab_start
+    outside = (local < 0) | (local >= w.embedding.shape[0])
+    x = F.embedding(local.masked_fill(outside, 0), w.embedding)
+    return _reduce(x.masked_fill(outside.unsqueeze(-1), 0), w.tp_group)
+
+
+def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` in place (a row-parallel linear's partial sums: Megatron's
+    ``reduce_from_tensor_model_parallel_region``); ``x`` itself for None."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _gather_columns(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n, size c]``: every rank's ``x [n, c]`` side by side in rank order (a column-parallel
+    linear's gathered output: Megatron's ``gather_from_tensor_model_parallel_region``)."""
+    import torch.distributed as dist
+
+    size = group.size()
+    parts = x.new_empty(size * x.shape[0], x.shape[1])
+    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
+    return parts.view(size, x.shape[0], x.shape[1]).transpose(0, 1).reshape(x.shape[0], -1)
 
 
 def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -378,7 +468,7 @@ def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor) -> torch.Tensor:
-    return F.linear(_act(w, F.linear(y, layer.w1)), layer.w2)
+    return _reduce(F.linear(_act(w, F.linear(y, layer.w1)), layer.w2), w.tp_group)
 
 
 def moe_only_step(w: DecodeWeights) -> None:
@@ -411,7 +501,8 @@ def _moe_ep(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     routing_probs, _, top = _route(w, layer, tokens)
     first, count = w.local_experts
     weights = routing_probs[:, first:first + count]  # [T, E_l]
-    out = _dense_experts(w, layer, tokens, weights)  # [ep rows, H]: this rank's experts' part
+    # [ep rows, H]: this rank's experts' part (their F-shards summed over the expert TP group)
+    out = _reduce(_dense_experts(w, layer, tokens, weights), w.expert_tp_group)
     # each rank's rows of every rank's part (an all-to-all: ~0.34 ms on gloo where an all-reduce
     # of the whole takes ~0.61 ms), added here
     parts = torch.empty_like(out)
@@ -459,7 +550,8 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     tokens = y.view(-1, H)  # [T, H]
     routing_probs, probs, top = _route(w, layer, tokens)
     if routing_probs.shape[1] <= 2 * w.topk:  # at most twice the routed FLOPs: every expert
-        return _dense_experts(w, layer, tokens, routing_probs).view(B, 1, H), top
+        out = _dense_experts(w, layer, tokens, routing_probs)
+        return _reduce(out, w.expert_tp_group).view(B, 1, H), top
     if not w.grouped_mm or (torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16):
         # torch._grouped_mm's shape function takes bf16 only (its CPU kernel any dtype), its
         # CUDA kernel bf16 on Hopper: otherwise each route multiplies its expert's gathered
@@ -468,7 +560,8 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
         h = torch.bmm(x, layer.w1.index_select(0, top.reshape(-1)))  # [T k, 1, (2) F]
         h = (_act(w, h) * probs.reshape(-1, 1, 1)).to(tokens.dtype)
         h = torch.bmm(h, layer.w2.index_select(0, top.reshape(-1)))  # [T k, 1, H]
-        return h.view(B, w.topk, H).sum(dim=1, keepdim=True), top
+        out = h.view(B, w.topk, H).sum(dim=1, keepdim=True)
+        return _reduce(out, w.expert_tp_group), top
     routing_map = torch.zeros_like(routing_probs).int().scatter(1, top, 1).bool()
     permuted, permuted_probs, mapping = permute_without_host_reads(
         tokens, routing_map, routing_probs, tokens.shape[0] * w.topk)
@@ -477,4 +570,4 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     h = (_act(w, h) * permuted_probs.unsqueeze(-1)).to(permuted.dtype)
     h = torch._grouped_mm(h, layer.w2, offs=offs)  # [T k, H]
     out = torch.zeros_like(tokens).scatter_add_(0, mapping.unsqueeze(1).expand(-1, H), h)
-    return out.view(B, 1, H), top
+    return _reduce(out, w.expert_tp_group).view(B, 1, H), top
