@@ -10,8 +10,6 @@ of data-parallel ranks 0 and 1, to compare with a DP=2 layout's ranks.
 """
 
 import argparse
-import json
-import os
 
 import torch
 
@@ -23,6 +21,7 @@ from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
 from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
 from gspo_megatron.backends.megatron.routing.rollout_routes import rollout_disagreement, rollout_route_store
+from tests.helpers.rank_results import write_rank_json
 
 VOCAB, EOS = 16, 2
 
@@ -146,9 +145,7 @@ def main():
         args.tp > 1)
     result["training_restored"] = policy.unwrapped().training
     result["dp_rank"] = groups.dp_rank
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{groups.rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_rank_json(args.out, groups.rank, result)
     destroy_distributed()
 
 

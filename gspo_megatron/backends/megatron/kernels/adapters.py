@@ -116,6 +116,81 @@ def expert_weights(experts, stack: bool = True):
                       "TEGroupedMLP's weight0..N)")
 
 
+def read_layer(layer, c, heads: int, groups: int, stack: bool = True) -> DecodeLayer:
+    """One layer's tensors through the adapters (:mod:`.adapters`); ``heads`` / ``groups``: this
+    TP rank's query heads and key/value heads; ``stack`` False: the experts' weights are only
+    checked (None). Raises :class:`~.adapters.Unsupported`."""
+    from gspo_megatron.backends.megatron.kernels.decode import DecodeLayer
+    from gspo_megatron.backends.megatron.model import RMSNorm
+
+    att, mlp = layer.self_attention, layer.mlp
+    qkv = getattr(att, "linear_qkv", None)
+    proj = getattr(att, "linear_proj", None)
+    if qkv is None or proj is None:
+        raise Unsupported(f"attention of type {type(att).__name__} (no linear_qkv / linear_proj)")
+    moe = hasattr(mlp, "router")
+    if moe:
+        w1, w2 = expert_weights(mlp.experts, stack) or (None, None)
+        mlp_norm = norm_of(layer.pre_mlp_layernorm, None, c)
+    else:
+        fc1, fc2 = getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)
+        if fc1 is None or fc2 is None:
+            raise Unsupported(f"MLP of type {type(mlp).__name__}")
+        w1, w2 = linear_weight(fc1, "linear_fc1"), linear_weight(fc2, "linear_fc2")
+        mlp_norm = norm_of(layer.pre_mlp_layernorm, fc1, c)
+    q_norm, k_norm = getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None)
+    qk_weight = None
+    if type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps:
+        qk_weight = torch.cat((q_norm.weight.float().expand(heads, -1),
+                               k_norm.weight.float().expand(groups, -1)))
+    return DecodeLayer(
+        norm_of(layer.input_layernorm, qkv, c), linear_weight(qkv, "linear_qkv"), q_norm, k_norm,
+        linear_weight(proj, "linear_proj"), mlp_norm, mlp.router.weight if moe else None, w1, w2,
+        qk_weight, q_norm.eps if qk_weight is not None else 0.0)
+
+
+def unsupported(model, groups) -> str | None:
+    """Why :func:`decode_forward` cannot decode ``model`` on ``groups`` (None: it can). Decided
+    by capability: the configuration's maths, and whether :mod:`.adapters` find every tensor
+    (whatever the modules' types: the local spec, Transformer Engine's fused modules,
+    ``SequentialMLP`` / ``GroupedMLP`` / ``TEGroupedMLP``)."""
+    import torch.distributed as dist
+
+    c = model.config
+    if groups.pp_size != 1:
+        return "pipeline parallel rollout"
+    if c.multi_latent_attention or c.apply_rope_fusion or c.rotary_interleaved:
+        return "MLA or fused / interleaved RoPE"
+    if c.add_bias_linear or c.add_qkv_bias or c.attention_output_gate:
+        return "biases or an attention output gate"
+    if c.fp8 or getattr(c, "fp4", None):
+        return "fp8 / fp4 weights"
+    if c.num_moe_experts and (c.moe_router_score_function != "softmax" or c.moe_router_num_groups
+                              or c.moe_router_enable_expert_bias or c.moe_shared_expert_intermediate_size
+                              or c.moe_expert_capacity_factor is not None or c.moe_latent_size
+                              or c.moe_apply_probs_on_input):
+        return "MoE routing other than dropless softmax top-k (groups, expert bias, shared experts)"
+    if getattr(model, "position_embedding_type", "rope") not in ("rope", "yarn"):
+        return f"position embedding {model.position_embedding_type!r}"
+    tp = groups.tp_size
+    if c.num_query_groups % tp:
+        return f"{c.num_query_groups} key/value heads over {tp} tensor-parallel ranks"
+    for layer in model.decoder.layers:
+        try:
+            read_layer(layer, c, c.num_attention_heads // tp, c.num_query_groups // tp,
+                        stack=False)
+        except Unsupported as why:
+            return str(why)
+        experts = getattr(layer.mlp, "experts", None)
+        etp = getattr(experts, "tp_group", None)
+        if experts is not None and etp is not None and etp.size() > 1:
+            attn_tp = layer.self_attention.linear_qkv.tp_group
+            if not set(dist.get_process_group_ranks(etp)) <= set(
+                    dist.get_process_group_ranks(attn_tp)):
+                return "expert tensor-parallel ranks outside one attention tensor-parallel group"
+    return None
+
+
 def group_or_none(group):
     """``group`` when it spans more than one rank, else None (the step's collectives skipped)."""
     return group if group is not None and group.size() > 1 else None

@@ -13,7 +13,8 @@ with every shape fixed by ``B`` (the request slots) and ``Lk`` (the keys each re
 so it compiles with ``torch.compile(fullgraph=True)`` and a CUDA graph can hold it. The maths is
 Megatron's local spec with this project's kernels (:mod:`.local`, :mod:`.moe`), op for op:
 RMSNorm, fused QKV split per query group, QK-norm, RoPE (:mod:`.rotary`), the key/value written
-into the paged buffer, attention over each request's keys gathered from its blocks (SDPA, GQA),
+into the paged buffer, attention over each request's keys gathered from its blocks (SDPA with
+each key/value head's query heads folded into the query axis: :func:`_grouped_sdpa`),
 top-k softmax routing with Megatron's ``topk`` and dropless experts as two grouped GEMMs over
 the tokens in expert-major order (:func:`~.moe.permute_without_host_reads`; with at most ``2 k``
 experts, or this rank's experts under EP, every expert over every token: :func:`_dense_experts`),
@@ -22,11 +23,20 @@ final norm and output layer. Greedy tokens equal Megatron's forward's
 several queries attend causally to its paged keys (:attr:`KeyGroup.queries`), and only the last
 tokens' logits are computed (:attr:`DecodeBatch.last`).
 
-Supported (:func:`unsupported` says why not): TP = PP = 1 (EP any: the experts sharded,
-:func:`_moe_ep`, or gathered once per call, :func:`replicate_experts`), the local spec (not TE's fused
-norm-linear modules), SwiGLU or plain experts without bias, softmax top-k routing without groups
-or expert bias, unfused non-interleaved RoPE, no MLA, no shared experts. Everything else decodes
-through Megatron's forward, as before.
+Tensor parallelism as Megatron's modules do it, without sequence parallelism (a decoding step
+has one token per request): every TP rank holds every row, ``linear_qkv`` / ``linear_fc1`` are
+column shards (its heads, its part of ``F``), ``linear_proj`` / ``linear_fc2`` row shards whose
+partial sums are all-reduced over the TP group, the embedding a vocabulary shard (looked up,
+all-reduced), the logits gathered over the vocabulary. Experts: their own tensor parallelism
+(``expert_tensor_parallel_size``: F-shards, partial sums all-reduced over that group) and EP
+(sharded, :func:`_moe_ep`, or gathered once per call, :func:`replicate_experts`). Every group
+is the model's own (its modules' ``tp_group``, ``ep_group``), passed explicitly.
+
+The weights are read through :mod:`.adapters` (the local spec, Transformer Engine's fused norm +
+linear modules, ``SequentialMLP`` / ``GroupedMLP`` / ``TEGroupedMLP``): :func:`unsupported` says
+why not where they find no tensor, or where the maths differs (PP > 1, MLA, fused /
+interleaved RoPE, biases, fp8, routing other than dropless softmax top-k without groups, expert
+bias or shared experts). Everything else decodes through Megatron's forward, as before.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from gspo_megatron.backends.megatron.kernels.adapters import Unsupported
+from gspo_megatron.backends.megatron.kernels.adapters import read_layer, unsupported  # noqa: F401
 from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
                                                          permute_without_host_reads)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
@@ -135,7 +145,7 @@ class DecodeWeights:
         tp_group = group_or_none(getattr(embedding, "tp_group", None))
         tp = tp_group.size() if tp_group is not None else 1
         heads, groups = c.num_attention_heads // tp, c.num_query_groups // tp
-        layers = [_read_layer(layer, c, heads, groups) for layer in model.decoder.layers]
+        layers = [read_layer(layer, c, heads, groups) for layer in model.decoder.layers]
         head_dim = c.kv_channels
         rot = model.rotary_pos_emb
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype)
@@ -160,39 +170,6 @@ class DecodeWeights:
                    tp_group=tp_group, expert_tp_group=expert_tp,
                    vocab_start=int(getattr(embedding, "vocab_start_index", 0)),
                    vocab=vocab if vocab is not None else output.shape[0] * tp)
-
-
-def _read_layer(layer, c, heads: int, groups: int, stack: bool = True) -> DecodeLayer:
-    """One layer's tensors through the adapters (:mod:`.adapters`); ``heads`` / ``groups``: this
-    TP rank's query heads and key/value heads; ``stack`` False: the experts' weights are only
-    checked (None). Raises :class:`~.adapters.Unsupported`."""
-    from gspo_megatron.backends.megatron.kernels.adapters import (expert_weights, linear_weight,
-                                                                  norm_of)
-
-    att, mlp = layer.self_attention, layer.mlp
-    qkv = getattr(att, "linear_qkv", None)
-    proj = getattr(att, "linear_proj", None)
-    if qkv is None or proj is None:
-        raise Unsupported(f"attention of type {type(att).__name__} (no linear_qkv / linear_proj)")
-    moe = hasattr(mlp, "router")
-    if moe:
-        w1, w2 = expert_weights(mlp.experts, stack) or (None, None)
-        mlp_norm = norm_of(layer.pre_mlp_layernorm, None, c)
-    else:
-        fc1, fc2 = getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)
-        if fc1 is None or fc2 is None:
-            raise Unsupported(f"MLP of type {type(mlp).__name__}")
-        w1, w2 = linear_weight(fc1, "linear_fc1"), linear_weight(fc2, "linear_fc2")
-        mlp_norm = norm_of(layer.pre_mlp_layernorm, fc1, c)
-    q_norm, k_norm = getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None)
-    qk_weight = None
-    if type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps:
-        qk_weight = torch.cat((q_norm.weight.float().expand(heads, -1),
-                               k_norm.weight.float().expand(groups, -1)))
-    return DecodeLayer(
-        norm_of(layer.input_layernorm, qkv, c), linear_weight(qkv, "linear_qkv"), q_norm, k_norm,
-        linear_weight(proj, "linear_proj"), mlp_norm, mlp.router.weight if moe else None, w1, w2,
-        qk_weight, q_norm.eps if qk_weight is not None else 0.0)
 
 
 def replica_bytes(w: DecodeWeights) -> int:
@@ -227,48 +204,6 @@ def replicate_experts(w: DecodeWeights) -> DecodeWeights:
               for layer in w.layers]
     return dataclasses.replace(w, layers=layers, ep_group=None,
                                local_experts=(0, count * group.size()))
-
-
-def unsupported(model, groups) -> str | None:
-    """Why :func:`decode_forward` cannot decode ``model`` on ``groups`` (None: it can). Decided
-    by capability: the configuration's maths, and whether :mod:`.adapters` find every tensor
-    (whatever the modules' types: the local spec, Transformer Engine's fused modules,
-    ``SequentialMLP`` / ``GroupedMLP`` / ``TEGroupedMLP``)."""
-    import torch.distributed as dist
-
-    c = model.config
-    if groups.pp_size != 1:
-        return "pipeline parallel rollout"
-    if c.multi_latent_attention or c.apply_rope_fusion or c.rotary_interleaved:
-        return "MLA or fused / interleaved RoPE"
-    if c.add_bias_linear or c.add_qkv_bias or c.attention_output_gate:
-        return "biases or an attention output gate"
-    if c.fp8 or getattr(c, "fp4", None):
-        return "fp8 / fp4 weights"
-    if c.num_moe_experts and (c.moe_router_score_function != "softmax" or c.moe_router_num_groups
-                              or c.moe_router_enable_expert_bias or c.moe_shared_expert_intermediate_size
-                              or c.moe_expert_capacity_factor is not None or c.moe_latent_size
-                              or c.moe_apply_probs_on_input):
-        return "MoE routing other than dropless softmax top-k (groups, expert bias, shared experts)"
-    if getattr(model, "position_embedding_type", "rope") not in ("rope", "yarn"):
-        return f"position embedding {model.position_embedding_type!r}"
-    tp = groups.tp_size
-    if c.num_query_groups % tp:
-        return f"{c.num_query_groups} key/value heads over {tp} tensor-parallel ranks"
-    for layer in model.decoder.layers:
-        try:
-            _read_layer(layer, c, c.num_attention_heads // tp, c.num_query_groups // tp,
-                        stack=False)
-        except Unsupported as why:
-            return str(why)
-        experts = getattr(layer.mlp, "experts", None)
-        etp = getattr(experts, "tp_group", None)
-        if experts is not None and etp is not None and etp.size() > 1:
-            attn_tp = layer.self_attention.linear_qkv.tp_group
-            if not set(dist.get_process_group_ranks(etp)) <= set(
-                    dist.get_process_group_ranks(attn_tp)):
-                return "expert tensor-parallel ranks outside one attention tensor-parallel group"
-    return None
 
 
 @dataclasses.dataclass
@@ -436,10 +371,7 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
         rows = g.key_rows.reshape(-1)  # [B_g Lk]
         k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
         v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
-    return F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
-        attn_mask=g.key_mask[:, None, None, :], scale=w.softmax_scale,
-        enable_gqa=w.grouped_query)
+    return _grouped_sdpa(w, q.transpose(1, 2), k_all, v_all, g.key_mask[:, None, :])
 
 
 def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
@@ -453,11 +385,42 @@ def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Ten
     k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
     v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
     qg = q.index_select(0, g.queries.reshape(-1)).view(B, Lq, np_, hn)
-    out = F.scaled_dot_product_attention(
-        qg.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
-        attn_mask=g.key_mask[:, None], scale=w.softmax_scale,
-        enable_gqa=w.grouped_query)  # [B_g, np, Lq, hn]
+    out = _grouped_sdpa(w, qg.transpose(1, 2), k_all, v_all, g.key_mask)  # [B_g, np, Lq, hn]
     return out.transpose(1, 2).reshape(B * Lq, np_, 1, hn)
+
+
+def _grouped_sdpa(w: DecodeWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """``[B, np, Lq, hn]``: queries ``q [B, np, Lq, hn]`` over keys and values ``[B, Lk, ng,
+    hn]`` under ``mask [B, Lq, Lk]`` (True: attend), with each key/value group's ``np / ng``
+    query heads folded into the query axis (``[B, ng, np / ng Lq, hn]``; Megatron orders the
+    query heads group by group): one key/value head per SDPA head, so neither ``enable_gqa``
+    nor a repeat of K/V per query head (which send SDPA to its math path on a GPU, K/V copied
+    ``np / ng`` times); the mask stays ``[B, 1, Lq, Lk]`` at ``Lq = 1`` (broadcast over the
+    folded heads). Each query's dot products and softmax are the unfolded ones' (on CPU the
+    kernel's blocking differs: logits within 1e-6, ``tests/unit/test_fast_decode.py``)."""
+    B, np_, Lq, hn = q.shape
+    ng = w.groups
+    r = np_ // ng
+    folded = q.reshape(B, ng, r * Lq, hn)
+    if Lq > 1:  # each folded head's rows carry their query's mask row
+        mask = mask.unsqueeze(1).expand(B, r, Lq, mask.shape[-1]).reshape(B, r * Lq, -1)
+    out = F.scaled_dot_product_attention(folded, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask.unsqueeze(1), scale=w.softmax_scale)
+    return out.view(B, np_, Lq, hn)
+
+
+def attention_backend(w: DecodeWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor) -> str:
+    """The SDPA kernel :func:`_grouped_sdpa` gets for these inputs (``torch._fused_sdp_choice``:
+    ``flash_attention``, ``efficient_attention``, ``math``, ...): what the GPU check records."""
+    from torch.nn.attention import SDPBackend
+
+    B, np_, Lq, hn = q.shape
+    folded = q.reshape(B, w.groups, np_ // w.groups * Lq, hn)
+    choice = torch._fused_sdp_choice(folded, k.transpose(1, 2), v.transpose(1, 2),
+                                     mask.unsqueeze(1), 0.0, False, scale=w.softmax_scale)
+    return SDPBackend(choice).name.lower()
 
 
 def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
