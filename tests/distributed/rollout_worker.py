@@ -125,6 +125,10 @@ def main():
         # the step function's greedy tokens must equal on this layout
         "greedy_megatron": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4,
                                          decode_steps_per_sync=0),
+        # sampled through the rounds: every rank of a TP group draws the same tokens (each
+        # samples from the same gathered logits with the same seed; nothing is broadcast)
+        "sampled_rounds": RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6,
+                                        max_batch_size=4),
     }.items():
         engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
                                config=cfg)

@@ -71,6 +71,8 @@ def test_rollouts_match_single_process(reference, layout):
         # EP: the decoding step's experts gathered on every rank (``auto``), or left sharded
         assert (got["own_greedy_replicated"], got["own_greedy_sharded_replicated"]) == (
             (True, False) if "--ep" in layout else (False, False)), (layout, rank)
+    # the same prompts and seed on every rank: the same draws (TP peers share every collective)
+    assert len({json.dumps(load(out, r)["sampled_rounds"]) for r in range(nproc)}) == 1
     if layout[0] == "--ep":  # EP=2 on 2 ranks is DP=2: the ranks really held different prompts
         assert load(out, 0)["dp_rank"] != load(out, 1)["dp_rank"]
 
