@@ -184,9 +184,9 @@ def unsupported(model, groups) -> str | None:
         experts = getattr(layer.mlp, "experts", None)
         etp = getattr(experts, "tp_group", None)
         if experts is not None and etp is not None and etp.size() > 1:
-            attn_tp = layer.self_attention.linear_qkv.tp_group
-            if not set(dist.get_process_group_ranks(etp)) <= set(
-                    dist.get_process_group_ranks(attn_tp)):
+            # (TE's linears keep no group: the layout's own TP group)
+            if groups.tp_group is None or not set(dist.get_process_group_ranks(etp)) <= set(
+                    dist.get_process_group_ranks(groups.tp_group)):
                 return "expert tensor-parallel ranks outside one attention tensor-parallel group"
     return None
 
