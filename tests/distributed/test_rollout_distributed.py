@@ -48,7 +48,10 @@ def reference(tmp_path_factory):
     ["--tp", "2"], ["--ep", "2"], ["--pp", "2"],
     # the shipped Qwen3-30B-A3B recipes' rollout layout, halved (TP2 x EP8, ETP1 -> TP2 x EP2 on
     # 4 ranks: DP 2, each EP group = a TP pair)
-    ["--tp", "2", "--ep", "2", "--etp", "1"]], ids=["tp2_sp", "ep2", "pp2", "tp2_ep2_etp1"])
+    ["--tp", "2", "--ep", "2", "--etp", "1"],
+    # the experts' own TP under EP: each EP rank's experts F-sharded over its TP pair
+    ["--tp", "2", "--ep", "2", "--etp", "2"]],
+    ids=["tp2_sp", "ep2", "pp2", "tp2_ep2_etp1", "tp2_ep2_etp2"])
 def test_rollouts_match_single_process(reference, layout):
     base, weights, ref = reference
     out = str(base / "_".join(layout).strip("-"))
