@@ -59,6 +59,8 @@ class DecodeLayer:
     stacked once per rollout call)."""
 
     input_norm: torch.nn.Module
+    """The norm before attention: a norm module, or TE's norm fused into ``linear_qkv``
+    (:class:`~.adapters.FusedNorm`); likewise ``mlp_norm``."""
     qkv: torch.Tensor
     """``[(np + 2 ng) hn, H]``: Megatron's fused layout, per query group its ``np / ng`` query
     heads, then its key, then its value."""
