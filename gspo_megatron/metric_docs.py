@@ -147,6 +147,10 @@ METRICS: tuple[MetricDoc, ...] = (
               "the weights being trained (`rollout.max_staleness`).",
               "`rollout.placement: separate`"),
     # rollout/*: rollouts/partial.py.
+    MetricDoc("rollout/decode_path", "1: decoding ran the multi-step step function "
+              "(`rollout.decode_steps_per_sync`); 0: Megatron's forward at every step "
+              "(`decode_steps_per_sync: 0`, or a layout / build it does not cover: one WARNING "
+              "line at start-up says why).", "the Megatron rollout engine"),
     MetricDoc("rollout/partial_carried_share", "Share of the step's response tokens written by "
               "earlier steps' rollouts.", "`rollout.partial_rollouts`"),
     MetricDoc("rollout/partial_max_age", "Steps since the oldest trained group was drawn.",

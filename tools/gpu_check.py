@@ -168,6 +168,10 @@ def stages(work: str, size: str = "full") -> list[Stage]:
         # against the weights' read time, graph vs eager greedy tokens.
         Stage("decode_probe", [[sys.executable, "-m", "tools.bench.decode_probe", "--size",
                                 size]], 300, timed=True),
+        # The multi-step decoding step on the build the GPU has (TE's fused modules and
+        # TEGroupedMLP where TE imports): the path taken, greedy tokens against Megatron's
+        # forward (eager and CUDA graphs), the SDPA kernel its attention gets, ms per step.
+        Stage("decode_build", [[sys.executable, "-m", "tools.bench.gpu_decode"]], 240),
         # The same paths on the tiny model (issue 48's target: <= 3 ms per decoding step).
         Stage("tiny_rollout_bench", [[sys.executable, "-m", "tools.bench.gpu_rollout", "--size",
                                       "smoke" if smoke else "quick", "--tiny"]], 240, timed=True),

@@ -94,6 +94,9 @@ class StepSampler:
             varied = sum(int((~t).sum()) for *_, t in batches)
             if not any_rank(varied < cfg.rollout.prompts_per_step):
                 break
+        path = getattr(self.generator, "decode_path", None)
+        if path is not None:  # which decoder ran (the fast step function, or Megatron's forward)
+            metrics["rollout/decode_path"] = path
         if ds.enabled:
             prompts, samples, advantages, ds_metrics = self._select_groups(batches)
             metrics.update(ds_metrics)

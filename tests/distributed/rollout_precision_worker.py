@@ -7,8 +7,6 @@ writes ``{out}/rank{r}.json``: samples, ``k3``/``diff`` against the trainer, and
 """
 
 import argparse
-import json
-import os
 
 import torch
 
@@ -20,6 +18,7 @@ from gspo_megatron.config import OptimConfig, RolloutConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
 from gspo_megatron.policy import make_policy_batch
 from tests.distributed.rollout_worker import EOS, VOCAB, model_config, prompts
+from tests.helpers.rank_results import write_rank_json
 
 
 def main():
@@ -59,9 +58,7 @@ def main():
         bf16=all(p.dtype == torch.bfloat16 for p in copy_params),
         sequence_parallel_restored=bool(live.config.sequence_parallel) == (args.tp > 1),
     )
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{groups.rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_rank_json(args.out, groups.rank, result)
     destroy_distributed()
 
 

@@ -10,8 +10,6 @@ of data-parallel ranks 0 and 1, to compare with a DP=2 layout's ranks.
 """
 
 import argparse
-import json
-import os
 
 import torch
 
@@ -23,6 +21,7 @@ from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
 from gspo_megatron.backends.megatron.checkpoint import load_model_weights, save_model_weights
 from gspo_megatron.backends.megatron.routing.rollout_routes import rollout_disagreement, rollout_route_store
+from tests.helpers.rank_results import write_rank_json
 
 VOCAB, EOS = 16, 2
 
@@ -89,6 +88,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--weights", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--make-reference", action="store_true")
@@ -96,6 +96,7 @@ def main():
 
     model_cfg = model_config()
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep,
+                              expert_tensor_parallel_size=args.etp,
                               pipeline_model_parallel_size=args.pp, sequence_parallel=args.tp > 1)
     groups = initialize_distributed(parallel, model_cfg, seed=1234)
     policy = build_policy(model_cfg, parallel, PrecisionConfig(transformer_impl="local"),
@@ -120,6 +121,14 @@ def main():
         # step) instead of gathered once per call (``auto`` here: the tiny model's fit)
         "greedy_sharded": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4,
                                         decode_experts="sharded"),
+        # Megatron's forward at every step (the layout's own modules and collectives): what
+        # the step function's greedy tokens must equal on this layout
+        "greedy_megatron": RolloutConfig(max_new_tokens=8, top_k=1, max_batch_size=4,
+                                         decode_steps_per_sync=0),
+        # sampled through the rounds: every rank of a TP group draws the same tokens (each
+        # samples from the same gathered logits with the same seed; nothing is broadcast)
+        "sampled_rounds": RolloutConfig(max_new_tokens=8, temperature=0.9, top_k=6,
+                                        max_batch_size=4),
     }.items():
         engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
                                config=cfg)
@@ -131,6 +140,7 @@ def main():
         result[f"own_{name}"] = as_json(own.generate(own_prompts(groups.dp_rank), seed=23))
         fast = own.dynamic.fast if own.dynamic is not None else None
         result[f"own_{name}_replicated"] = fast is not None and fast.replicated
+        result[f"own_{name}_fast"] = fast is not None
         if groups.world_size == 1:
             result[f"own_{name}_by_dp"] = [as_json(own.generate(own_prompts(dp), seed=23))
                                            for dp in (0, 1)]
@@ -139,9 +149,7 @@ def main():
         args.tp > 1)
     result["training_restored"] = policy.unwrapped().training
     result["dp_rank"] = groups.dp_rank
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{groups.rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_rank_json(args.out, groups.rank, result)
     destroy_distributed()
 
 

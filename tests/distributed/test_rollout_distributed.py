@@ -44,24 +44,38 @@ def reference(tmp_path_factory):
     return base, weights, load(single)
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--ep", "2"], ["--pp", "2"]],
-                         ids=["tp2_sp", "ep2", "pp2"])
+@pytest.mark.parametrize("layout", [
+    ["--tp", "2"], ["--ep", "2"], ["--pp", "2"],
+    # the shipped Qwen3-30B-A3B recipes' rollout layout, halved (TP2 x EP8, ETP1 -> TP2 x EP2 on
+    # 4 ranks: DP 2, each EP group = a TP pair)
+    ["--tp", "2", "--ep", "2", "--etp", "1"],
+    # the experts' own TP under EP: each EP rank's experts F-sharded over its TP pair
+    ["--tp", "2", "--ep", "2", "--etp", "2"]],
+    ids=["tp2_sp", "ep2", "pp2", "tp2_ep2_etp1", "tp2_ep2_etp2"])
 def test_rollouts_match_single_process(reference, layout):
     base, weights, ref = reference
     out = str(base / "_".join(layout).strip("-"))
-    run(2, "--weights", weights, "--out", out, *layout)
+    nproc = 4 if len(layout) > 2 else 2
+    run(nproc, "--weights", weights, "--out", out, *layout, timeout=400)
     finish = [s["f"] for k in ("greedy", "sampled") for s in ref[k]]
     assert "eos" in finish and "length" in finish, "the reference should exercise both endings"
-    for rank in (0, 1):
+    for rank in range(nproc):
         got = load(out, rank)
         assert got["sequence_parallel_restored"] and got["training_restored"], got
-        for key in ("greedy", "sampled", "greedy_sharded"):
+        for key in ("greedy", "sampled", "greedy_sharded", "greedy_megatron"):
             assert_same(got[key], ref[key], (layout, rank, key))
-        for key in ("own_greedy", "own_sampled", "own_greedy_sharded"):
+        for key in ("own_greedy", "own_sampled", "own_greedy_sharded", "own_greedy_megatron"):
             assert_same(got[key], ref[f"{key}_by_dp"][got["dp_rank"]], (layout, rank, key))
+        # the step function on this layout's own module and collectives (TP: column / row shards
+        # and their all-reduces), Megatron's forward only where asked (PP: not covered)
+        assert got["own_greedy_fast"] == (layout[0] != "--pp"), (layout, rank)
+        assert not got["own_greedy_megatron_fast"]
+        assert [s["r"] for s in got["greedy"]] == [s["r"] for s in got["greedy_megatron"]]
         # EP: the decoding step's experts gathered on every rank (``auto``), or left sharded
         assert (got["own_greedy_replicated"], got["own_greedy_sharded_replicated"]) == (
-            (True, False) if layout[0] == "--ep" else (False, False)), (layout, rank)
+            (True, False) if "--ep" in layout else (False, False)), (layout, rank)
+    # the same prompts and seed on every rank: the same draws (TP peers share every collective)
+    assert len({json.dumps(load(out, r)["sampled_rounds"]) for r in range(nproc)}) == 1
     if layout[0] == "--ep":  # EP=2 on 2 ranks is DP=2: the ranks really held different prompts
         assert load(out, 0)["dp_rank"] != load(out, 1)["dp_rank"]
 

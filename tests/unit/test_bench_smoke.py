@@ -155,6 +155,20 @@ def test_gpu_rollout_bench_runs_its_gpu_code_on_cpu():
             assert prof["ops_per_unit"] > 0 and prof["top_host"], prof
 
 
+def test_gpu_decode_check_runs_its_gpu_code_on_cpu():
+    """``tools/gpu_check``'s ``decode_build`` stage on CPU (the local spec, fp32): the step
+    function covers the build, decodes Megatron's forward's greedy tokens, and the attention's
+    SDPA kernel is named."""
+    from tools.bench.gpu_decode import run
+
+    res = run(batch=4, new=6)
+    assert res["unsupported"] is None, res
+    assert res["megatron_forward"]["decode_path"] == 0.0
+    assert res["rounds_eager"]["decode_path"] == 1.0
+    assert res["greedy_equal"] == {"rounds_eager": True, "rounds_graphs": True}, res
+    assert res["attention_backend"] in ("flash_attention", "math", "efficient_attention"), res
+
+
 def test_gpu_slice_profiles_its_step_on_cpu():
     """The MFU stage's profiled step runs on CPU (host columns only) and the profile's totals are
     the sums of its rows; device kernels are split by name into GEMM, attention and the rest."""

@@ -448,8 +448,9 @@ def _fast_decoder(model, groups, context, controller, wrapper, steps_per_sync: i
     if why is not None:
         import logging
 
-        logging.getLogger(__name__).info("rollout.decode_steps_per_sync: %s decode through "
-                                         "Megatron's forward at every step", why)
+        # (one WARNING: on a GPU this costs ~10x per decoding step; rollout/decode_path 0)
+        logging.getLogger(__name__).warning("rollout.decode_steps_per_sync: %s: decoding through "
+                                            "Megatron's forward at every step", why)
         return None
     from gspo_megatron.backends.megatron.engine.megatron_kv import LayoutError
 

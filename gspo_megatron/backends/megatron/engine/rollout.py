@@ -341,6 +341,14 @@ class RolloutEngine:
         return sp, score_t
 
     # ------------------------------------------------------------------ public API
+    @property
+    def decode_path(self) -> float:
+        """``rollout/decode_path``: 1.0 when decoding runs the multi-step step function
+        (:mod:`..kernels.decode`), 0.0 when Megatron's forward runs every step (
+        ``decode_steps_per_sync: 0``, or a layout or build it does not cover: a WARNING said
+        why when the engine was built)."""
+        return float(self.dynamic is not None and self.dynamic.fast is not None)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seed: int, budgets: list[int] | None = None,
                  stop: GroupStop | None = None,

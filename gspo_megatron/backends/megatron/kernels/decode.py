@@ -13,7 +13,8 @@ with every shape fixed by ``B`` (the request slots) and ``Lk`` (the keys each re
 so it compiles with ``torch.compile(fullgraph=True)`` and a CUDA graph can hold it. The maths is
 Megatron's local spec with this project's kernels (:mod:`.local`, :mod:`.moe`), op for op:
 RMSNorm, fused QKV split per query group, QK-norm, RoPE (:mod:`.rotary`), the key/value written
-into the paged buffer, attention over each request's keys gathered from its blocks (SDPA, GQA),
+into the paged buffer, attention over each request's keys gathered from its blocks (SDPA with
+each key/value head's query heads folded into the query axis: :func:`_grouped_sdpa`),
 top-k softmax routing with Megatron's ``topk`` and dropless experts as two grouped GEMMs over
 the tokens in expert-major order (:func:`~.moe.permute_without_host_reads`; with at most ``2 k``
 experts, or this rank's experts under EP, every expert over every token: :func:`_dense_experts`),
@@ -22,11 +23,20 @@ final norm and output layer. Greedy tokens equal Megatron's forward's
 several queries attend causally to its paged keys (:attr:`KeyGroup.queries`), and only the last
 tokens' logits are computed (:attr:`DecodeBatch.last`).
 
-Supported (:func:`unsupported` says why not): TP = PP = 1 (EP any: the experts sharded,
-:func:`_moe_ep`, or gathered once per call, :func:`replicate_experts`), the local spec (not TE's fused
-norm-linear modules), SwiGLU or plain experts without bias, softmax top-k routing without groups
-or expert bias, unfused non-interleaved RoPE, no MLA, no shared experts. Everything else decodes
-through Megatron's forward, as before.
+Tensor parallelism as Megatron's modules do it, without sequence parallelism (a decoding step
+has one token per request): every TP rank holds every row, ``linear_qkv`` / ``linear_fc1`` are
+column shards (its heads, its part of ``F``), ``linear_proj`` / ``linear_fc2`` row shards whose
+partial sums are all-reduced over the TP group, the embedding a vocabulary shard (looked up,
+all-reduced), the logits gathered over the vocabulary. Experts: their own tensor parallelism
+(``expert_tensor_parallel_size``: F-shards, partial sums all-reduced over that group) and EP
+(sharded, :func:`_moe_ep`, or gathered once per call, :func:`replicate_experts`). Every group
+is the model's own (its modules' ``tp_group``, ``ep_group``), passed explicitly.
+
+The weights are read through :mod:`.adapters` (the local spec, Transformer Engine's fused norm +
+linear modules, ``SequentialMLP`` / ``GroupedMLP`` / ``TEGroupedMLP``): :func:`unsupported` says
+why not where they find no tensor, or where the maths differs (PP > 1, MLA, fused /
+interleaved RoPE, biases, fp8, routing other than dropless softmax top-k without groups, expert
+bias or shared experts). Everything else decodes through Megatron's forward, as before.
 """
 
 from __future__ import annotations
@@ -36,9 +46,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from gspo_megatron.backends.megatron.kernels.adapters import read_layer, unsupported  # noqa: F401
 from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
-                                                         permute_without_host_reads,
-                                                         stack_experts)
+                                                         permute_without_host_reads)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
 from gspo_megatron.backends.megatron.model import RMSNorm
 
@@ -49,6 +59,8 @@ class DecodeLayer:
     stacked once per rollout call)."""
 
     input_norm: torch.nn.Module
+    """The norm before attention: a norm module, or TE's norm fused into ``linear_qkv``
+    (:class:`~.adapters.FusedNorm`); likewise ``mlp_norm``."""
     qkv: torch.Tensor
     """``[(np + 2 ng) hn, H]``: Megatron's fused layout, per query group its ``np / ng`` query
     heads, then its key, then its value."""
@@ -110,38 +122,44 @@ class DecodeWeights:
     """Under EP: the tokens every rank contributes to a MoE layer's gather (the most any rank
     decodes this round; fewer are padded): set per round (:class:`~..engine.rounds.FastDecoder`)."""
 
+    tp_group: object = None
+    """The tensor-parallel group of attention, dense MLPs, embedding and output layer (None: one
+    rank): ``qkv`` / ``w1`` are column shards (this rank's heads, its part of ``F``), ``proj`` /
+    ``w2`` row shards whose partial sums are all-reduced, ``embedding`` / ``output`` this rank's
+    rows of the (padded) vocabulary. No sequence parallelism: every TP rank holds every row."""
+    expert_tp_group: object = None
+    """The experts' own tensor-parallel group (Megatron's ``expert_tensor_parallel_size``; None:
+    one rank): each expert's ``W1`` / ``W2`` a column / row shard of ``F``, the experts' partial
+    sums all-reduced over it. Its ranks lie inside one ``tp_group`` (:func:`unsupported`), so
+    they hold the same rows."""
+    vocab_start: int = 0
+    """The first vocabulary id of this TP rank's ``embedding`` rows."""
+    vocab: int | None = None
+    """Under TP: the logits' columns kept after the gather (the tokenizer's ids)."""
+
     @classmethod
     def of(cls, model, vocab: int | None = None) -> "DecodeWeights":
-        """The weights of ``model`` (a ``GPTModel``, :func:`unsupported` None), experts stacked;
-        ``vocab``: the output layer's first ``vocab`` rows only (the tokenizer's ids: the
-        columns Megatron pads the vocabulary with are never sampled)."""
+        """The weights of ``model`` (a ``GPTModel``, :func:`unsupported` None), read through
+        :mod:`.adapters` (experts stacked, or viewed where the layout allows); ``vocab``: the
+        output layer's first ``vocab`` rows only (the tokenizer's ids: the columns Megatron pads
+        the vocabulary with are never sampled)."""
+        from gspo_megatron.backends.megatron.kernels.adapters import group_or_none
+
         c = model.config
-        layers = []
+        embedding = model.embedding.word_embeddings
+        tp_group = group_or_none(getattr(embedding, "tp_group", None))
+        tp = tp_group.size() if tp_group is not None else 1
+        heads, groups = c.num_attention_heads // tp, c.num_query_groups // tp
         # rollout.precision fp8 where FP8 GEMMs run: attention weights as FP8 (F.linear on them
         # is torch._scaled_mm: ..rollout_numerics.Fp8Weights); else the tensors themselves
         fp8 = getattr(model, "fp8_gemm_weights", None) or {}
+        layers = []
         for layer in model.decoder.layers:
-            att, mlp = layer.self_attention, layer.mlp
-            moe = hasattr(mlp, "router")
-            if moe and getattr(mlp.experts, "stacked", None) is not None:
-                w1, w2 = mlp.experts.stacked  # (stacked_expert_weights: the rollout call's)
-            elif moe:
-                w1, w2 = stack_experts(mlp.experts.local_experts)
-            else:
-                w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
-            q_norm, k_norm = getattr(att, "q_layernorm", None), getattr(att, "k_layernorm", None)
-            qk_weight = None
-            if (type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps):
-                qk_weight = torch.cat((
-                    q_norm.weight.float().expand(c.num_attention_heads, -1),
-                    k_norm.weight.float().expand(c.num_query_groups, -1)))
-            layers.append(DecodeLayer(
-                layer.input_layernorm, fp8.get(id(att.linear_qkv.weight), att.linear_qkv.weight),
-                q_norm, k_norm, fp8.get(id(att.linear_proj.weight), att.linear_proj.weight),
-                layer.pre_mlp_layernorm,
-                mlp.router.weight if moe else None, w1, w2, qk_weight,
-                q_norm.eps if qk_weight is not None else 0.0,
-                getattr(mlp.router, "logit_noise", None) if moe else None))
+            read = read_layer(layer, c, heads, groups)
+            router = getattr(layer.mlp, "router", None)
+            layers.append(dataclasses.replace(
+                read, qkv=fp8.get(id(read.qkv), read.qkv), proj=fp8.get(id(read.proj), read.proj),
+                logit_noise=getattr(router, "logit_noise", None)))
         head_dim = c.kv_channels
         rot = model.rotary_pos_emb
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype)
@@ -149,17 +167,23 @@ class DecodeWeights:
                    None)
         ep_group = moe.ep_group if moe is not None and moe.ep_group.size() > 1 else None
         local = (moe.local_expert_indices[0], moe.num_local_experts) if moe is not None else (0, 0)
+        expert_tp = (group_or_none(getattr(moe.experts, "tp_group", None))
+                     if moe is not None else None)
         output = (model.shared_embedding_or_output_weight()
                   if model.share_embeddings_and_output_weights else model.output_layer.weight)
-        output = output[:vocab] if vocab is not None else output  # (a view: no copy)
-        return cls(model.embedding.word_embeddings.weight, layers, model.decoder.final_layernorm,
-                   output, c.num_attention_heads, c.num_query_groups, head_dim,
+        if tp_group is None:
+            output = output[:vocab] if vocab is not None else output  # (a view: no copy)
+        return cls(embedding.weight, layers, model.decoder.final_layernorm,
+                   output, heads, groups, head_dim,
                    rot.inv_freq.numel() * 2, c.moe_router_topk, bool(c.moe_router_pre_softmax),
                    c.moe_router_topk_scaling_factor, router_dtype, bool(c.gated_linear_unit),
                    c.activation_func, float(c.glu_linear_offset),
                    c.softmax_scale if c.softmax_scale is not None else head_dim ** -0.5,
                    c.num_attention_heads != c.num_query_groups,
-                   grouped_mm_runs_on(layers[0].w1) if layers else True, ep_group, local)
+                   grouped_mm_runs_on(layers[0].w1) if layers else True, ep_group, local,
+                   tp_group=tp_group, expert_tp_group=expert_tp,
+                   vocab_start=int(getattr(embedding, "vocab_start_index", 0)),
+                   vocab=vocab if vocab is not None else output.shape[0] * tp)
 
 
 def replica_bytes(w: DecodeWeights) -> int:
@@ -194,35 +218,6 @@ def replicate_experts(w: DecodeWeights) -> DecodeWeights:
               for layer in w.layers]
     return dataclasses.replace(w, layers=layers, ep_group=None,
                                local_experts=(0, count * group.size()))
-
-
-def unsupported(model, groups) -> str | None:
-    """Why :func:`decode_forward` cannot decode ``model`` on ``groups`` (None: it can)."""
-    c = model.config
-    if groups.tp_size != 1 or groups.pp_size != 1:
-        return "tensor or pipeline parallel rollout"
-    if c.multi_latent_attention or c.apply_rope_fusion or c.rotary_interleaved:
-        return "MLA or fused / interleaved RoPE"
-    if c.add_bias_linear or c.add_qkv_bias or c.attention_output_gate:
-        return "biases or an attention output gate"
-    if c.num_moe_experts and (c.moe_router_score_function != "softmax" or c.moe_router_num_groups
-                              or c.moe_router_enable_expert_bias or c.moe_shared_expert_intermediate_size
-                              or c.moe_expert_capacity_factor is not None or c.moe_latent_size):
-        return "MoE routing other than dropless softmax top-k (groups, expert bias, shared experts)"
-    if getattr(model, "position_embedding_type", "rope") not in ("rope", "yarn"):
-        return f"position embedding {model.position_embedding_type!r}"
-    for layer in model.decoder.layers:
-        att, mlp = layer.self_attention, layer.mlp
-        if not (hasattr(att, "linear_qkv") and torch.is_tensor(getattr(att.linear_qkv, "weight", None))
-                and callable(layer.input_layernorm) and hasattr(layer.input_layernorm, "weight")):
-            return "Transformer Engine's fused norm + linear modules"
-        if hasattr(mlp, "router"):
-            experts = getattr(mlp.experts, "local_experts", None)
-            if not experts:
-                return f"experts of type {type(mlp.experts).__name__}"
-        elif not hasattr(mlp, "linear_fc1"):
-            return f"MLP of type {type(mlp).__name__}"
-    return None
 
 
 @dataclasses.dataclass
@@ -283,7 +278,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
     order (what R3 records)."""
     B = batch.tokens.shape[0]
     np_, ng, hn = w.heads, w.groups, w.head_dim
-    x = F.embedding(batch.tokens, w.embedding).unsqueeze(1)  # [B, 1, H] (sequence-major, b = 1)
+    x = _embed(w, batch.tokens).unsqueeze(1)  # [B, 1, H] (sequence-major, b = 1)
     cos, sin = batch.cos[batch.positions], batch.sin[batch.positions]  # [B, 1, 1, rot]
     routes = []
     for i, layer in enumerate(w.layers):
@@ -318,7 +313,8 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
                     padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))
                 out.index_copy_(0, g.queries.reshape(-1), _attend_queries(w, kv, i, padded, g))
             out = out[:B]
-        x = x + F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj)
+        x = x + _reduce(F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj),
+                        w.tp_group)
         y = _norm(layer.mlp_norm, x)
         if layer.router is None:
             mlp, top = _dense(w, layer, y), None
@@ -329,8 +325,43 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             routes.append(top)
     if batch.last is not None:
         x = x.index_select(0, batch.last)
-    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1).float()  # [B or n, V]
+    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1)  # [B or n, V / tp]
+    if w.tp_group is not None:  # every rank's columns, the padded ones dropped
+        logits = _gather_columns(logits, w.tp_group)[:, :w.vocab]
+    logits = logits.float()  # [B or n, V]
     return logits, (torch.stack(routes) if record_routes and routes else None)
+
+
+def _embed(w: DecodeWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, H]``: Megatron's ``VocabParallelEmbedding``: under TP each rank looks up the ids in
+    its rows (the others zero) and the ranks' rows are summed (one exact term each)."""
+    if w.tp_group is None:
+        return F.embedding(tokens, w.embedding)
+    local = tokens - w.vocab_start
+    outside = (local < 0) | (local >= w.embedding.shape[0])
+    x = F.embedding(local.masked_fill(outside, 0), w.embedding)
+    return _reduce(x.masked_fill(outside.unsqueeze(-1), 0), w.tp_group)
+
+
+def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` in place (a row-parallel linear's partial sums: Megatron's
+    ``reduce_from_tensor_model_parallel_region``); ``x`` itself for None."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _gather_columns(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n, size c]``: every rank's ``x [n, c]`` side by side in rank order (a column-parallel
+    linear's gathered output: Megatron's ``gather_from_tensor_model_parallel_region``)."""
+    import torch.distributed as dist
+
+    size = group.size()
+    parts = x.new_empty(size * x.shape[0], x.shape[1])
+    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
+    return parts.view(size, x.shape[0], x.shape[1]).transpose(0, 1).reshape(x.shape[0], -1)
 
 
 def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -354,10 +385,7 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
         rows = g.key_rows.reshape(-1)  # [B_g Lk]
         k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
         v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
-    return F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
-        attn_mask=g.key_mask[:, None, None, :], scale=w.softmax_scale,
-        enable_gqa=w.grouped_query)
+    return _grouped_sdpa(w, q.transpose(1, 2), k_all, v_all, g.key_mask[:, None, :])
 
 
 def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
@@ -371,11 +399,42 @@ def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Ten
     k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
     v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
     qg = q.index_select(0, g.queries.reshape(-1)).view(B, Lq, np_, hn)
-    out = F.scaled_dot_product_attention(
-        qg.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
-        attn_mask=g.key_mask[:, None], scale=w.softmax_scale,
-        enable_gqa=w.grouped_query)  # [B_g, np, Lq, hn]
+    out = _grouped_sdpa(w, qg.transpose(1, 2), k_all, v_all, g.key_mask)  # [B_g, np, Lq, hn]
     return out.transpose(1, 2).reshape(B * Lq, np_, 1, hn)
+
+
+def _grouped_sdpa(w: DecodeWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """``[B, np, Lq, hn]``: queries ``q [B, np, Lq, hn]`` over keys and values ``[B, Lk, ng,
+    hn]`` under ``mask [B, Lq, Lk]`` (True: attend), with each key/value group's ``np / ng``
+    query heads folded into the query axis (``[B, ng, np / ng Lq, hn]``; Megatron orders the
+    query heads group by group): one key/value head per SDPA head, so neither ``enable_gqa``
+    nor a repeat of K/V per query head (which send SDPA to its math path on a GPU, K/V copied
+    ``np / ng`` times); the mask stays ``[B, 1, Lq, Lk]`` at ``Lq = 1`` (broadcast over the
+    folded heads). Each query's dot products and softmax are the unfolded ones' (on CPU the
+    kernel's blocking differs: logits within 1e-6, ``tests/unit/test_fast_decode.py``)."""
+    B, np_, Lq, hn = q.shape
+    ng = w.groups
+    r = np_ // ng
+    folded = q.reshape(B, ng, r * Lq, hn)
+    if Lq > 1:  # each folded head's rows carry their query's mask row
+        mask = mask.unsqueeze(1).expand(B, r, Lq, mask.shape[-1]).reshape(B, r * Lq, -1)
+    out = F.scaled_dot_product_attention(folded, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask.unsqueeze(1), scale=w.softmax_scale)
+    return out.view(B, np_, Lq, hn)
+
+
+def attention_backend(w: DecodeWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor) -> str:
+    """The SDPA kernel :func:`_grouped_sdpa` gets for these inputs (``torch._fused_sdp_choice``:
+    ``flash_attention``, ``efficient_attention``, ``math``, ...): what the GPU check records."""
+    from torch.nn.attention import SDPBackend
+
+    B, np_, Lq, hn = q.shape
+    folded = q.reshape(B, w.groups, np_ // w.groups * Lq, hn)
+    choice = torch._fused_sdp_choice(folded, k.transpose(1, 2), v.transpose(1, 2),
+                                     mask.unsqueeze(1), 0.0, False, scale=w.softmax_scale)
+    return SDPBackend(choice).name.lower()
 
 
 def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
@@ -386,7 +445,7 @@ def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor) -> torch.Tensor:
-    return F.linear(_act(w, F.linear(y, layer.w1)), layer.w2)
+    return _reduce(F.linear(_act(w, F.linear(y, layer.w1)), layer.w2), w.tp_group)
 
 
 def moe_only_step(w: DecodeWeights) -> None:
@@ -419,7 +478,8 @@ def _moe_ep(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     routing_probs, _, top = _route(w, layer, tokens)
     first, count = w.local_experts
     weights = routing_probs[:, first:first + count]  # [T, E_l]
-    out = _dense_experts(w, layer, tokens, weights)  # [ep rows, H]: this rank's experts' part
+    # [ep rows, H]: this rank's experts' part (their F-shards summed over the expert TP group)
+    out = _reduce(_dense_experts(w, layer, tokens, weights), w.expert_tp_group)
     # each rank's rows of every rank's part (an all-to-all: ~0.34 ms on gloo where an all-reduce
     # of the whole takes ~0.61 ms), added here
     parts = torch.empty_like(out)
@@ -469,7 +529,8 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     tokens = y.view(-1, H)  # [T, H]
     routing_probs, probs, top = _route(w, layer, tokens)
     if routing_probs.shape[1] <= 2 * w.topk:  # at most twice the routed FLOPs: every expert
-        return _dense_experts(w, layer, tokens, routing_probs).view(B, 1, H), top
+        out = _dense_experts(w, layer, tokens, routing_probs)
+        return _reduce(out, w.expert_tp_group).view(B, 1, H), top
     if not w.grouped_mm or (torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16):
         # torch._grouped_mm's shape function takes bf16 only (its CPU kernel any dtype), its
         # CUDA kernel bf16 on Hopper: otherwise each route multiplies its expert's gathered
@@ -478,7 +539,8 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
         h = torch.bmm(x, layer.w1.index_select(0, top.reshape(-1)))  # [T k, 1, (2) F]
         h = (_act(w, h) * probs.reshape(-1, 1, 1)).to(tokens.dtype)
         h = torch.bmm(h, layer.w2.index_select(0, top.reshape(-1)))  # [T k, 1, H]
-        return h.view(B, w.topk, H).sum(dim=1, keepdim=True), top
+        out = h.view(B, w.topk, H).sum(dim=1, keepdim=True)
+        return _reduce(out, w.expert_tp_group), top
     routing_map = torch.zeros_like(routing_probs).int().scatter(1, top, 1).bool()
     permuted, permuted_probs, mapping = permute_without_host_reads(
         tokens, routing_map, routing_probs, tokens.shape[0] * w.topk)
@@ -487,4 +549,4 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     h = (_act(w, h) * permuted_probs.unsqueeze(-1)).to(permuted.dtype)
     h = torch._grouped_mm(h, layer.w2, offs=offs)  # [T k, H]
     out = torch.zeros_like(tokens).scatter_add_(0, mapping.unsqueeze(1).expand(-1, H), h)
-    return out.view(B, 1, H), top
+    return _reduce(out, w.expert_tp_group).view(B, 1, H), top
