@@ -252,7 +252,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
         actor = policy(total_steps=1, with_optimizer=False, frozen=True)
     else:
         actor = policy(total_steps=rl_optimizer_steps(cfg),
-                       routing_cfg=cfg.routing)
+                       routing_cfg=cfg.routing, offload=cfg.trainer.offload)
     reference = (policy(total_steps=1, with_optimizer=False, frozen=True)
                  if cfg.trainer.reference_model and not rollout_rank else None)
     sampler = PromptSampler(prepared.train, cfg.rollout.prompts_per_step * groups.dp_size,

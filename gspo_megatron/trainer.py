@@ -257,10 +257,15 @@ class Trainer:
         memory = MemoryPeaks()
 
         try:
-            sampled, rollout_perf = self.rollouts.next(self.step, watch)
+            # trainer.offload: the optimizer state (and gradients) wait in host memory while this
+            # rank rolls out, so the KV cache has their device memory; back before any pass.
+            with self.policy.training_state_offloaded() as moved:
+                sampled, rollout_perf = self.rollouts.next(self.step, watch)
+                memory.phase("perf/rollout_peak_mem_gib")  # gspo-plan's "rollout peak" (KV in)
         except SkipStep as skip:
             return self._skip_step(skip.fault, skip.metrics, watch)
-        memory.phase("perf/rollout_peak_mem_gib")  # gspo-plan's "rollout peak" (KV cache in)
+        if moved:
+            rollout_perf = {**rollout_perf, "perf/offloaded_gib": moved / 1024 ** 3}
         samples, advantages, minibatch_sizes, extra = sampled.samples, sampled.advantages, None, {}
         if self.balances_ranks:
             samples, advantages, minibatch_sizes, extra = balance_stage(
