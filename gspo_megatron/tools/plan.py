@@ -99,7 +99,7 @@ def table(plan) -> str:
             ("rollout KV cache (paged)" + (", held in training" if plan.kv_cache_in_training
                                            else ""), plan.kv_cache)]
     if plan.offload != "none":
-        rows.append((f"to host in rollouts ({plan.offload})", plan.offloaded))
+        rows.append((f"offloaded ({plan.offload})", plan.offloaded))
     rows += [("training peak", plan.training_peak), ("rollout peak", plan.rollout_peak),
             ("total (larger peak)", plan.total)]
     lines = [f"layout {plan.layout.describe()} DP{plan.dp} on {plan.num_gpus} GPUs"]

@@ -256,7 +256,8 @@ def test_recipe_without_loss_optim_sft_trains_with_the_papers_defaults(tmp_path)
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "--config", str(recipe),
                            f"--logging.run_dir={run}", "--logging.progress=false"],
-                          env=clean_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          env=clean_env({"GSPO_LOG_LEVEL": "INFO"}), capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import yaml
     saved = yaml.safe_load((run / "config.yaml").read_text())
@@ -265,6 +266,8 @@ def test_recipe_without_loss_optim_sft_trains_with_the_papers_defaults(tmp_path)
     assert (loss.variant, loss.eps_low, loss.eps_high) == ("gspo", 3e-4, 4e-4)  # paper Sec. 5.1
     assert saved["sft"]["steps"] == 0 and saved["optim"]["lr"] == 1e-6
     assert "sft step" not in proc.stdout and not (run / "sft_weights").exists()
+    # The layer spec is chosen once for the run's models and said in one INFO line.
+    assert (proc.stdout + proc.stderr).count("layer spec: ") == 1, proc.stderr[-2000:]
     records = read_metrics(str(run / "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["optim/lr"] == pytest.approx(1e-6) for r in records)  # constant, no warm-up

@@ -136,13 +136,46 @@ def test_recipe_is_the_layout_source(plan):
     assert p.stdout == q.stdout
 
 
-@pytest.mark.parametrize("recipe,gpus,layout", [("qwen3_30b_a3b_gspo.yaml", 16, "2 1 8 1 1"),
+@pytest.mark.parametrize("recipe,gpus,layout", [("qwen3_30b_a3b_gspo.yaml", 8, "4 1 8 1 1"),
+                                                ("qwen3_30b_a3b_grpo.yaml", 8, "4 1 8 1 1"),
+                                                ("qwen3_30b_a3b_gspo.yaml", 16, "4 1 8 1 1"),
                                                 ("qwen3_30b_a3b_gspo_16k.yaml", 16, "4 1 8 1 1"),
                                                 ("qwen3_235b_a22b_gspo.yaml", 128, "4 1 64 1 1")])
 def test_shipped_recipes_fit_their_launch_size(plan, recipe, gpus, layout):
-    """What launch/submit.sh checks for the two real models (launch/models/*.sh GPU counts)."""
+    """What launch/submit.sh checks for the two real models (launch/models/*.sh GPU counts):
+    the 30B recipes on one node of 8 x 80 GB, with the offload; the verdict in one line."""
     p = plan("--gpus", str(gpus), "--config", os.path.join(RECIPES, recipe), "--print-layout")
     assert p.returncode == 0 and p.stdout == layout + "\n", p.stderr
+    verdict = [line for line in p.stderr.splitlines() if line.startswith("plan: ")]
+    assert len(verdict) == 1 and verdict[0].startswith("plan: fits: "), p.stderr
+
+
+def test_offload_in_the_plan(plan):
+    """trainer.offload takes Adam's moments (8 of the optimizer's 12 bytes a parameter), the
+    gradients and, with ``all``, the main copy (bf16) out of the rollout peak only; the 30B
+    recipe on 8 GPUs does not fit without it."""
+    model = model_config_from_preset("qwen3-30b-a3b")
+    layout, kw = Layout(tp=4, ep=8, etp=1), dict(seq_length=5120, rollout_requests=128,
+                                                 max_tokens_per_microbatch=10240)
+    plans = {o: plan_memory(model, layout, 8, offload=o, **kw)
+             for o in ("none", "optimizer", "optimizer+grads", "all")}
+    none = plans["none"]
+    assert {p.training_peak for p in plans.values()} == {none.training_peak}
+    assert plans["optimizer"].offloaded == pytest.approx(none.optimizer * 8 / 12, abs=2)
+    assert plans["optimizer+grads"].offloaded == pytest.approx(
+        none.optimizer * 8 / 12 + none.grads, abs=2)
+    assert plans["all"].offloaded == pytest.approx(none.optimizer + none.grads, abs=2)
+    for p in plans.values():
+        assert p.rollout_peak == p.state - p.offloaded + p.kv_cache
+    fp32 = plan_memory(model, layout, 8, offload="all", bf16=False, **kw)
+    assert fp32.offloaded == pytest.approx(fp32.optimizer * 8 / 12 + fp32.grads, abs=2)
+    recipe = os.path.join(RECIPES, "qwen3_30b_a3b_gspo.yaml")
+    out = plan("--gpus", "8", "--config", recipe)
+    assert out.returncode == 0 and "offloaded (optimizer+grads)" in out.stdout
+    rollout = float(out.stdout.split("rollout peak")[1].split()[0])
+    assert rollout < 40  # 36.73 GiB: weights, the main copy, the KV cache
+    off = plan("--gpus", "8", "--config", recipe, "--trainer.offload=none")
+    assert off.returncode == 3 and "does not fit" in off.stderr
 
 
 def test_recipe_mode_refuses_flags_and_bad_overrides(plan):

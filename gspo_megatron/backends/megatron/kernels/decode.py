@@ -188,6 +188,15 @@ def replicate_experts(w: DecodeWeights) -> DecodeWeights:
                                local_experts=(0, count * group.size()))
 
 
+def step_function_applies(rollout, tp: int, pp: int) -> bool:
+    """Whether a run's rollouts decode with :func:`decode_forward`, from its config alone
+    (``rollout``: the ``rollout`` section; ``tp``, ``pp``: the rollout's layout): the dynamic
+    engine with ``decode_steps_per_sync`` > 0 at TP = PP = 1. The model-level part (Qwen3's
+    modules, the local spec) is :func:`unsupported`'s; this is what the layer spec is chosen by
+    before the model exists (:func:`~gspo_megatron.backends.megatron.model.choose_transformer_impl`)."""
+    return rollout.engine != "static" and rollout.decode_steps_per_sync > 0 and tp == pp == 1
+
+
 def unsupported(model, groups) -> str | None:
     """Why :func:`decode_forward` cannot decode ``model`` on ``groups`` (None: it can)."""
     c = model.config
