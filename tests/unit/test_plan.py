@@ -223,8 +223,8 @@ def test_route_memory_of_the_qwen3_recipes(plan, recipe, gpus, per_token, moe_la
     assert f"routes per token (host, R2/R3) {per_token} B (routing replay on)" in text
     assert (f"routes of a rollout batch {per_rank / 2**20:.2f} MiB per rank per copy "
             f"({tokens:,} tokens; host)") in text
-    # 30B: 4 x 16 x 5120 tokens x 384 B / TP 2 = 60 MiB; 235B: 2 x 16 x 5120 x 752 B / (PP 1 x TP 4)
-    assert per_rank == {384: 60 * 2**20, 752: 30_801_920}[per_token]
+    # 30B: 16 x 16 x 5120 tokens x 384 B / TP 4 = 120 MiB; 235B: 2 x 16 x 5120 x 752 B / (PP 1 x TP 4)
+    assert per_rank == {384: 120 * 2**20, 752: 30_801_920}[per_token]
     layout = Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                     ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
     on = plan_memory(m, layout, gpus, rollout_tokens=tokens, routing_replay=True)
@@ -360,8 +360,8 @@ def test_cli_max_tokens_per_microbatch(plan):
     r = plan("--gpus", "16", "--config", recipe, "--trainer.max_tokens_per_microbatch=16384")
     assert r.returncode == 0, r.stderr
     assert "microbatch                       16,384 tokens, packed (sequences <= 5,120)" in r.stdout
-    # The recipe: TP2 EP8 ETP1, full recompute, model.seq_length 5120.
-    want = plan_memory(m, Layout(tp=2, ep=8, etp=1), 16, seq_length=5120, recompute="full",
+    # The recipe: TP4 EP8 ETP1, full recompute, model.seq_length 5120.
+    want = plan_memory(m, Layout(tp=4, ep=8, etp=1), 16, seq_length=5120, recompute="full",
                        max_tokens_per_microbatch=16384)
     assert f"activations (estimate)           {want.activations / GIB:8.2f} GiB" in r.stdout
     assert f"log-prob logits                  {want.logits / GIB:8.2f} GiB" in r.stdout
@@ -429,7 +429,9 @@ def test_rollout_ranks_of_a_separate_placement(plan):
     gradient or optimizer state) plus its KV cache on one GPU."""
     recipe = os.path.join(RECIPES, "qwen3_30b_a3b_gspo.yaml")
     model = model_config_from_preset("qwen3-30b-a3b")
-    separate = ["--rollout.placement=separate", "--rollout.ranks=8"]
+    # (the recipe's TP4 on one node; TP2 gives DP8 on the 16 trainer GPUs)
+    separate = ["--rollout.placement=separate", "--rollout.ranks=8",
+                "--parallel.tensor_model_parallel_size=2"]
     r = plan("--config", recipe, "--gpus", "24", *separate, "--rollout.max_batch_size=32")
     assert r.returncode == 0, r.stderr
     assert "16 trainer GPUs (below) + 8 rollout GPUs" in r.stdout
@@ -441,12 +443,12 @@ def test_rollout_ranks_of_a_separate_placement(plan):
     # 32 requests x 5,120 tokens x 48 layers x K and V of 4 groups x 128 in bf16, in paged blocks
     assert 1 <= kv / (32 * 5120 * 48 * 4 * 128 * 2 * 2) < 1.01
     assert f"{'rollout peak':32s} {(weights + kv) / GIB:8.2f} GiB" in replica
-    # the recipe's 64 requests of 5,120 tokens do not fit beside 57 GiB of weights on 80 GiB
-    r = plan("--config", recipe, "--gpus", "24", *separate)
+    # 64 requests of 5,120 tokens do not fit beside 57 GiB of weights on 80 GiB
+    r = plan("--config", recipe, "--gpus", "24", *separate, "--rollout.max_batch_size=64")
     assert r.returncode == 3 and "a rollout rank does not fit: 86.9 GiB > 80.0 GiB" in r.stderr
     # rollout ranks != the trainer's DP, and no GPU left to train
     r = plan("--config", recipe, "--gpus", "20", "--rollout.placement=separate",
-             "--rollout.ranks=4")
+             "--rollout.ranks=4", "--parallel.tensor_model_parallel_size=2")
     assert r.returncode == 2
     # (the trainer's own check, the same words as gspo-train's)
     assert "rollout.ranks=4 must equal the trainer's data-parallel size (8: 16 training" in r.stderr
@@ -470,7 +472,7 @@ def test_held_kv_cache_counts_in_the_training_peak(plan):
     assert p.returncode == 0 and "held in training" not in p.stderr + p.stdout
 
 
-@pytest.mark.parametrize("recipe,gpus,ranks,shard", [("qwen3_30b_a3b_gspo.yaml", 24, 8, 8.20),
+@pytest.mark.parametrize("recipe,gpus,ranks,shard", [("qwen3_30b_a3b_gspo.yaml", 20, 4, 7.49),
                                                      ("qwen3_235b_a22b_gspo.yaml", 160, 32, 10.40)])
 def test_weight_transfer_host_memory_of_the_qwen3_recipes(plan, recipe, gpus, ranks, shard):
     """``rollout.placement: separate``: the busiest trainer rank keeps its main-replica shard
