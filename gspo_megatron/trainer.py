@@ -337,7 +337,8 @@ class Trainer:
         """Held-out accuracy (greedy decoding), averaged over data-parallel ranks."""
         examples = self.task.eval[: max_examples or len(self.task.eval)]
         local = examples[self.groups.dp_rank:: self.groups.dp_size]
-        with self.new_progress("eval", len(local)) as progress:
+        # (trainer.offload: its rollouts hold the KV cache as the training steps' do)
+        with self.policy.training_state_offloaded(), self.new_progress("eval", len(local)) as progress:
             samples = rollout_stage(self.greedy, self.task.tokenizer, local, 1, seed=0,
                                     progress=progress.callback())
         _, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, 1,
@@ -356,7 +357,8 @@ class Trainer:
         if not n or self.sampled_eval is None or not self.task.eval:
             return {}
         local = self.task.eval[self.groups.dp_rank:: self.groups.dp_size]
-        with self.new_progress(f"eval@{n}", len(local) * n) as progress:
+        with self.policy.training_state_offloaded(), \
+                self.new_progress(f"eval@{n}", len(local) * n) as progress:
             samples = rollout_stage(self.sampled_eval, self.task.tokenizer, local, n,
                                     seed=self.cfg.evaluation.seed + self.groups.dp_rank,
                                     progress=progress.callback())
