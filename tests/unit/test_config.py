@@ -226,7 +226,8 @@ def test_cluster_recipe_path_check(tmp_path: Path) -> None:
     data.write_bytes(b"")
     cfg = load_config(RECIPES / "qwen3_30b_a3b_gspo.yaml",
                       [f"--data.train_path={data}", f"--checkpoint.init_weights={tmp_path}"])
-    assert validate_config(cfg, 16) == 8
+    assert validate_config(cfg, 8) == 2  # one node: TP4 -> DP 2
+    assert validate_config(cfg, 16) == 4
 
 
 # ----------------------------------------------------------------------------------- overrides
