@@ -9,6 +9,7 @@ model or file exists; :func:`build` makes the components; :meth:`Trainer.fit` ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -241,8 +242,21 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
         save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
         tokenizer.save(os.path.join(cfg.logging.run_dir, "tokenizer"))
 
+    # The layer spec, chosen (and logged) once for every model of the run: the policy, the
+    # reference and a rollout rank's replica share weights by name, so they share the spec. The
+    # rollout's layout decides whether its decoding can take TE: a rollout rank's is TP = PP = 1.
+    from gspo_megatron.backends.megatron.kernels.decode import step_function_applies
+    from gspo_megatron.backends.megatron.model import resolve_transformer_impl
+
+    separate = cfg.rollout.placement == "separate"
+    precision = dataclasses.replace(cfg.precision, transformer_impl=resolve_transformer_impl(
+        cfg.precision, log=groups.is_logging_rank and not rollout_rank,  # one line per job
+        decode_step_function=step_function_applies(
+            cfg.rollout, 1 if separate else cfg.parallel.tensor_model_parallel_size,
+            1 if separate else cfg.parallel.pipeline_model_parallel_size)))
+
     def policy(**kwargs):
-        return build_policy(cfg.model, parallel, cfg.precision, cfg.optim, groups,
+        return build_policy(cfg.model, parallel, precision, cfg.optim, groups,
                             micro_batch_size=cfg.trainer.micro_batch_size,
                             logprob_micro_batch_size=cfg.trainer.logprob_micro_batch_size,
                             max_tokens_per_microbatch=token_budget(cfg),
@@ -252,7 +266,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
         actor = policy(total_steps=1, with_optimizer=False, frozen=True)
     else:
         actor = policy(total_steps=rl_optimizer_steps(cfg),
-                       routing_cfg=cfg.routing)
+                       routing_cfg=cfg.routing, offload=cfg.trainer.offload)
     reference = (policy(total_steps=1, with_optimizer=False, frozen=True)
                  if cfg.trainer.reference_model and not rollout_rank else None)
     sampler = PromptSampler(prepared.train, cfg.rollout.prompts_per_step * groups.dp_size,

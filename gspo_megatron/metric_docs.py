@@ -229,6 +229,8 @@ METRICS: tuple[MetricDoc, ...] = (
     MetricDoc("perf/checkpoint_wait_s", "Seconds waiting for the background checkpoint write to "
               "commit before the first update."),
     MetricDoc("perf/update_s", "Seconds of the minibatch updates."),
+    MetricDoc("perf/offloaded_gib", "GiB of training state this rank kept in host memory during "
+              "its rollout (`trainer.offload`; absent with `none`)."),
     MetricDoc("perf/checkpoint_s", "Seconds the step spent saving a checkpoint (its state dict and "
               "the writer's fork when asynchronous).", "steps that save"),
     MetricDoc("perf/publish_weights_s", "Seconds publishing the new weights to the rollout ranks.",

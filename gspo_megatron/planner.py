@@ -36,12 +36,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from gspo_megatron.config.model import ModelConfig, ParallelConfig
+from gspo_megatron.config.schema import OFFLOAD_PARTS
+from gspo_megatron.config.validation import parallel_layout_errors
 from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token
 from gspo_megatron.params import count_parameters
 
 GIB = 1024 ** 3
+
+HEADROOM = 0.1
+"""The share of a GPU's memory a plan should leave free (allocator fragmentation, NCCL and CUDA
+context, the estimate's error: a peak measured 1.086x the plan on an H200): a layout above it
+but within the memory is reported as fitting, with its headroom stated."""
 
 
 @dataclass
@@ -104,6 +112,12 @@ class MemoryPlan:
     max_tokens_per_microbatch: int | None = None
     """Token budget of a packed microbatch (``trainer.max_tokens_per_microbatch``); None: padded
     microbatches of ``micro_batch_size`` x ``seq_length``."""
+    offload: str = "none"
+    """``trainer.offload``: what of :attr:`state` leaves the GPU while this rank rolls out."""
+    offloaded: int = 0
+    """Bytes of :attr:`state` in host memory during rollouts (``trainer.offload``: Adam's
+    moments, 8 of the optimizer's 12 bytes a parameter; the gradients; with ``all`` the fp32
+    main copy, the other 4, under bf16). Back on the GPU for the training passes."""
 
     @property
     def microbatch_tokens(self) -> int:
@@ -132,9 +146,16 @@ class MemoryPlan:
         return self.state + self.activations + self.logits + held
 
     @property
+    def rollout_state(self) -> int:
+        """What of :attr:`state` stays on the GPU during rollouts (all of it without
+        ``trainer.offload``)."""
+        return self.state - self.offloaded
+
+    @property
     def rollout_peak(self) -> int:
-        """Rollout: the state plus the KV cache (training activations are gone by then)."""
-        return self.state + self.kv_cache
+        """Rollout: the state left on the GPU plus the KV cache (training activations are gone
+        by then)."""
+        return self.rollout_state + self.kv_cache
 
     @property
     def total(self) -> int:
@@ -184,9 +205,14 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
                 recompute: str | None = "full", rollout_tokens: int = 0,
                 routing_replay: bool = False, kv_cache_bytes: int | None = None,
                 rollout_requests: int = 0, keep_kv: bool = False,
-                max_tokens_per_microbatch: int | None = None) -> MemoryPlan:
-    """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout is invalid
-    or ``max_tokens_per_microbatch`` is below 1.
+                max_tokens_per_microbatch: int | None = None,
+                offload: str = "none") -> MemoryPlan:
+    """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout breaks
+    the trainer's rule (:func:`~gspo_megatron.config.validation.parallel_layout_errors`: the
+    same message) or ``max_tokens_per_microbatch`` is below 1.
+
+    ``offload`` (``trainer.offload``): the state moved to host memory during rollouts
+    (:attr:`MemoryPlan.offloaded`).
 
     The rollout's KV cache: ``kv_cache_bytes`` if given, else ``rollout_requests`` requests of
     ``seq_length`` tokens in paged blocks (0 requests: none); ``keep_kv``: it stays allocated
@@ -225,7 +251,11 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
                               context_parallel_size=layout.cp,
                               sequence_parallel=layout.tp > 1)
     model.validate()
-    dp = parallel.validate(num_gpus, model)
+    dp, errors = parallel_layout_errors(parallel, model, num_gpus)
+    if errors:
+        raise ValueError("; ".join(errors))
+    if offload not in OFFLOAD_PARTS:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOAD_PARTS)}, got {offload!r}")
     expert_dp = num_gpus // (layout.pp * layout.ep * layout.etp)
     s = seq_length or model.seq_length
     b = micro_batch_size
@@ -267,16 +297,24 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
             wbytes)) if rollout_requests else 0
     vocab_shard = model.padded_vocab_size() // layout.tp
     logits = n / layout.cp * vocab_shard * 2 + min(1024, n) * vocab_shard * 4
+    # The optimizer's 12 bytes a parameter: Adam's m and v (8), the fp32 main copy (4), which
+    # under fp32 training is the weights themselves (the rollout reads them: never moved).
+    grads = int((dense + expert) * 4)
+    moves = OFFLOAD_PARTS[offload]
+    offloaded = (int((opt_dense + opt_expert) * 8 / 12) * ("optimizer" in moves)
+                 + grads * ("grads" in moves)
+                 + int((opt_dense + opt_expert) * 4 / 12) * ("main" in moves and bf16))
     return MemoryPlan(
         layout=layout, num_gpus=num_gpus, dp=dp,
         params_per_gpu=dense + expert, dense_params_per_gpu=dense, expert_params_per_gpu=expert,
-        weights=int((dense + expert) * wbytes), grads=int((dense + expert) * 4),
+        weights=int((dense + expert) * wbytes), grads=grads,
         optimizer=int(opt_dense + opt_expert), activations=int(acts),
         routing_replay=int(replay), logits=int(logits),
         route_bytes_per_token=route_bytes_per_token(model), rollout_tokens=int(rollout_tokens),
         routing_replay_on=bool(routing_replay), kv_cache=int(kv_cache_bytes),
         kv_cache_in_training=bool(keep_kv and kv_cache_bytes),
         micro_batch_size=b, seq_length=s, max_tokens_per_microbatch=max_tokens_per_microbatch,
+        offload=offload, offloaded=offloaded,
     )
 
 
@@ -337,8 +375,12 @@ def plan_weight_transfer(plan: MemoryPlan, max_staleness: int, bucket_bytes: int
     return TransferPlan(shard=plan.weights, pending=max_staleness + 1, bucket=bucket_bytes)
 
 
-def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int = 8) -> list[Layout]:
-    """Every layout whose sizes divide the model and the GPUs (TP within a node)."""
+def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int = 8,
+                      accept: Callable[[Layout], bool] | None = None) -> list[Layout]:
+    """Every layout the trainer accepts on ``num_gpus`` GPUs (TP within a node, ETP 1, CP 1):
+    :func:`~gspo_megatron.config.validation.parallel_layout_errors` finds nothing, and
+    ``accept`` (``gspo-plan --config``: the recipe's own checks of a layout,
+    :func:`~gspo_megatron.config.validation.layout_errors`) says yes."""
     powers = [1, 2, 4, 8, 16, 32, 64, 128]
     out = []
     for tp, pp, ep in itertools.product(powers, powers, powers):
@@ -348,24 +390,62 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, gpus_per_node: int = 8)
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
                                   sequence_parallel=tp > 1)
-        try:
-            parallel.validate(num_gpus, model)
-        except ValueError:
+        if parallel_layout_errors(parallel, model, num_gpus)[1]:
+            continue
+        if accept is not None and not accept(layout):
             continue
         out.append(layout)
     return out
 
 
+def headroom(plan: MemoryPlan, gpu_memory_gib: float) -> float:
+    """The share of the GPU's memory the plan's peak leaves free (negative: it does not fit)."""
+    return 1.0 - plan.total / (gpu_memory_gib * GIB)
+
+
 def suggest_layouts(model: ModelConfig, num_gpus: int, gpu_memory_gib: float, limit: int = 5,
+                    accept: Callable[[Layout], bool] | None = None,
                     **plan_kwargs) -> list[MemoryPlan]:
-    """Layouts that fit in ``gpu_memory_gib`` (with 10% headroom), least model parallelism first."""
+    """Layouts of :func:`candidate_layouts` whose peak fits in ``gpu_memory_gib``: those that
+    leave :data:`HEADROOM` free first, then those that fit with less (never dropped: the caller
+    states each one's :func:`headroom`); within each, least model parallelism first."""
     fits = []
-    for layout in candidate_layouts(model, num_gpus):
+    for layout in candidate_layouts(model, num_gpus, accept=accept):
         plan = plan_memory(model, layout, num_gpus, **plan_kwargs)
-        if plan.total <= 0.9 * gpu_memory_gib * GIB:
+        if plan.total <= gpu_memory_gib * GIB:
             fits.append(plan)
-    fits.sort(key=lambda p: (p.layout.tp * p.layout.pp, p.layout.pp, p.total))
+    fits.sort(key=lambda p: (headroom(p, gpu_memory_gib) < HEADROOM,
+                             p.layout.tp * p.layout.pp, p.layout.pp, p.total))
     return fits[:limit]
+
+
+CLUSTER_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""The GPU counts :func:`smallest_cluster` tries."""
+
+
+def smallest_cluster(model: ModelConfig, gpu_memory_gib: float, layout: Layout | None = None,
+                     accept_for: Callable[[int], Callable[[Layout], bool]] | None = None,
+                     min_headroom: float = 0.0, **plan_kwargs) -> MemoryPlan | None:
+    """The plan on the fewest GPUs of :data:`CLUSTER_SIZES` that fits ``gpu_memory_gib`` and
+    leaves at least ``min_headroom`` of it free: with ``layout`` that layout only, else the
+    first of :func:`suggest_layouts`. ``accept_for(n)``: the trainer's check of a layout on
+    ``n`` GPUs. None: none up to 1,024 GPUs."""
+    for gpus in CLUSTER_SIZES:
+        accept = accept_for(gpus) if accept_for is not None else None
+        if layout is None:
+            plans = [p for p in suggest_layouts(model, gpus, gpu_memory_gib, limit=1,
+                                                accept=accept, **plan_kwargs)
+                     if headroom(p, gpu_memory_gib) >= min_headroom]
+            if plans:
+                return plans[0]
+            continue
+        try:
+            plan = plan_memory(model, layout, gpus, **plan_kwargs)
+        except ValueError:
+            continue
+        if headroom(plan, gpu_memory_gib) >= min_headroom and (accept is None or accept(layout)):
+            return plan
+    return None
 
 
 MAX_RESPONSE_SEARCHED = 1 << 20

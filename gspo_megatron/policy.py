@@ -303,6 +303,10 @@ class Policy(Protocol):
     def temporary_optimizer(self, optim_cfg, total_steps: int):
         """Context manager: a fresh optimizer and schedule (SFT warm-up), the RL one restored."""
 
+    def training_state_offloaded(self):
+        """Context manager around a rollout on this rank: ``trainer.offload``'s part of the
+        training state in host memory inside it, back bitwise after; yields the bytes moved."""
+
     def copy_weights_to(self, other: "Policy") -> None: ...
 
     @property

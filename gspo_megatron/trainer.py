@@ -257,10 +257,15 @@ class Trainer:
         memory = MemoryPeaks()
 
         try:
-            sampled, rollout_perf = self.rollouts.next(self.step, watch)
+            # trainer.offload: the optimizer state (and gradients) wait in host memory while this
+            # rank rolls out, so the KV cache has their device memory; back before any pass.
+            with self.policy.training_state_offloaded() as moved:
+                sampled, rollout_perf = self.rollouts.next(self.step, watch)
+                memory.phase("perf/rollout_peak_mem_gib")  # gspo-plan's "rollout peak" (KV in)
         except SkipStep as skip:
             return self._skip_step(skip.fault, skip.metrics, watch)
-        memory.phase("perf/rollout_peak_mem_gib")  # gspo-plan's "rollout peak" (KV cache in)
+        if moved:
+            rollout_perf = {**rollout_perf, "perf/offloaded_gib": moved / 1024 ** 3}
         samples, advantages, minibatch_sizes, extra = sampled.samples, sampled.advantages, None, {}
         if self.balances_ranks:
             samples, advantages, minibatch_sizes, extra = balance_stage(
@@ -332,7 +337,8 @@ class Trainer:
         """Held-out accuracy (greedy decoding), averaged over data-parallel ranks."""
         examples = self.task.eval[: max_examples or len(self.task.eval)]
         local = examples[self.groups.dp_rank:: self.groups.dp_size]
-        with self.new_progress("eval", len(local)) as progress:
+        # (trainer.offload: its rollouts hold the KV cache as the training steps' do)
+        with self.policy.training_state_offloaded(), self.new_progress("eval", len(local)) as progress:
             samples = rollout_stage(self.greedy, self.task.tokenizer, local, 1, seed=0,
                                     progress=progress.callback())
         _, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, 1,
@@ -351,7 +357,8 @@ class Trainer:
         if not n or self.sampled_eval is None or not self.task.eval:
             return {}
         local = self.task.eval[self.groups.dp_rank:: self.groups.dp_size]
-        with self.new_progress(f"eval@{n}", len(local) * n) as progress:
+        with self.policy.training_state_offloaded(), \
+                self.new_progress(f"eval@{n}", len(local) * n) as progress:
             samples = rollout_stage(self.sampled_eval, self.task.tokenizer, local, n,
                                     seed=self.cfg.evaluation.seed + self.groups.dp_rank,
                                     progress=progress.callback())

@@ -42,6 +42,12 @@ GPU; the first H200 run took 115 s for all of them at N = 8), then the timed one
 ``ep2_dynamic_r3_cpu`` the dynamic engine under EP=2 with R3 (ranks in lock-step), on two gloo CPU
                    ranks (two ranks cannot share one GPU's NCCL).
 ``tiny_packed``    ``tiny_dynamic`` with packed training microbatches (thd, 256-token budget).
+``tiny_offload``   ``tiny_dynamic`` with ``trainer.offload: all`` (Adam's moments, the gradient
+                   buffers and the bf16 run's fp32 main copy in pinned host memory during each
+                   rollout): compared with ``tiny_dynamic`` field by field (``vs_tiny_dynamic``).
+``slice_rl_offload`` ``slice_rl``'s first run with ``trainer.offload: optimizer+grads``: its
+                   ``perf/rollout_peak_mem_gib`` against ``slice_rl``'s (the freed state's memory
+                   is the allocator's for the KV cache), ``perf/offloaded_gib`` and the step time.
 ``cp2_cpu``        context parallelism 2 on two gloo CPU ranks, packed rows and R3 (the local
                    kernel's CP attention; TE's needs two GPUs).
 ``tiny_yarn``      ``tiny_dynamic`` with YaRN rope scaling (factor 4) on the GPU's dynamic engine.
@@ -192,6 +198,11 @@ def stages(work: str, size: str = "full") -> list[Stage]:
         # Last: it repeats what the H200 run of 2026-11-26 showed (save, resume) and a deadline
         # cuts it first.
         Stage("slice_rl", slice_rl, 600, timed=True),
+        # The offload's memory on the slice: the rollout peak without Adam's state and the
+        # gradients (gspo-plan's "rollout peak" with --trainer.offload), and what the copies cost.
+        Stage("slice_rl_offload", [slice_rl[0] + [
+            "--trainer.offload=optimizer+grads", f"--logging.run_dir={w('slice_rl_offload')}"]],
+              400, timed=True),
         # Killed at the start of the step after a checkpoint (as tests/e2e kills a CPU run), then
         # resumed: the same trainer.steps throughout, so the same LR schedule. (The H200 run of
         # 2026-11-26 stopped the first run with --trainer.steps=4 instead: a shorter schedule,
@@ -221,6 +232,10 @@ def stages(work: str, size: str = "full") -> list[Stage]:
         # where TE is installed, our packing SDPA kernel on the local spec otherwise.
         Stage("tiny_packed", [tiny("tiny_packed", "--trainer.max_tokens_per_microbatch=256")],
               300),
+        # The training state in pinned host memory during each rollout (storage freed with
+        # resize_(0), refilled after): the CPU CI proves the round trip bitwise; here the pinned
+        # non-blocking copies and the CUDA allocator. Compared with tiny_dynamic at the end.
+        Stage("tiny_offload", [tiny("tiny_offload", "--trainer.offload=all")], 300),
         # Context parallelism (one GPU holds one rank): two gloo CPU ranks, the local kernel's
         # CP attention on packed rows with R3; TE's CP attention needs two GPUs. YaRN on the
         # GPU's dynamic engine.
@@ -490,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                 list(ex.map(lambda s: one(s, threads), wave))
         # The resumed run and a repeat against the uninterrupted one, once all have finished.
         recs = {r["stage"]: r for r in results["stages"]}
-        for name in ("tiny_resume", "tiny_resume_sync", "tiny_repeat"):
+        for name in ("tiny_resume", "tiny_resume_sync", "tiny_repeat", "tiny_offload"):
             if recs.get(name, {}).get("rc") == 0 and recs.get("tiny_dynamic", {}).get("rc") == 0:
                 recs[name]["vs_tiny_dynamic"] = compare_metrics(
                     os.path.join(work, "tiny_dynamic"), os.path.join(work, name))

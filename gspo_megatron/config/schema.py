@@ -199,6 +199,12 @@ class SFTConfig(Section, name="sft"):
         yield from self._positive("lr")
 
 
+OFFLOAD_PARTS = {"none": (), "optimizer": ("optimizer",), "optimizer+grads": ("optimizer", "grads"),
+                 "all": ("optimizer", "grads", "main")}
+"""What each ``trainer.offload`` setting moves to host memory during rollouts (read by the
+policy, :mod:`gspo_megatron.backends.megatron.offload`, and by the planner)."""
+
+
 @dataclass
 class TrainerConfig(Section, name="trainer"):
     """The RL loop."""
@@ -250,6 +256,18 @@ class TrainerConfig(Section, name="trainer"):
     max_consecutive_faults: int = 3
     """Steps in a row with NaN/Inf (rewards, advantages, log-probs, loss or gradients; each such step
     is skipped with the weights untouched) after which the run stops with an error."""
+    offload: Literal["none", "optimizer", "optimizer+grads", "all"] = "none"
+    """Training state moved off the GPU while this rank rolls out (``rollout.placement:
+    colocated``), so its memory holds the rollout engine's KV cache instead: before each step's
+    rollout it is copied to pinned host memory and its GPU storage freed; after the rollout it is
+    copied back into the same tensors (same addresses inside the tensors' storage, values
+    bitwise), before the old-log-prob pass and the updates. ``optimizer``: Adam's moments;
+    ``optimizer+grads``: and DDP's fp32 gradient buffers; ``all``: and the optimizer's fp32
+    main copy of the weights (bf16 training; with fp32 training the main copy is the weights,
+    which the rollout reads, and stays). verl's ``actor_rollout_ref.actor.megatron.
+    optimizer_offload`` / ``grad_offload`` (``param_offload`` moves the weights too), slime's
+    ``--offload`` (torch_memory_saver). ``gspo-plan`` counts the rollout peak without the moved
+    state. Costs two host copies of it per step (PCIe: ~25 GB/s each way)."""
 
     def _problems(self) -> Iterator[Problem]:
         yield from self._at_least(0, "steps", "eval_interval", "seed")

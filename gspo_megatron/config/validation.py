@@ -15,7 +15,7 @@ import warnings
 from typing import Sequence
 
 from gspo_megatron.sections import FieldError, Section
-from gspo_megatron.config.model import (ModelConfig, ModelFileError, architecture_differences,
+from gspo_megatron.config.model import (ModelConfig, ModelFileError, ParallelConfig, architecture_differences,
                                         find_converted_dir, model_config_file,
                                         read_model_config_file, show_value)
 from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token
@@ -71,11 +71,8 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
         raise ConfigError(errors)
     if trainer_world_size(cfg, world_size) < 1:
         raise ConfigError(_placement_errors(cfg, world_size, 0))
-    dp, layout_errors = _layout_errors(cfg, trainer_world_size(cfg, world_size))
-    layout_errors += _placement_errors(cfg, world_size, dp)
-    errors = (layout_errors + _batch_errors(cfg, dp, world_size) + _length_errors(cfg)
-              + _engine_errors(cfg) + _packing_errors(cfg) + _routing_errors(cfg)
-              + _loss_errors(cfg)
+    dp, errors = layout_errors(cfg, world_size)
+    errors += (_length_errors(cfg) + _routing_errors(cfg) + _loss_errors(cfg) + _offload_errors(cfg)
               + _start_weights_errors(cfg) + _path_errors(cfg, check_paths)
               + _reward_errors(cfg, reward_search_dirs))
     if errors:
@@ -107,26 +104,56 @@ def _placement_errors(cfg: TrainConfig, world_size: int, dp: int) -> list[str]:
 _WARN_LEVEL = 3
 
 
-def _layout_errors(cfg: TrainConfig, world_size: int) -> tuple[int, list[str]]:
-    """The layout against the world size and the model; ``(data-parallel size or 0, errors)``."""
-    par, errors = cfg.parallel, []
+def parallel_layout_errors(par: ParallelConfig, model: ModelConfig, world_size: int, *,
+                           rollout_engine: str = "auto") -> tuple[int, list[str]]:
+    """The rule for which parallel layout runs, from the layout and the model alone: sizes that
+    divide the world size, heads, experts and layers (:meth:`ParallelConfig.validate`), and what
+    the rollout engine and context parallelism do not run. ``(data-parallel size or 0, errors)``.
+
+    The one place this is decided: :func:`validate_config` (through :func:`layout_errors`),
+    ``gspo-plan``'s check of a layout and its suggestions
+    (:func:`gspo_megatron.planner.candidate_layouts`) all read it."""
+    errors: list[str] = []
     dp = 0
     try:
-        dp = par.validate(world_size, cfg.model)
+        dp = par.validate(world_size, model)
     except ValueError as e:
         errors.append(str(e))
+    pp, ep = par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    if pp > 1 and ep > 1:
+        errors.append(
+            f"parallel.pipeline_model_parallel_size={pp} with "
+            f"parallel.expert_model_parallel_size={ep}: the rollout engine keeps expert-parallel "
+            "ranks in lock-step with Megatron's dummy_forward, which has no pipeline send/recv; "
+            "use one of them")
     # Context parallelism: every training row (every sequence of a packed row) is cut into 2 x CP
     # chunks (x TP under sequence parallel; ParallelConfig checks model.seq_length divides); what
     # does not shard that way yet is refused by name.
     cp = par.context_parallel_size
     if cp > 1:
         what = f"parallel.context_parallel_size={cp}"
-        if par.pipeline_model_parallel_size > 1:
-            errors.append(f"{what} with parallel.pipeline_model_parallel_size="
-                          f"{par.pipeline_model_parallel_size}: not validated; use PP 1")
-        if cfg.rollout.engine == "static":
+        if pp > 1:
+            errors.append(f"{what} with parallel.pipeline_model_parallel_size={pp}: not "
+                          "validated; use PP 1")
+        if rollout_engine == "static":
             errors.append(f"{what} with rollout.engine='static': rollouts under context "
                           "parallelism run on the dynamic engine (rollout.engine: auto)")
+    return dp, errors
+
+
+def layout_errors(cfg: TrainConfig, world_size: int) -> tuple[int, list[str]]:
+    """Every check of :func:`validate_config` that a change of ``cfg.parallel`` can change, for a
+    job of ``world_size`` ranks: :func:`parallel_layout_errors`, the rollout ranks of
+    ``placement: separate``, the SFT batch over DP, the KV budget per TP x PP shard, the packed
+    budget's rounding to TP x CP. ``(data-parallel size or 0, errors)``; no file is read.
+    ``gspo-plan --config`` keeps only the suggestions with no error here."""
+    trainer_world = trainer_world_size(cfg, world_size)
+    if trainer_world < 1:
+        return 0, _placement_errors(cfg, world_size, 0)
+    dp, errors = parallel_layout_errors(cfg.parallel, cfg.model, trainer_world,
+                                        rollout_engine=cfg.rollout.engine)
+    errors += _placement_errors(cfg, world_size, dp)
+    errors += _batch_errors(cfg, dp, world_size) + _engine_errors(cfg) + _packing_errors(cfg)
     return dp, errors
 
 
@@ -170,12 +197,6 @@ def _length_errors(cfg: TrainConfig) -> list[str]:
 def _engine_errors(cfg: TrainConfig) -> list[str]:
     """The rollout engine against the layout and its KV budget."""
     ro, par, m, errors = cfg.rollout, cfg.parallel, cfg.model, []
-    if par.pipeline_model_parallel_size > 1 and par.expert_model_parallel_size > 1:
-        errors.append(
-            f"parallel.pipeline_model_parallel_size={par.pipeline_model_parallel_size} with "
-            f"parallel.expert_model_parallel_size={par.expert_model_parallel_size}: the rollout "
-            "engine keeps expert-parallel ranks in lock-step with Megatron's dummy_forward, which "
-            "has no pipeline send/recv; use one of them")
     if ro.partial_rollouts:
         why = {"rollout.engine='static'": ro.engine == "static",
                "dynamic_sampling.enabled": cfg.dynamic_sampling.enabled}
@@ -310,6 +331,15 @@ def _loss_errors(cfg: TrainConfig) -> list[str]:
                       "copy costs memory and a forward pass per step for nothing",
                       ConfigWarning, stacklevel=_WARN_LEVEL)
     return errors
+
+
+def _offload_errors(cfg: TrainConfig) -> list[str]:
+    """Offloading the training state during rollouts needs rollouts on the training ranks."""
+    if cfg.trainer.offload != "none" and cfg.rollout.placement == "separate":
+        return [f"trainer.offload={cfg.trainer.offload!r} with rollout.placement='separate': the "
+                "training ranks never roll out, so there is no rollout to make room for; use "
+                "trainer.offload: none"]
+    return []
 
 
 def _start_weights_errors(cfg: TrainConfig) -> list[str]:

@@ -38,13 +38,16 @@ experts (2), does not fit in memory (3), or the recipe does not load or the toke
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 
 from gspo_megatron.config.model import MODEL_PRESETS, model_config_from_preset
 from gspo_megatron.params import count_parameters
-from gspo_megatron.planner import (GIB, MAX_RESPONSE_SEARCHED, Layout, longest_response,
-                                   plan_for_response, plan_memory, plan_rollout_replica,
-                                   plan_weight_transfer, suggest_layouts)
+from gspo_megatron.planner import (CLUSTER_SIZES, GIB, HEADROOM, MAX_RESPONSE_SEARCHED, Layout,
+                                   headroom, longest_response, plan_for_response, plan_memory,
+                                   plan_rollout_replica, plan_weight_transfer, smallest_cluster,
+                                   suggest_layouts)
 
 MIB = 1024 ** 2
 
@@ -53,7 +56,7 @@ MIB = 1024 ** 2
 FLAG_DEFAULTS = dict(tp=1, pp=1, ep=1, etp=None, cp=1, micro_batch_size=1, seq_length=None,
                      fp32=False, no_distributed_optimizer=False, recompute="full",
                      rollout_tokens=0, routing_replay=False, rollout_requests=0,
-                     max_tokens_per_microbatch=None)
+                     max_tokens_per_microbatch=None, offload="none")
 # What changes each of them (and the model flags) in --config mode instead.
 RECIPE_OVERRIDES = dict(
     model="--model.preset=NAME", hf_config="the recipe's model section",
@@ -66,7 +69,8 @@ RECIPE_OVERRIDES = dict(
     rollout_tokens="--rollout.prompts_per_step / --rollout.group_size / --rollout.max_new_tokens",
     routing_replay="--routing.replay=r2 or r3",
     rollout_requests="--rollout.max_batch_size=N / --rollout.dynamic_buffer_size_gb=G",
-    max_tokens_per_microbatch="--trainer.max_tokens_per_microbatch=N")
+    max_tokens_per_microbatch="--trainer.max_tokens_per_microbatch=N",
+    offload="--trainer.offload=...")
 
 
 def format_count(n: int) -> str:
@@ -93,8 +97,10 @@ def table(plan) -> str:
             ("optimizer (fp32 master + Adam)", plan.optimizer),
             ("activations (estimate)", plan.activations), ("log-prob logits", plan.logits),
             ("rollout KV cache (paged)" + (", held in training" if plan.kv_cache_in_training
-                                           else ""), plan.kv_cache),
-            ("training peak", plan.training_peak), ("rollout peak", plan.rollout_peak),
+                                           else ""), plan.kv_cache)]
+    if plan.offload != "none":
+        rows.append((f"offloaded ({plan.offload})", plan.offloaded))
+    rows += [("training peak", plan.training_peak), ("rollout peak", plan.rollout_peak),
             ("total (larger peak)", plan.total)]
     lines = [f"layout {plan.layout.describe()} DP{plan.dp} on {plan.num_gpus} GPUs"]
     for name, value in rows:
@@ -137,7 +143,8 @@ def from_flags(args):
                   recompute=None if args.recompute == "none" else args.recompute,
                   rollout_tokens=args.rollout_tokens, routing_replay=args.routing_replay,
                   rollout_requests=args.rollout_requests,
-                  max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+                  max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                  offload=args.offload)
     return name, model, layout, kwargs
 
 
@@ -175,10 +182,33 @@ def from_recipe(args, overrides: list[str]):
                   keep_kv=(r.partial_rollouts and r.partial_keep_kv
                            and r.placement != "separate"),
                   prompt_length=cfg.data.max_prompt_length,
+                  offload=cfg.trainer.offload,
                   rollout_ranks=r.ranks if r.placement == "separate" else 0,
                   transfer=(r.max_staleness, r.weight_bucket_bytes()),
-                  decode=r)
+                  decode=r,
+                  accept_for=functools.partial(recipe_accepts, cfg),
+                  layout_check=functools.partial(recipe_layout_errors, cfg))
     return cfg.model.preset, cfg.model, layout, kwargs
+
+
+def recipe_layout_errors(cfg, trainer_gpus: int, layout: Layout) -> list[str]:
+    """gspo-train's objections to ``layout`` for ``cfg`` on ``trainer_gpus`` training GPUs
+    (:func:`~gspo_megatron.config.validation.layout_errors` with the layout swapped in)."""
+    from gspo_megatron.config.validation import layout_errors
+
+    world = trainer_gpus + (cfg.rollout.ranks if cfg.rollout.placement == "separate" else 0)
+    parallel = dataclasses.replace(
+        cfg.parallel, tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp, context_parallel_size=layout.cp,
+        sequence_parallel=cfg.parallel.sequence_parallel or layout.tp > 1)
+    return layout_errors(dataclasses.replace(cfg, parallel=parallel), world)[1]
+
+
+def recipe_accepts(cfg, trainer_gpus: int):
+    """``accept(layout)`` for the planner: no :func:`recipe_layout_errors`; what
+    ``gspo-plan --config`` suggests is what ``gspo-train`` accepts."""
+    return lambda layout: not recipe_layout_errors(cfg, trainer_gpus, layout)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -210,6 +240,9 @@ def parser() -> argparse.ArgumentParser:
                     help="packed (padding-free) microbatches of at most N tokens, one row each "
                          "(trainer.max_tokens_per_microbatch); default: --micro-batch-size "
                          "sequences padded to --seq-length")
+    ap.add_argument("--offload", choices=["none", "optimizer", "optimizer+grads", "all"],
+                    help="trainer.offload: training state moved to host memory while rolling "
+                         "out (default none)")
     ap.add_argument("--max-response", action="store_true",
                     help="the longest response this layout can roll out and train on (each "
                          "phase's limit and peak), sequences of --prompt-length + response")
@@ -248,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     rollout_ranks = kwargs.pop("rollout_ranks", 0)
     transfer = kwargs.pop("transfer", None)
     decode = kwargs.pop("decode", None)  # the recipe's rollout section (the fast decoder's peak)
+    accept_for = kwargs.pop("accept_for", None)
+    layout_check = kwargs.pop("layout_check", None)
     if args.prompt_length is not None:
         prompt_length = args.prompt_length
     prompt_length = 1024 if prompt_length is None else prompt_length
@@ -279,13 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout.placement separate: {gpus} trainer GPUs (below) + {rollout_ranks} rollout "
               f"GPUs", file=out)
         args.gpus = gpus
+    accept = accept_for(args.gpus) if accept_for is not None else None
     if args.suggest:
-        plans = suggest_layouts(model, args.gpus, args.gpu_memory, **kwargs)
+        plans = suggest_layouts(model, args.gpus, args.gpu_memory, accept=accept, **kwargs)
         if not plans:
             print(f"plan: no layout of {args.gpus} GPUs fits in {args.gpu_memory} GiB", file=sys.stderr)
+            _print_smallest_cluster(model, args, kwargs, accept_for, None, sys.stderr)
             return 1
         for plan in plans:
             print(table(plan), file=out)
+            print(f"  {'headroom':32s} {_headroom_text(plan, args.gpu_memory)}", file=out)
         return 0
     if args.max_response or responses:
         try:
@@ -293,11 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"plan: invalid layout {layout.describe()}: {exc}", file=sys.stderr)
             return 2
+    problems = layout_check(args.gpus, layout) if layout_check is not None else []
     try:
         plan = plan_memory(model, layout, args.gpus, **kwargs)
+        if problems:
+            raise ValueError("; ".join(problems))
     except ValueError as exc:
         print(f"plan: invalid layout {layout.describe()}: {exc}", file=sys.stderr)
-        _print_suggestions(model, args, kwargs)
+        _print_suggestions(model, args, kwargs, accept)
+        _print_smallest_cluster(model, args, kwargs, accept_for, layout, sys.stderr)
         return 2
     print(table(plan), file=out)
     if decode is not None:
@@ -305,9 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     if plan.total > args.gpu_memory * GIB:
         print(f"plan: does not fit: {plan.total / GIB:.1f} GiB > {args.gpu_memory} GiB per GPU",
               file=sys.stderr)
-        _print_suggestions(model, args, kwargs)
+        _print_suggestions(model, args, kwargs, accept)
+        _print_smallest_cluster(model, args, kwargs, accept_for, layout, sys.stderr)
         return 3
     if not rollout_ranks:
+        print(f"plan: fits: {_headroom_text(plan, args.gpu_memory)}", file=out)
         return 0
     return _rollout_ranks_report(model, plan, rollout_ranks, args, kwargs, out, *transfer)
 
@@ -325,14 +369,10 @@ def _decode_report(model, layout, rollout, plan, args, out) -> None:
 
 def _rollout_ranks_report(model, plan, rollout_ranks: int, args, kwargs, out,
                           max_staleness: int, bucket_bytes: int) -> int:
-    """``rollout.placement: separate``: one rollout rank per trainer data-parallel rank (2 when
-    not), each a full replica on one GPU that must fit with its KV cache (3 when not); the host
-    memory of the weight transfer on each side."""
-    if plan.dp != rollout_ranks:
-        print(f"plan: rollout.ranks={rollout_ranks} must equal the trainer's data-parallel size "
-              f"(DP{plan.dp} on {args.gpus} trainer GPUs): rollout rank j samples for trainer "
-              f"DP rank j", file=sys.stderr)
-        return 2
+    """``rollout.placement: separate`` (one rollout rank per trainer data-parallel rank: the
+    trainer's layout check, :func:`recipe_layout_errors`, refused others): each a full replica
+    on one GPU that must fit with its KV cache (3 when not); the host memory of the weight
+    transfer on each side."""
     replica = plan_rollout_replica(model, bf16=kwargs["bf16"], seq_length=kwargs["seq_length"],
                                    kv_cache_bytes=kwargs.get("kv_cache_bytes"),
                                    rollout_requests=kwargs["rollout_requests"])
@@ -382,12 +422,54 @@ def _response_report(model, layout, args, kwargs, prompt_length: int, responses:
     return 0 if limit.both else 3
 
 
-def _print_suggestions(model, args, kwargs) -> None:
-    plans = suggest_layouts(model, args.gpus, args.gpu_memory, limit=3, **kwargs)
+def _headroom_text(plan, gpu_memory: float) -> str:
+    """``74.8 GiB peak (training) of 80 GiB per GPU, 5.2 GiB (6 %) free; below the 10 %
+    headroom``: the verdict's figures."""
+    phase = "training" if plan.training_peak >= plan.rollout_peak else "rollout"
+    free = gpu_memory * GIB - plan.total
+    share = headroom(plan, gpu_memory)
+    text = (f"{plan.total / GIB:.1f} GiB peak ({phase}) of {gpu_memory:g} GiB per GPU, "
+            f"{free / GIB:.1f} GiB ({share:.0%}) free")
+    if share < HEADROOM:
+        text += f"; below the {HEADROOM:.0%} headroom a plan should leave"
+    return text
+
+
+def _print_suggestions(model, args, kwargs, accept=None) -> None:
+    plans = suggest_layouts(model, args.gpus, args.gpu_memory, limit=3, accept=accept, **kwargs)
     if plans:
-        print("layouts that fit:", file=sys.stderr)
+        print("layouts that fit (each passes gspo-train's checks):", file=sys.stderr)
         for p in plans:
-            print(f"  {p.layout.describe()} DP{p.dp}: {p.total / GIB:.1f} GiB", file=sys.stderr)
+            print(f"  {p.layout.describe()} DP{p.dp}: {_headroom_text(p, args.gpu_memory)}",
+                  file=sys.stderr)
+
+
+def _print_smallest_cluster(model, args, kwargs, accept_for, layout, out) -> None:
+    """The fewest GPUs the recipe's layout fits on (and leaves the headroom on), then the
+    fewest with any layout the trainer accepts when that is fewer (``gspo-plan --config``)."""
+    if accept_for is None:
+        return
+    shown = None
+    for what, fixed in (("as shipped", layout), ("any layout", None)):
+        if what == "as shipped" and fixed is None:
+            continue
+        plans = [smallest_cluster(model, args.gpu_memory, layout=fixed, accept_for=accept_for,
+                                  min_headroom=h, **kwargs) for h in (0.0, HEADROOM)]
+        key = tuple((p.num_gpus, p.layout.describe()) if p else None for p in plans)
+        if key == shown:
+            continue
+        shown = key
+        first, roomy = plans
+        if first is None:
+            print(f"smallest cluster ({what}): none up to {CLUSTER_SIZES[-1]} GPUs of "
+                  f"{args.gpu_memory:g} GiB", file=out)
+            continue
+        text = (f"smallest cluster ({what}): {first.num_gpus} GPUs, {first.layout.describe()} "
+                f"DP{first.dp}: {_headroom_text(first, args.gpu_memory)}")
+        if roomy is not None and roomy is not first and roomy.num_gpus != first.num_gpus:
+            text += (f"; with the {HEADROOM:.0%} headroom: {roomy.num_gpus} GPUs, "
+                     f"{roomy.layout.describe()} DP{roomy.dp} ({headroom(roomy, args.gpu_memory):.0%} free)")
+        print(text, file=out)
 
 
 if __name__ == "__main__":

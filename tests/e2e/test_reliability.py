@@ -46,6 +46,32 @@ def test_sigkill_then_resume_is_bitwise_equal(tmp_path, uninterrupted, fault):
     assert summary["accuracy_after"] == straight_summary["accuracy_after"]
 
 
+def _figures(metrics):
+    """Every logged metric but the clock, the timings and memory (``perf/``)."""
+    return [{k: v for k, v in m.items() if not k.startswith("perf/") and k != "time"}
+            for m in metrics]
+
+
+def test_offload_is_bitwise_straight_and_across_a_kill_and_resume(tmp_path, uninterrupted):
+    """trainer.offload: the optimizer state and gradient buffer leave for every rollout (freed
+    storage, host copy) and come back; steps 0-2 run straight with it, the process is killed in
+    step 3's update, resumed from step 2's checkpoint: every metric bitwise the run without."""
+    run = tmp_path / "run"
+    killed = gspo_train(run, *STEPS, "--trainer.offload=all", check=False,
+                        env_extra={"GSPO_FAULT": "mid_update:3"})
+    assert killed.returncode == -signal.SIGKILL
+    gspo_train(run, *STEPS, "--trainer.offload=all")
+    metrics, summary = read_metrics(run / "metrics.jsonl"), json.loads((run / "summary.json").read_text())
+    straight_metrics, straight_summary = uninterrupted
+    assert _figures(metrics) == _figures(straight_metrics)
+    assert summary["accuracy_after"] == straight_summary["accuracy_after"]
+    # Moved: the fp32 gradient buffer (140,160 parameters x 4 B) from step 0; Adam's m and v
+    # (x 8 B) and fused Adam's float32 step per parameter tensor (33 x 4 B) once they exist.
+    # (fp32 training: the weights are the optimizer's main copy; "all" leaves them.)
+    moved = [round(m["perf/offloaded_gib"] * 2 ** 30) for m in metrics]
+    assert moved == [140_160 * 4] + [140_160 * 12 + 33 * 4] * 3
+
+
 def test_nan_at_every_guarded_point_skips_that_step(tmp_path):
     faults = {1: "nan_rewards", 2: "nan_advantages", 3: "nan_logprobs", 4: "nan_loss", 5: "nan_grads"}
     spec = ",".join(f"{point}:{step}" for step, point in faults.items())

@@ -71,13 +71,17 @@ PACKED = ["--trainer.max_tokens_per_microbatch=24"]
 PADDED = ["--trainer.pack_sequences=false"]
 
 
-def kill_and_resume(tmp_path, *overrides, nproc=1, cli=CLI) -> tuple[list[dict], list[dict]]:
+def kill_and_resume(tmp_path, *overrides, nproc=1, cli=CLI, resumed_overrides=()
+                    ) -> tuple[list[dict], list[dict]]:
     """4 steps with checkpoints every 2: straight, and killed at the start of step 3 (after the
-    step-2 checkpoint) then resumed; returns both runs' metrics (the resumed one's steps checked)."""
+    step-2 checkpoint) then resumed; returns both runs' metrics (the resumed one's steps checked).
+    ``resumed_overrides``: for the killed and resumed run only (a setting that must not change a
+    metric)."""
     steps = ["--trainer.steps=4", "--checkpoint.save_interval=2", *overrides]
     straight = tmp_path / "straight"
     gspo_train(straight, *steps, nproc=nproc, cli=cli)
     resumed = tmp_path / "resumed"
+    steps = [*steps, *resumed_overrides]
     killed = gspo_train(resumed, *steps, nproc=nproc, env_extra={"GSPO_FAULT": "step_start:3"},
                         check=False, cli=cli)
     assert killed.returncode != 0  # SIGKILLed at the start of step 3, after the step-2 checkpoint
@@ -127,9 +131,16 @@ def test_bf16_warm_up_survives_the_first_rl_update(tmp_path):
 
 def test_bf16_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
     """Exact resume with Megatron's bf16 optimizer (fp32 main weights, Adam state, schedule and
-    RNG restored): every metric of every step equals the uninterrupted run's."""
-    a, b = kill_and_resume(tmp_path, "--precision.bf16=true", *PADDED, cli=BF16_CLI)
+    RNG restored): every metric of every step equals the uninterrupted run's. The killed and
+    resumed run moves its training state to host memory for every rollout (``trainer.offload:
+    all``: Adam's moments, the gradients and the fp32 main copy), which changes nothing."""
+    a, b = kill_and_resume(tmp_path, "--precision.bf16=true", *PADDED, cli=BF16_CLI,
+                           resumed_overrides=["--trainer.offload=all"])
     assert _bf16_checkpoint(tmp_path / "resumed")
+    # 140,160 parameters: fp32 gradients (4 B) and the fp32 main copy of the bf16 ones (4 B,
+    # which fp32 training does not have) from step 0, Adam's m and v (8 B) from step 1.
+    moved = [m["perf/offloaded_gib"] * 2 ** 30 for m in b]
+    assert moved[0] > 140_160 * 7 and all(x > 140_160 * 15 for x in moved[1:]), moved
     assert all(m["ratio/first_minibatch_max_abs_log"] == 0.0 for m in a)  # bf16 on CPU: bitwise
     for ra, rb in zip(a, b):
         for key in ra:
@@ -256,7 +267,8 @@ def test_recipe_without_loss_optim_sft_trains_with_the_papers_defaults(tmp_path)
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "--config", str(recipe),
                            f"--logging.run_dir={run}", "--logging.progress=false"],
-                          env=clean_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          env=clean_env({"GSPO_LOG_LEVEL": "INFO"}), capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import yaml
     saved = yaml.safe_load((run / "config.yaml").read_text())
@@ -265,6 +277,8 @@ def test_recipe_without_loss_optim_sft_trains_with_the_papers_defaults(tmp_path)
     assert (loss.variant, loss.eps_low, loss.eps_high) == ("gspo", 3e-4, 4e-4)  # paper Sec. 5.1
     assert saved["sft"]["steps"] == 0 and saved["optim"]["lr"] == 1e-6
     assert "sft step" not in proc.stdout and not (run / "sft_weights").exists()
+    # The layer spec is chosen once for the run's models and said in one INFO line.
+    assert (proc.stdout + proc.stderr).count("layer spec: ") == 1, proc.stderr[-2000:]
     records = read_metrics(str(run / "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["optim/lr"] == pytest.approx(1e-6) for r in records)  # constant, no warm-up

@@ -226,7 +226,8 @@ def test_cluster_recipe_path_check(tmp_path: Path) -> None:
     data.write_bytes(b"")
     cfg = load_config(RECIPES / "qwen3_30b_a3b_gspo.yaml",
                       [f"--data.train_path={data}", f"--checkpoint.init_weights={tmp_path}"])
-    assert validate_config(cfg, 16) == 8
+    assert validate_config(cfg, 8) == 2  # one node: TP4 -> DP 2
+    assert validate_config(cfg, 16) == 4
 
 
 # ----------------------------------------------------------------------------------- overrides
@@ -804,3 +805,24 @@ def test_export_hf_needs_a_converted_init_and_a_free_destination(tmp_path) -> No
     err = pytest.raises(ConfigError, validate_config,
                         demo(f"--checkpoint.export_hf={used}"), 1).value
     assert f"checkpoint.export_hf: '{used}' exists and is not an empty directory" in str(err)
+
+
+def test_offload_needs_the_rollout_on_the_training_ranks():
+    """trainer.offload makes room for this rank's rollout: refused, by name, when the training
+    ranks never roll out (rollout.placement: separate); an unknown setting is refused too."""
+    import os
+
+    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.config.validation import validate_config
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "examples", "configs", "tiny_gspo.yaml")
+    ok = load_config(tiny, ["--trainer.offload=optimizer+grads"])
+    assert validate_config(ok, 1, check_paths=False) == 1
+    cfg = load_config(tiny, ["--trainer.offload=optimizer", "--rollout.placement=separate",
+                             "--rollout.ranks=1"])
+    with pytest.raises(ConfigError, match="trainer.offload='optimizer' with "
+                                          "rollout.placement='separate'"):
+        validate_config(cfg, 2, check_paths=False)
+    with pytest.raises(ConfigError, match="trainer.offload"):
+        load_config(tiny, ["--trainer.offload=weights"])

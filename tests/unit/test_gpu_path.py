@@ -133,7 +133,12 @@ def test_gpu_check_reward_and_comparison(tmp_path):
     names = [s.name for s in stages(str(tmp_path), "quick")]
     assert names[:2] == ["env", "tiny_dynamic"] and "slice_mfu" in names
     assert {"tiny_r3", "tiny_r3_bf16_rollout", "tiny_packed", "cp2_cpu", "tiny_yarn",
-            "tiny_separate_r3", "tiny_separate_buckets", "tiny_partial_r3"} <= set(names)
+            "tiny_separate_r3", "tiny_separate_buckets", "tiny_partial_r3", "tiny_offload",
+            "slice_rl_offload"} <= set(names)
+    offload = next(s for s in stages(str(tmp_path), "quick") if s.name == "slice_rl_offload")
+    argv = offload.commands[0]
+    assert "--trainer.offload=optimizer+grads" in argv  # the last run_dir (its own) wins
+    assert [a for a in argv if a.startswith("--logging.run_dir=")][-1].endswith("slice_rl_offload")
 
 
 def test_engine_choice():

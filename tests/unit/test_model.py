@@ -1,5 +1,6 @@
 """Model configs, presets, layout validation, and the built Megatron Qwen3-MoE (single process)."""
 
+import os
 import pytest
 import torch
 
@@ -150,3 +151,37 @@ def test_transformer_engine_requested_without_it_is_refused():
         resolve_transformer_impl(PrecisionConfig(transformer_impl="transformer_engine"))
     with pytest.raises(RuntimeError, match="precision.fp8"):
         resolve_transformer_impl(PrecisionConfig(fp8="hybrid"))
+
+
+def test_auto_layer_spec_follows_the_rollouts_decode_path():
+    """``transformer_impl: auto``: the local spec without TE; with TE, the local spec still when
+    the rollout decodes with the step function (TE's modules through it have not run on a GPU),
+    TE when it decodes through Megatron's forward (PP); FP8 takes TE; an explicit setting is kept."""
+    from gspo_megatron.backends.megatron.kernels.decode import step_function_applies
+    from gspo_megatron.backends.megatron.model import choose_transformer_impl
+    from gspo_megatron.config import load_config
+
+    def impl(precision, te, step):
+        return choose_transformer_impl(precision, te_available=te, decode_step_function=step)[0]
+
+    auto = PrecisionConfig()
+    assert [impl(auto, te, step) for te in (False, True) for step in (False, True)] == \
+        ["local", "local", "transformer_engine", "local"]
+    assert impl(PrecisionConfig(fp8="e4m3"), True, True) == "transformer_engine"
+    for explicit in ("local", "transformer_engine"):
+        assert impl(PrecisionConfig(transformer_impl=explicit), False, True) == explicit
+    # The shipped Qwen3 recipes say auto; without TE (CI, and the GPU runs so far) they run the
+    # local spec with this project's kernels, the path that has run on a GPU.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in ("qwen3_30b_a3b_gspo", "qwen3_30b_a3b_grpo", "qwen3_30b_a3b_gspo_16k",
+                 "qwen3_235b_a22b_gspo"):
+        cfg = load_config(os.path.join(root, "examples", "configs", name + ".yaml"))
+        p = cfg.parallel
+        step = step_function_applies(cfg.rollout, p.tensor_model_parallel_size,
+                                     p.pipeline_model_parallel_size)
+        assert cfg.precision.transformer_impl == "auto" and impl(cfg.precision, False, step) == "local"
+        # ... and with TE too: their TP layouts decode with the step function
+        assert step and impl(cfg.precision, True, step) == "local"
+    rollout = load_config(os.path.join(root, "examples", "configs", "tiny_gspo.yaml")).rollout
+    assert step_function_applies(rollout, 1, 1) and step_function_applies(rollout, 2, 1)
+    assert not step_function_applies(rollout, 1, 2)

@@ -1,6 +1,7 @@
 """The trainer's stages and :meth:`Trainer.fit` against a fake :class:`Policy` and generator: the
 loop's own logic (ordering, alignment, minibatching, fault skipping, resume) without Megatron."""
 
+import contextlib
 import json
 
 import pytest
@@ -51,19 +52,33 @@ class FakePolicy:
     def __init__(self, nonfinite_at=()):
         self.batches, self.steps, self.zeroed, self.saved = [], 0, 0, {}
         self.nonfinite_at = set(nonfinite_at)
+        self.away, self.offloads = False, 0  # trainer.offload: the state is off the device
+
+    @contextlib.contextmanager
+    def training_state_offloaded(self):
+        assert not self.away
+        self.away, self.offloads = True, self.offloads + 1
+        try:
+            yield 0
+        finally:
+            self.away = False
 
     def logprobs(self, batch, *, temperature=1.0, routing=None):
+        assert not self.away  # no pass runs while the training state is off the device
         return torch.full(batch.tokens.shape, -0.5)
 
     def train_minibatch(self, batch, objective, *, routing=None):
+        assert not self.away
         self.batches.append(batch)
         bad = len(self.batches) - 1 in self.nonfinite_at
         return {"loss/policy": float(len(self.batches)), "faults/nonfinite_loss": float(bad)}
 
     def zero_grad(self):
+        assert not self.away
         self.zeroed += 1
 
     def optimizer_step(self, corrupt_grad=None):
+        assert not self.away
         grad = corrupt_grad(torch.ones(2)) if corrupt_grad else torch.ones(2)
         if not torch.isfinite(grad).all():
             return False, float("nan")
@@ -266,6 +281,9 @@ def test_fit_trains_saves_and_resumes_exactly(tmp_path):
     metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert policy.steps == 3 * cfg.trainer.num_minibatches
+    # Every rollout (3 steps, the evaluations before and after) ran with the training state
+    # offloaded (a no-op without trainer.offload); no pass or step ran meanwhile (FakePolicy).
+    assert policy.offloads == 3 + 2 and not policy.away
     # A longer run resumes from the checkpoint at step 3: same data position, no redone steps.
     cfg5 = _cfg(tmp_path, steps=5)
     resumed = _trainer(cfg5, policy)

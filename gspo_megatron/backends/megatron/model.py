@@ -1,8 +1,8 @@
 """Build a Megatron-Core ``GPTModel`` with Qwen3-MoE architecture from typed configs.
 
-Transformer Engine's layer spec (bf16/FP8 kernels) is used where TE imports and CUDA exists;
-otherwise Megatron's local spec, with :class:`RMSNorm` swapped in for the torch norm wrapper (which
-refuses sequence parallel). One log line says which.
+Transformer Engine's layer spec (bf16/FP8 kernels) or Megatron's local spec, with
+:class:`RMSNorm` swapped in for the torch norm wrapper (which refuses sequence parallel):
+:func:`choose_transformer_impl` decides, one log line says which and why.
 """
 
 from __future__ import annotations
@@ -70,8 +70,35 @@ def grouped_gemm_available(impl: str) -> bool:
     return bool(grouped_gemm_is_available())
 
 
-def resolve_transformer_impl(precision: PrecisionConfig) -> str:
-    """'transformer_engine' or 'local', logging the choice once; raises if TE was demanded but absent."""
+def choose_transformer_impl(precision: PrecisionConfig, *, te_available: bool,
+                            decode_step_function: bool) -> tuple[str, str]:
+    """``(impl, why)`` for ``precision.transformer_impl``: 'transformer_engine' or 'local'.
+
+    ``auto`` takes Transformer Engine only where it imports with CUDA (``te_available``) and no
+    path the run takes is one that has not run on a GPU with TE: the decode step function
+    (:func:`~gspo_megatron.backends.megatron.kernels.decode.step_function_applies`,
+    ``decode_step_function``) reads TE's fused modules through its adapters (tested on CPU with
+    stand-ins holding TE's parameter names) but has not decoded TE modules on a GPU yet, so a run
+    whose rollouts decode with it stays on the local spec and this project's kernels (the path
+    that has run on a GPU); a run whose rollouts decode through Megatron's forward (PP > 1,
+    ``rollout.decode_steps_per_sync: 0``) takes TE. FP8 needs TE whatever the decode path."""
+    if precision.transformer_impl != "auto":
+        return precision.transformer_impl, f"precision.transformer_impl={precision.transformer_impl!r}"
+    if not te_available:
+        return "local", "auto: Transformer Engine with CUDA not available"
+    if precision.fp8:
+        return "transformer_engine", f"auto: precision.fp8={precision.fp8!r} needs it"
+    if decode_step_function:
+        return "local", ("auto: the rollout decodes with the step function "
+                         "(rollout.decode_steps_per_sync), not yet run on a GPU with TE's modules")
+    return "transformer_engine", ("auto: Transformer Engine imports and the rollout decodes "
+                                  "through Megatron's forward")
+
+
+def resolve_transformer_impl(precision: PrecisionConfig, *, decode_step_function: bool = False,
+                             log: bool = True) -> str:
+    """:func:`choose_transformer_impl` on this machine, with one INFO line saying which layer spec
+    and why (``log``); raises if TE was demanded, or FP8 asked for, and TE is absent."""
     te_ok = transformer_engine_available()
     if precision.transformer_impl == "transformer_engine" and not te_ok:
         raise RuntimeError(
@@ -79,11 +106,11 @@ def resolve_transformer_impl(precision: PrecisionConfig) -> str:
             "available; use 'auto' or 'local'")
     if precision.fp8 and not te_ok:
         raise RuntimeError("precision.fp8 needs Transformer Engine with CUDA (Hopper or newer)")
-    impl = "transformer_engine" if (te_ok and precision.transformer_impl != "local") else "local"
-    if impl == "local" and precision.transformer_impl == "auto":
-        logger.info("Transformer Engine/CUDA not available: using Megatron local spec with torch kernels")
-    else:
-        logger.info("layer spec: %s", impl)
+    impl, why = choose_transformer_impl(precision, te_available=te_ok,
+                                        decode_step_function=decode_step_function)
+    if log:
+        logger.info("layer spec: %s (%s)", "Transformer Engine" if impl == "transformer_engine"
+                    else "Megatron's local spec with this project's kernels where they apply", why)
     return impl
 
 
@@ -251,7 +278,8 @@ def build_gpt_model(
     # Megatron's per-layer aux-loss tracker is process-global and sized by the first model that
     # logs into it; a model with more layers built later in the same process would index past it.
     get_moe_layer_wise_logging_tracker().clear()
-    impl = resolve_transformer_impl(precision)
+    # (an 'auto' left to here is resolved and logged here; gspo-train resolves it once first)
+    impl = resolve_transformer_impl(precision, log=precision.transformer_impl == "auto")
     config = build_transformer_config(model, parallel, precision, impl=impl,
                                       **(transformer_config_overrides or {}))
     local_kernels = (precision.local_kernels if precision.local_kernels is not None

@@ -18,6 +18,7 @@ import torch
 
 from gspo_megatron.backends.megatron import checkpoint as ckpt
 from gspo_megatron.backends.megatron.model import build_gpt_model
+from gspo_megatron.backends.megatron.offload import StateOffload
 from gspo_megatron.backends.megatron.parallel import drop_inference_buffers
 from gspo_megatron.backends.megatron.routing.session import PolicyRouting
 from gspo_megatron.backends.megatron.schedule import (Microbatching, ScoringConfig,
@@ -38,7 +39,7 @@ class MegatronPolicy:
                  groups: ParallelGroups, micro_batch_size: int = 1, vocab_size: int | None = None,
                  routing_cfg: RoutingConfig | None = None,
                  max_tokens_per_microbatch: int | None = None,
-                 logprob_micro_batch_size: int | None = None):
+                 logprob_micro_batch_size: int | None = None, offload: str = "none"):
         self.model = model  # list[DistributedDataParallel]
         self.optimizer = optimizer  # MegatronOptimizer
         self.scheduler = scheduler  # OptimizerParamScheduler
@@ -68,6 +69,9 @@ class MegatronPolicy:
                         if routing_cfg is not None and routing_cfg.enabled else None)
         """The RL loop's MoE routing (replay, drift, diagnostics; built from the ``routing``
         section), or None when the run neither replays nor diagnoses routes."""
+        self.offload = StateOffload(offload)
+        """``trainer.offload``: the training state moved to host memory during rollouts
+        (:meth:`training_state_offloaded`)."""
         self._model_routing = None
         self._checkpoint_writer: ckpt.AsyncCheckpointWriter | None = None
         self._shard_index = None
@@ -106,6 +110,20 @@ class MegatronPolicy:
         if aux is not None and self.groups.is_last_stage and self.groups.pp_size == 1:
             metrics["moe/aux_loss"] = aux / len(micro)
         return metrics
+
+    @contextlib.contextmanager
+    def training_state_offloaded(self):
+        """Inside the block (this rank's rollout) the state ``trainer.offload`` names is in host
+        memory and its device memory free for the KV cache; back, bitwise, when it ends (also on
+        an exception). Yields the bytes moved (0 with ``none``)."""
+        if self.offload.setting == "none" or self.optimizer is None:
+            yield 0
+            return
+        moved = self.offload.offload(self.model, self.optimizer)
+        try:
+            yield moved
+        finally:
+            self.offload.reload()
 
     # -- optimisation
     def zero_grad(self) -> None:
@@ -306,12 +324,14 @@ def build_policy(
     max_tokens_per_microbatch: int | None = None,
     frozen: bool = False,
     logprob_micro_batch_size: int | None = None,
+    offload: str = "none",
 ) -> MegatronPolicy:
     """Build this rank's pipeline stage, wrap it in Megatron DDP and attach the optimizer
     (``routing_cfg``: the RL loop's MoE routing, :attr:`MegatronPolicy.routing`). ``frozen``: a
     model that is never trained (the KL reference, a rollout rank's replica): DDP is built while
     its parameters need no gradient, so it keeps no fp32 gradient buffer (4 bytes per parameter);
-    no backward may run through it."""
+    no backward may run through it. ``offload``: ``trainer.offload``
+    (:meth:`MegatronPolicy.training_state_offloaded`)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -353,7 +373,7 @@ def build_policy(
                           micro_batch_size=micro_batch_size, vocab_size=vocab_size,
                           routing_cfg=routing_cfg,
                           max_tokens_per_microbatch=max_tokens_per_microbatch,
-                          logprob_micro_batch_size=logprob_micro_batch_size)
+                          logprob_micro_batch_size=logprob_micro_batch_size, offload=offload)
 
 
 def build_optimizer(model: list, optim_cfg: OptimConfig, total_steps: int):

@@ -220,6 +220,17 @@ def replicate_experts(w: DecodeWeights) -> DecodeWeights:
                                local_experts=(0, count * group.size()))
 
 
+def step_function_applies(rollout, tp: int, pp: int) -> bool:
+    """Whether a run's rollouts decode with :func:`decode_forward`, from its config alone
+    (``rollout``: the ``rollout`` section; ``tp``, ``pp``: the rollout's layout): the dynamic
+    engine with ``decode_steps_per_sync`` > 0 without pipeline parallelism (tensor parallelism
+    is decoded by the step function). The model-level part (its modules, read through
+    :mod:`.adapters`) is :func:`unsupported`'s; this is what the layer spec is chosen by before
+    the model exists (:func:`~gspo_megatron.backends.megatron.model.choose_transformer_impl`)."""
+    del tp  # the step function shards as Megatron's modules do
+    return rollout.engine != "static" and rollout.decode_steps_per_sync > 0 and pp == 1
+
+
 @dataclasses.dataclass
 class KeyGroup:
     """The keys some requests of a step read (their rows of the batch, ``B_g`` of them, each
