@@ -72,6 +72,23 @@ def per_layer(records: list[dict]) -> str:
     return " / ".join(f"{mean(records, k):.2%}" for k in layers)
 
 
+def write_table(args, lines: list[str], record: dict) -> None:
+    """The table (``lines``) to ``args.out``/table.md and stdout, and with ``args.json`` the
+    committed record docs/routing.md quotes: the command, commit, date, machine and ``record``."""
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(f"{' '.join(sys.argv)}\n\nMeans over {args.steps} RL steps.\n\n{table}\n")
+    if args.json:
+        from gspo_megatron.tools.provenance import git_commit, utc_now
+
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
+                       "date": utc_now(), "machine": f"{os.cpu_count()} CPU cores",
+                       "steps": args.steps, **record},
+                      f, indent=1)
+    print(table)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/rollout_mismatch")
@@ -92,18 +109,8 @@ def main() -> int:
             cells.append("-" if value is None else fmt.format(value))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {per_layer(records)} |")
         print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(f"{' '.join(sys.argv)}\n\nMeans over {args.steps} RL steps.\n\n{table}\n")
-    if args.json:  # the committed record docs/routing.md quotes
-        from gspo_megatron.tools.provenance import git_commit, utc_now
-
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
-                       "date": utc_now(), "machine": f"{os.cpu_count()} CPU cores",
-                       "steps": args.steps, "base": BASE, "arms": ARMS,
-                       "columns": [c[1] for c in COLUMNS], "means": means}, f, indent=1)
-    print(table)
+    write_table(args, lines, {"base": BASE, "arms": ARMS, "columns": [c[1] for c in COLUMNS],
+                              "means": means})
     return 0
 
 

@@ -18,11 +18,10 @@ differing route in >= 1 layer) and ``kl/rollout_vs_train`` (k3).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from rollout_mismatch import BASE, mean, run_arm
+from rollout_mismatch import BASE, mean, run_arm, write_table
 
 PRECISION = "--rollout.precision=bf16"
 NOISE_BASE = [a for a in BASE if a != PRECISION]  # fp32 rollouts: the noise alone
@@ -63,18 +62,8 @@ def main() -> int:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     lines.append(PAPER)
-    table = "\n".join(lines)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(f"{' '.join(sys.argv)}\n\nMeans over {args.steps} RL steps.\n\n{table}\n")
-    if args.json:  # the committed record docs/routing.md quotes
-        from gspo_megatron.tools.provenance import git_commit, utc_now
-
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
-                       "date": utc_now(), "machine": f"{os.cpu_count()} CPU cores",
-                       "steps": args.steps, "base": BASE, "rows": {k: v[1] for k, v in rows.items()},
-                       "columns": [c[1] for c in COLUMNS], "means": means}, f, indent=1)
-    print(table)
+    write_table(args, lines, {"base": BASE, "rows": {k: v[1] for k, v in rows.items()},
+                              "columns": [c[1] for c in COLUMNS], "means": means})
     return 0
 
 

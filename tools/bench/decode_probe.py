@@ -153,17 +153,10 @@ def run(size: str = "full", tiny: bool = False) -> dict:
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.config import RolloutConfig
-    from gspo_megatron.config.loader import load_config
-    from gspo_megatron.config.model import model_config_from_preset
-    from tools.bench.gpu_rollout import SLICE_RECIPE
+    from tools.bench.gpu_rollout import slice_setup
 
-    cfg = load_config(SLICE_RECIPE)
     batch, new = SIZES[size]
-    model_cfg = (model_config_from_preset("tiny", seq_length=16 + new) if tiny else
-                 dataclasses.replace(cfg.model, seq_length=max(cfg.model.seq_length, 16 + new)))
-    vocab = min(1000, model_cfg.vocab_size)
-    precision = dataclasses.replace(cfg.precision, bf16=cfg.precision.bf16 and not tiny,
-                                    local_kernels=True)
+    cfg, model_cfg, vocab, precision = slice_setup(new, tiny)
     groups = initialize_distributed(cfg.parallel, model_cfg, seed=0)
     try:
         gpt = build_gpt_model(model_cfg, cfg.parallel, precision, pre_process=True,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from tools.bench.gpu_rollout import SIZES, SLICE_RECIPE, _time_engines, sized_cli
+from tools.bench.gpu_rollout import SIZES, _time_engines, sized_cli, slice_setup
 
 PATHS = {"bf16": dict(precision="auto"), "fp8": dict(precision="fp8"),
          "fp8_dequantized": dict(precision="fp8")}
@@ -71,16 +71,9 @@ def run(size: str = "full", tiny: bool = False) -> dict:
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.config import RolloutConfig
-    from gspo_megatron.config.loader import load_config
-    from gspo_megatron.config.model import model_config_from_preset
 
-    cfg = load_config(SLICE_RECIPE)
     batch, new, rounds = SIZES[size]
-    model_cfg = (model_config_from_preset("tiny", seq_length=16 + new) if tiny else
-                 dataclasses.replace(cfg.model, seq_length=max(cfg.model.seq_length, 16 + new)))
-    vocab = min(1000, model_cfg.vocab_size)
-    precision = dataclasses.replace(cfg.precision, bf16=cfg.precision.bf16 and not tiny,
-                                    local_kernels=True)
+    cfg, model_cfg, vocab, precision = slice_setup(new, tiny)
     groups = initialize_distributed(cfg.parallel, model_cfg, seed=0)
     results: dict = {"model": "tiny" if tiny else "qwen3-30b-a3b x 2 layers", "batch": batch,
                      "new_tokens": new, "rounds": rounds,

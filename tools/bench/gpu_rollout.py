@@ -106,6 +106,21 @@ def memory_bound_step(model) -> dict:
             "limit_ms": 1e3 * weight_bytes / bandwidth}
 
 
+def slice_setup(new: int, tiny: bool):
+    """``(recipe, model_cfg, vocab, precision)`` of the GPU benches: the slice recipe's model (or
+    the tiny one, ``tiny``) long enough for 16 prompt + ``new`` tokens, prompts drawn from at most
+    1000 ids, bf16 unless tiny, this project's kernels."""
+    from gspo_megatron.config.loader import load_config
+    from gspo_megatron.config.model import model_config_from_preset
+
+    cfg = load_config(SLICE_RECIPE)
+    model_cfg = (model_config_from_preset("tiny", seq_length=16 + new) if tiny else
+                 dataclasses.replace(cfg.model, seq_length=max(cfg.model.seq_length, 16 + new)))
+    precision = dataclasses.replace(cfg.precision, bf16=cfg.precision.bf16 and not tiny,
+                                    local_kernels=True)
+    return cfg, model_cfg, min(1000, model_cfg.vocab_size), precision
+
+
 def _time_engines(engines: dict, prompts, rounds: int) -> dict:
     """Alternating calls, the first of each engine a warm-up: tokens/s and seconds per call."""
     import traceback
