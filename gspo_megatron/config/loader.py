@@ -15,7 +15,8 @@ an architecture field it does set must agree with the file (``model.ARCHITECTURE
 ``seq_length`` and the other ``model.TRAINING_FIELDS`` are free. See :func:`load_config`.
 
 Command-line overrides are ``--section.field=value`` (or ``section.field=value``; ``parse_cli``
-also takes ``--section.field value``). Values are parsed as YAML scalars and coerced to the
+also takes ``--section.field value``); ``--section.field.key=value`` sets one key of a mapping
+field (``--loss.gspo.clip_low=0.02``), keeping the recipe's other keys. Values are parsed as YAML scalars and coerced to the
 field's annotated type (``int``, ``float`` incl. ``3e-4``, ``bool``, ``str``, ``X | None`` with
 ``null``/``none``, ``Literal[...]``, ``list[int]`` like ``[1,0,1]``, ``int | list[int]``).
 
@@ -213,14 +214,24 @@ def _apply_overrides(raw: dict[str, dict[str, _Entry]], overrides: Iterable[str]
             continue
         source = f"override {text!r}"
         section, dot, fname = key.partition(".")
-        if not dot or not fname or "." in fname:
+        fname, subdot, sub = fname.partition(".")
+        if not dot or not fname or "." in sub or (subdot and not sub):
             errors.append(f"{source}: {key!r} is not section.field "
                           f"(sections: {', '.join(sections)})")
             continue
         if section not in sections:
             errors.append(f"{source}: {section}: unknown section{suggest(section, sections)}")
             continue
-        raw.setdefault(section, {})[fname] = _Entry(_parse_override_value(value), source, value)
+        entries = raw.setdefault(section, {})
+        if sub:
+            # --loss.gspo.clip_low=0.02: one key of a mapping field, merged into the recipe's.
+            before = entries.get(fname)
+            mapping = dict(before.value) if before is not None and isinstance(
+                before.value, dict) else {}
+            mapping[sub] = _parse_override_value(value)
+            entries[fname] = _Entry(mapping, source)
+        else:
+            entries[fname] = _Entry(_parse_override_value(value), source, value)
 
 
 def _coerce_entry(path: str, entry: _Entry, tp: Any) -> Any:
