@@ -517,6 +517,17 @@ must agree with it.
 """
 
 
+def _section_of(name: str, value: str) -> str:
+    """``"; did you mean --rollout.group_size=8?"`` when ``name`` is a field of some sections
+    (a top-level key given without its section), else ``""``."""
+    fields = [f"--{section}.{name}" for section, cls in section_types().items()
+              if name in _field_types(cls)]
+    if not fields:
+        return ""
+    shown = [f + (f"={value}" if value else "") for f in fields]
+    return f"; did you mean {' or '.join(shown)}?"
+
+
 class CommandLine(typing.NamedTuple):
     """``gspo-train``'s arguments: the recipe, the overrides, and ``--verbose``."""
 
@@ -564,7 +575,7 @@ def parse_command_line(argv: Sequence[str]) -> CommandLine:
         key, sep, _ = body.partition("=")
         if "." not in key or (not sep and not arg.startswith("--")):
             raise ConfigError(f"unrecognised argument {arg!r}; expected --config PATH or "
-                              "--section.field=value")
+                              f"--section.field=value{_section_of(key, arg.partition('=')[2])}")
         if sep:
             overrides.append(arg)
             i += 1

@@ -783,6 +783,11 @@ def test_parse_cli_forms() -> None:
     assert parse_cli(["--config=a.yaml"]) == ("a.yaml", [])
     assert parse_cli(["-c", "b.yaml"]) == ("b.yaml", [])
     assert "unrecognised argument" in error_of(parse_cli, ["stray"])
+    # a field given without its section: the sections that have it
+    assert error_of(parse_cli, ["--group_size=8"]).endswith(
+        "did you mean --rollout.group_size=8?")
+    assert error_of(parse_cli, ["--seed"]).endswith(
+        "did you mean --data.seed or --trainer.seed or --evaluation.seed?")
     assert "needs a path" in error_of(parse_cli, ["--config"])
 
 
