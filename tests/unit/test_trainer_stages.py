@@ -279,10 +279,12 @@ def test_fit_trains_saves_and_resumes_exactly(tmp_path):
     assert [m["step"] for m in (json.loads(x) for x in open(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3, 4]
 
 
-def test_a_stop_signal_ends_the_fit_and_the_callers_handlers_come_back(tmp_path):
-    """SIGTERM during a step: the run checkpoints and exits for requeue; when fit returns, the
-    handlers installed before it are the process's again (an in-process run used to leave its
-    own, so a SIGTERM to pytest logged "will checkpoint after this step" and went on)."""
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_ends_the_fit_and_the_callers_handlers_come_back(tmp_path, stop):
+    """SIGTERM or SIGUSR1 during a step: the run checkpoints and exits for requeue (the e2e test
+    sends SIGTERM to a real gspo-train); when fit returns, the handlers installed before it are
+    the process's again (an in-process run used to leave its own, so a SIGTERM to pytest logged
+    "will checkpoint after this step" and went on)."""
     import os
     import signal
 
@@ -297,7 +299,7 @@ def test_a_stop_signal_ends_the_fit_and_the_callers_handlers_come_back(tmp_path)
         class Terminated(FakePolicy):
             def optimizer_step(self, corrupt_grad=None):
                 if self.steps == 0:
-                    os.kill(os.getpid(), signal.SIGTERM)  # delivered to the trainer's handler
+                    os.kill(os.getpid(), getattr(signal, stop))  # to the trainer's handler
                 return super().optimizer_step(corrupt_grad)
 
         cfg = _cfg(tmp_path, steps=3)
