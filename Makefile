@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 MCORE_VERSION ?= 0.16.1
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo clean bench mutate docs docs-serve
+.PHONY: venv test test-fast demo clean bench mutate docs docs-check docs-serve
 DEMO_ARGS ?=
 DEMO_RUN ?= runs/demo
 
@@ -47,22 +47,30 @@ bench: venv
 mutate: venv
 	PYTHONPATH=. OMP_NUM_THREADS=1 $(PY) tools/mutate.py --out docs/results/mutate.json
 
-# The docs site (mkdocs.yml; the `docs` extra: mkdocs + mkdocs-material): first the generated
-# references are checked against the code (docs/reference/, gspo_megatron.tools.docs_ref) and the
-# shell commands of the README and the guides against the tree (tools/doc_commands.py), then
-# the site is built into site/ with --strict: a warning (a broken link or anchor, a page left out
-# of the nav, a link into the source tree that does not exist) fails it. `make docs-serve` previews.
-$(VENV)/.docs-installed: $(VENV)/.installed setup.py
-	$(PY) -m pip install -q -e ".[docs]"
+# The docs site (mkdocs.yml), built into site/ with --strict: a warning (a broken link or anchor, a
+# page left out of the nav, a link into the source tree that does not exist) fails it. It needs
+# only the `docs` extra's packages (setup.py; tests/unit/test_docs_site.py checks these pins are
+# the extra's), in a venv of their own: no torch, no megatron-core. `make docs-check` checks what is
+# generated from the code (docs/reference/, gspo_megatron.tools.docs_ref) and the shell commands
+# and recipe fragments of the README and the guides against the tree (tools/doc_commands.py): it
+# imports the package, so it runs in the training venv (the test suite runs both checks too).
+DOCS_VENV ?= .venv-docs
+DOCS_REQUIREMENTS := "mkdocs>=1.6,<2" "mkdocs-material>=9.5"
+
+$(DOCS_VENV)/.installed: Makefile
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q $(DOCS_REQUIREMENTS)
 	touch $@
 
-docs: $(VENV)/.docs-installed
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+docs-check: venv
 	PYTHONPATH=. $(PY) -m gspo_megatron.tools.docs_ref --check
 	PYTHONPATH=. $(PY) tools/doc_commands.py README.md docs/*.md docs/reference/*.md examples/*/README.md
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-docs-serve: $(VENV)/.docs-installed
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+docs-serve: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs serve
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache site
+	rm -rf $(VENV) $(DOCS_VENV) *.egg-info .pytest_cache site

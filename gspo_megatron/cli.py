@@ -47,7 +47,11 @@ def load_data(cfg: TrainConfig):
     if cfg.tokenizer.path:
         options = ({"chat_template_kwargs": cfg.tokenizer.chat_template_kwargs}
                    if cfg.tokenizer.chat_template_kwargs else {})
-        tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, **options)
+        try:
+            tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, **options)
+        except (FileNotFoundError, ValueError) as e:  # the field to fix, in the one line
+            raise type(e)(f"tokenizer.path={cfg.tokenizer.path!r} (tokenizer.kind="
+                          f"{cfg.tokenizer.kind!r}): {e}") from None
     else:
         # Trained in-process on the task's text (deterministic); every rank trains the same one,
         # so no rank waits on a file. Saved with the run once everything has been validated.
@@ -159,9 +163,9 @@ def check_start_weights(cfg: TrainConfig) -> None:
         raise ckpt.CheckpointError(f"cannot resume ({field}): {e}") from None
     if resume is not None:
         try:  # what the checkpoint has in flight, and whether this placement can take it over
-            check_resumable(ckpt.read_rank_state(resume, 0), cfg.rollout.placement,
-                            cfg.rollout.partial_rollouts)
-        except ValueError as e:
+            check_resumable(ckpt.read_rank_state(resume, 0, cfg.checkpoint.allow_pickle),
+                            cfg.rollout.placement, cfg.rollout.partial_rollouts)
+        except (ValueError, ckpt.CheckpointError) as e:
             raise ckpt.CheckpointError(f"cannot resume ({field}): {resume}: {e}") from None
         try:
             problem = ckpt.weights_mismatch(resume, cfg.model)

@@ -10,11 +10,13 @@ only: it imports nothing from megatron (``tests/unit/test_boundaries.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
+from typing import Iterator
 
 import torch
 
@@ -117,11 +119,15 @@ class Trainer:
         ``trainer.steps`` RL steps with checkpoints, evaluate again. Returns the summary (also
         written to ``<run_dir>/summary.json``); ``exit_code`` is :data:`REQUEUE_EXIT_CODE` after a
         stop signal."""
-        cfg = self.cfg
         start_step = self._resume_or_init()
+        with self.stop_signals():  # the caller's handlers back when the run ends (in-process runs)
+            return self._fit_from(start_step)
+
+    def _fit_from(self, start_step: int) -> dict:
+        """:meth:`fit` after the resume: warm-up, evaluation, the RL steps, the summary."""
+        cfg = self.cfg
         n = cfg.evaluation.num_samples
         shown = ((f"eval/mean@{n}", f"mean@{n}"), (f"eval/pass@{n}", f"pass@{n}")) if n else ()
-        self.install_signal_handlers()
         summary: dict = {"start_step": start_step}
         if start_step == 0 and cfg.sft.steps > 0:
             watch = Stopwatch()
@@ -194,7 +200,8 @@ class Trainer:
         """The latest checkpoint in ``load_dir`` if any (weights, optimizer, RNG, data position),
         else ``checkpoint.init_weights`` if set. Returns the step to start from."""
         if self.policy.has_checkpoint(self.load_dir):
-            self.step, extra = self.policy.load_checkpoint(self.load_dir)
+            self.step, extra = self.policy.load_checkpoint(
+                self.load_dir, allow_pickle=self.cfg.checkpoint.allow_pickle)
             self.task.sampler.load_state_dict(extra["sampler"])
             self._rank_state = extra.get(RANK_STATE_KEY)
             self.consecutive_faults = int(extra.get("consecutive_faults", 0))
@@ -392,14 +399,21 @@ class Trainer:
                                  seq_length=self.cfg.model.seq_length if self.groups.pp_size > 1
                                  else None)
 
-    def install_signal_handlers(self) -> None:
-        """SIGTERM / SIGUSR1: finish the current step, checkpoint, exit with REQUEUE_EXIT_CODE."""
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[None]:
+        """For the ``with`` block, SIGTERM / SIGUSR1 finish the current step, checkpoint and exit
+        with REQUEUE_EXIT_CODE; the handlers before it are put back on the way out (a run called
+        in-process, as the tests do, leaves its caller's handlers as they were)."""
         def handler(signum, frame):
             self._stop_signal = signum
             logger.warning("received signal %d: will checkpoint after this step and exit", signum)
 
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
     def stop_requested(self) -> bool:
         """Whether any rank received a stop signal (agreed by all ranks, so they stop together)."""

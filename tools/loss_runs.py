@@ -4,10 +4,10 @@ over seeds, into docs/results/loss_registry.json.
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python tools/loss_runs.py [--seeds 1,2,3] [--jobs 1]
 
 Each run is the demo recipe (``gspo-train`` with no ``--config``: 300 SFT steps, 600 RL steps of
-16 prompts x 8 responses, 4 minibatches per step) with only the loss changed. Every registered
-loss runs at its paper's defaults (the recipe's GSPO eps reset to null), except GSPO and
-GSPO-token, which keep the demo's 1e-2 (its 2-3-token answers make the sequence ratio a token
-ratio; docs/getting-started.md explains). Three more arms: GRPO with the dual clip (3.0), GRPO with Dr. GRPO's
+16 prompts x 8 responses, 4 minibatches per step) with only ``--loss.variant`` changed. Every
+registered loss runs at its paper's defaults, except GSPO and GSPO-token, which keep the demo's
+1e-2 (the recipe's ``loss.gspo`` / ``loss.gspo_token`` blocks: its 2-3-token answers make the
+sequence ratio a token ratio; docs/getting-started.md explains). Three more arms: GRPO with the dual clip (3.0), GRPO with Dr. GRPO's
 aggregation, GSPO with LUSPO's. Only ``trainer.seed`` changes between seeds (the SFT warm-up's
 and the RL's sampling and order). Run directories go to ``--out`` (default runs/loss_runs/).
 """
@@ -23,18 +23,16 @@ import subprocess
 import sys
 import time
 
-from gspo_megatron.algorithms import LOSSES, PolicyLossConfig
+from gspo_megatron.algorithms import LOSSES
 from gspo_megatron.tools.provenance import git_commit, utc_now
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(ROOT, "docs", "results", "loss_registry.json")
-RESET = [f"--loss.{knob}=null" for knob in PolicyLossConfig.knobs]
 
 
 def arms() -> dict[str, list[str]]:
     """``{arm: overrides}``: every registered loss, then the dual clip and two aggregations."""
-    out = {v: ([f"--loss.variant={v}"] if v in ("gspo", "gspo_token")
-               else [f"--loss.variant={v}", *RESET]) for v in LOSSES}
+    out = {v: [f"--loss.variant={v}"] for v in LOSSES}
     out["grpo_dual_clip"] = [*out["grpo"], "--loss.clip_ratio_c=3.0"]
     out["grpo_dr_grpo"] = [*out["grpo"], "--loss.aggregation=seq_mean_token_sum_norm"]
     out["gspo_luspo"] = [*out["gspo"], "--loss.aggregation=seq_mean_token_sum"]

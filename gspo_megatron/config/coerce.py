@@ -3,12 +3,14 @@
 YAML gives ints, floats, bools, strings, lists and null; an override gives a YAML scalar of its
 text. :func:`coerce` converts one to a field's annotation (``int``, ``float`` incl. ``3e-4``,
 ``bool``, ``str``, ``X | None`` with ``null``/``none``, ``Literal[...]``, ``list[int]`` like
-``[1,0,1]``, ``int | list[int]``, ``dict[str, Any]`` like ``{enable_thinking: false}``) or raises :class:`CoerceError` saying what was expected, with a
+``[1,0,1]``, ``int | list[int]``, ``dict[str, Any]`` like ``{enable_thinking: false}``, a dataclass from a
+mapping of its fields like ``{clip_low: 0.01}``) or raises :class:`CoerceError` saying what was expected, with a
 closest-name suggestion for an enum value (``GSPO`` -> ``'gspo'``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import types
@@ -59,6 +61,8 @@ def type_name(tp: Any) -> str:
         return f"list of {type_name(arg)}"
     if origin is dict:
         return "a mapping such as {key: value}"
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return "a mapping of " + ", ".join(f.name for f in dataclasses.fields(tp) if f.init)
     return getattr(tp, "__name__", str(tp))
 
 
@@ -95,6 +99,8 @@ def coerce(value: Any, tp: Any) -> Any:
             try:
                 return coerce(value, member)
             except CoerceError as e:
+                if isinstance(value, dict) and dataclasses.is_dataclass(member):
+                    raise  # a mapping for a dataclass field: its own error names the key
                 hint = hint or e.hint
         raise CoerceError(f"expected {type_name(tp)}", hint)
     if origin is Literal:
@@ -126,6 +132,8 @@ def coerce(value: Any, tp: Any) -> Any:
             return {coerce(k, key_type): coerce(v, value_type) for k, v in value.items()}
         except CoerceError:
             raise CoerceError(f"expected {type_name(tp)} with {type_name(key_type)} keys") from None
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _coerce_dataclass(value, tp)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -179,3 +187,24 @@ def coerce(value: Any, tp: Any) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise CoerceError(f"expected {type_name(tp)}")
+
+
+def _coerce_dataclass(value: Any, tp: type) -> Any:
+    """A mapping of some of ``tp``'s fields (each coerced to its type; the others take their
+    defaults) as a ``tp``; an unknown key is an error naming it, with the closest field."""
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise CoerceError(f"expected {type_name(tp)}")
+    hints = typing.get_type_hints(tp)
+    names = [f.name for f in dataclasses.fields(tp) if f.init]
+    kwargs = {}
+    for key, item in value.items():
+        if key not in names:
+            raise CoerceError(f"unknown key {key!r} (expected {type_name(tp)})",
+                              suggest(str(key), names))
+        try:
+            kwargs[key] = coerce(item, hints[key])
+        except CoerceError as e:
+            raise CoerceError(f"{key}: {e}", e.hint) from None
+    return tp(**kwargs)

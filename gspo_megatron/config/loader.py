@@ -15,7 +15,8 @@ an architecture field it does set must agree with the file (``model.ARCHITECTURE
 ``seq_length`` and the other ``model.TRAINING_FIELDS`` are free. See :func:`load_config`.
 
 Command-line overrides are ``--section.field=value`` (or ``section.field=value``; ``parse_cli``
-also takes ``--section.field value``). Values are parsed as YAML scalars and coerced to the
+also takes ``--section.field value``); ``--section.field.key=value`` sets one key of a mapping
+field (``--loss.gspo.clip_low=0.02``), keeping the recipe's other keys. Values are parsed as YAML scalars and coerced to the
 field's annotated type (``int``, ``float`` incl. ``3e-4``, ``bool``, ``str``, ``X | None`` with
 ``null``/``none``, ``Literal[...]``, ``list[int]`` like ``[1,0,1]``, ``int | list[int]``).
 
@@ -213,14 +214,24 @@ def _apply_overrides(raw: dict[str, dict[str, _Entry]], overrides: Iterable[str]
             continue
         source = f"override {text!r}"
         section, dot, fname = key.partition(".")
-        if not dot or not fname or "." in fname:
+        fname, subdot, sub = fname.partition(".")
+        if not dot or not fname or "." in sub or (subdot and not sub):
             errors.append(f"{source}: {key!r} is not section.field "
                           f"(sections: {', '.join(sections)})")
             continue
         if section not in sections:
             errors.append(f"{source}: {section}: unknown section{suggest(section, sections)}")
             continue
-        raw.setdefault(section, {})[fname] = _Entry(_parse_override_value(value), source, value)
+        entries = raw.setdefault(section, {})
+        if sub:
+            # --loss.gspo.clip_low=0.02: one key of a mapping field, merged into the recipe's.
+            before = entries.get(fname)
+            mapping = dict(before.value) if before is not None and isinstance(
+                before.value, dict) else {}
+            mapping[sub] = _parse_override_value(value)
+            entries[fname] = _Entry(mapping, source)
+        else:
+            entries[fname] = _Entry(_parse_override_value(value), source, value)
 
 
 def _coerce_entry(path: str, entry: _Entry, tp: Any) -> Any:
@@ -506,6 +517,17 @@ must agree with it.
 """
 
 
+def _section_of(name: str, value: str) -> str:
+    """``"; did you mean --rollout.group_size=8?"`` when ``name`` is a field of some sections
+    (a top-level key given without its section), else ``""``."""
+    fields = [f"--{section}.{name}" for section, cls in section_types().items()
+              if name in _field_types(cls)]
+    if not fields:
+        return ""
+    shown = [f + (f"={value}" if value else "") for f in fields]
+    return f"; did you mean {' or '.join(shown)}?"
+
+
 class CommandLine(typing.NamedTuple):
     """``gspo-train``'s arguments: the recipe, the overrides, and ``--verbose``."""
 
@@ -553,7 +575,7 @@ def parse_command_line(argv: Sequence[str]) -> CommandLine:
         key, sep, _ = body.partition("=")
         if "." not in key or (not sep and not arg.startswith("--")):
             raise ConfigError(f"unrecognised argument {arg!r}; expected --config PATH or "
-                              "--section.field=value")
+                              f"--section.field=value{_section_of(key, arg.partition('=')[2])}")
         if sep:
             overrides.append(arg)
             i += 1

@@ -388,6 +388,12 @@ class CheckpointConfig(Section, name="checkpoint"):
     tokenizer files carried). Needs ``init_weights`` to be a ``gspo-convert-hf`` directory (it
     knows the HF config); must not be a non-empty directory. Not written after a stop signal."""
 
+    allow_pickle: bool = False
+    """Read a checkpoint's per-rank rollout state with a full unpickle when it is not plain data
+    (written by a gspo-train before the plain format). A pickle can run code when loaded: set it
+    only for checkpoints you wrote yourself. Off: such a checkpoint is refused in one line before
+    anything runs. Everything else in a checkpoint is read with ``weights_only=True``."""
+
     def _problems(self) -> Iterator[Problem]:
         yield from self._at_least(0, "save_interval", note=" (0 = only at the end)")
         yield from self._at_least(1, "keep_last")

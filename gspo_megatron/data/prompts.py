@@ -120,6 +120,25 @@ def _parse_messages(value: list[Any], where: str, prompt_key: str) -> list[dict[
     return messages
 
 
+ANSWER_LAYOUTS = (("reward_model.ground_truth", "verl's layout"), ("label", "slime's layout"),
+                  ("answer", None), ("ground_truth", None), ("solution", None))
+"""Where the peers' dataset layouts keep the answer: the fields a missing-answer error suggests."""
+
+PROMPT_LAYOUTS = (("prompt", "verl's and slime's layout"), ("question", None),
+                  ("problem", None), ("messages", None))
+"""Where datasets keep the prompt: the fields a missing-prompt error suggests."""
+
+
+def _layout_hint(row: dict, layouts: tuple[tuple[str, str | None], ...]) -> str:
+    """``"; this row has 'reward_model.ground_truth' (verl's layout)"`` for the first of
+    ``layouts`` the row holds, else a line naming the known layouts' fields."""
+    for key, name in layouts:
+        if get_dotted(row, key, None) is not None:
+            return f"; this row has '{key}'" + (f" ({name})" if name else "")
+    known = ", ".join(f"{key}" + (f" ({name})" if name else "") for key, name in layouts if name)
+    return f" ({known})"
+
+
 def _row_to_example(
     row: Any,
     where: str,
@@ -134,7 +153,9 @@ def _row_to_example(
         raw_prompt = get_dotted(row, prompt_key)
     except KeyError:
         raise DatasetError(
-            f"{where}: missing prompt field '{prompt_key}' (row has keys {sorted(row)})"
+            f"{where}: missing prompt field '{prompt_key}' (row has keys {sorted(row)}); "
+            f"set data.prompt_key to the field that holds the prompt"
+            f"{_layout_hint(row, PROMPT_LAYOUTS)}"
         ) from None
     messages: list[dict[str, str]] | None = None
     if hasattr(raw_prompt, "tolist") and not isinstance(raw_prompt, str):
@@ -159,7 +180,9 @@ def _row_to_example(
             raw_answer = get_dotted(row, answer_key)
         except KeyError:
             raise DatasetError(
-                f"{where}: missing answer field '{answer_key}' (row has keys {sorted(row)})"
+                f"{where}: missing answer field '{answer_key}' (row has keys {sorted(row)}); "
+                f"set data.answer_key to the field that holds the answer"
+                f"{_layout_hint(row, ANSWER_LAYOUTS)}"
             ) from None
         if raw_answer is None:
             raise DatasetError(f"{where}: answer field '{answer_key}' is null")

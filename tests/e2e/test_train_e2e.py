@@ -92,14 +92,30 @@ def kill_and_resume(tmp_path, *overrides, nproc=1, cli=CLI, resumed_overrides=()
     return a, b
 
 
-@pytest.mark.parametrize("layout", [PADDED, PACKED], ids=["padded", "packed"])
+# trainer.reference_model with a KL penalty, one minibatch per step (step 0 then on-policy: its KL
+# to the reference exactly 0): the padded kill-and-resume run checks it too.
+KL_REFERENCE = ["--trainer.reference_model=true", "--loss.kl_coef=0.05",
+                "--trainer.num_minibatches=1"]
+
+
+@pytest.mark.parametrize("layout", [PADDED, PACKED], ids=["padded_kl_reference", "packed"])
 def test_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path, layout):
-    a, b = kill_and_resume(tmp_path, *layout)
+    """Killed after its step-2 checkpoint and resumed, a run's every step equals the
+    uninterrupted run's. Padded, with ``trainer.reference_model``: the reference is the policy
+    after the SFT warm-up (step 0's KL to it exactly 0), and the resumed run loads that reference
+    (``reference_weights``), not the policy it resumes (one run for what were two tests)."""
+    a, b = kill_and_resume(tmp_path, *layout, *(KL_REFERENCE if layout is PADDED else []))
     # Minibatch 0 of each step is on-policy: the update's forward repeats the old-log-prob pass
     # (bitwise padded; packed, the two passes cut their rows differently: fp32 rounding, 2.4e-7).
     worst = max(m["ratio/first_minibatch_max_abs_log"] for m in a)
     assert worst < 1e-6 if layout is PACKED else worst == 0.0, worst
-    for key in ("reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train", "optim/grad_norm"):
+    keys = ["reward/mean", "loss/policy", "clip/fraction", "kl/rollout_vs_train", "optim/grad_norm"]
+    if layout is PADDED:
+        kl = [m["kl/ref_k3"] for m in a]
+        assert kl[0] == 0.0 and max(kl) > 0, kl  # (a step whose advantages are all 0 moves nothing)
+        assert (tmp_path / "resumed" / "checkpoints" / "reference_weights").is_dir()
+        keys += ["kl/ref_k3", "loss/total"]
+    for key in keys:
         assert [m[key] for m in a] == [m[key] for m in b], key
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     sa = json.loads((straight / "summary.json").read_text())
@@ -115,28 +131,22 @@ def _bf16_checkpoint(run_dir) -> bool:
     return b"optimizer.state.fp32_param" in metadata
 
 
-def test_bf16_warm_up_survives_the_first_rl_update(tmp_path):
-    """Under bf16 Megatron's optimizer steps fp32 main copies of the weights. The SFT warm-up
-    trains with an optimizer of its own; the RL optimizer's copies must then be refreshed, or its
-    first step writes the pre-warm-up weights back (on an H200: held-out accuracy 0.108 -> 0.008,
-    67 % of tokens routed elsewhere after one update). The first RL update is a warm-up step of
-    lr 3e-4 / 20: it moves the routes of no token here (0.0), where the stale copies moved 91 %."""
-    run = tmp_path / "bf16"
-    gspo_train(run, "--precision.bf16=true", "--trainer.steps=1", "--routing.replay=r2",
-               cli=BF16_CLI)
-    assert _bf16_checkpoint(run)  # the bf16 optimizer ran, not the fp32 one
-    first = read_metrics(run / "metrics.jsonl")[0]
-    assert first["routing/drift/after_1_updates"] < 0.1, first["routing/drift/after_1_updates"]
+def test_bf16_warm_up_then_kill_after_checkpoint_then_resume(tmp_path):
+    """Megatron's bf16 optimizer (fp32 main weights), with R2 (one run for what were two tests):
 
-
-def test_bf16_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
-    """Exact resume with Megatron's bf16 optimizer (fp32 main weights, Adam state, schedule and
-    RNG restored): every metric of every step equals the uninterrupted run's. The killed and
-    resumed run moves its training state to host memory for every rollout (``trainer.offload:
-    all``: Adam's moments, the gradients and the fp32 main copy), which changes nothing."""
-    a, b = kill_and_resume(tmp_path, "--precision.bf16=true", *PADDED, cli=BF16_CLI,
-                           resumed_overrides=["--trainer.offload=all"])
-    assert _bf16_checkpoint(tmp_path / "resumed")
+    * the SFT warm-up trains with an optimizer of its own; the RL optimizer's main copies must then
+      be refreshed, or its first step writes the pre-warm-up weights back (on an H200: held-out
+      accuracy 0.108 -> 0.008, 67 % of tokens routed elsewhere after one update). The first RL
+      update is a warm-up step of lr 3e-4 / 20: it moves the routes of no token here (0.0), where
+      the stale copies moved 91 %;
+    * exact resume (fp32 main weights, Adam state, schedule and RNG restored): every metric of
+      every step equals the uninterrupted run's. The killed and resumed run moves its training
+      state to host memory for every rollout (``trainer.offload: all``: Adam's moments, the
+      gradients and the fp32 main copy), which changes nothing."""
+    a, b = kill_and_resume(tmp_path, "--precision.bf16=true", "--routing.replay=r2", *PADDED,
+                           cli=BF16_CLI, resumed_overrides=["--trainer.offload=all"])
+    assert _bf16_checkpoint(tmp_path / "straight") and _bf16_checkpoint(tmp_path / "resumed")
+    assert a[0]["routing/drift/after_1_updates"] < 0.1, a[0]["routing/drift/after_1_updates"]
     # 140,160 parameters: fp32 gradients (4 B) and the fp32 main copy of the bf16 ones (4 B,
     # which fp32 training does not have) from step 0, Adam's m and v (8 B) from step 1.
     moved = [m["perf/offloaded_gib"] * 2 ** 30 for m in b]
@@ -146,20 +156,6 @@ def test_bf16_kill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path):
         for key in ra:
             if not key.startswith(("perf/", "time")):
                 assert ra[key] == rb[key], (ra["step"], key)
-
-
-def test_kl_reference_is_the_policy_rl_starts_from_and_resumes(tmp_path):
-    """``trainer.reference_model``: the reference is the policy after the SFT warm-up (one
-    minibatch per step, so step 0 is on-policy and its KL to the reference exactly 0), and a run
-    resumed after its step-2 checkpoint loads that reference (``reference_weights``), not the
-    policy it resumes: every step's KL equals the uninterrupted run's bitwise."""
-    a, b = kill_and_resume(tmp_path, "--trainer.reference_model=true", "--loss.kl_coef=0.05",
-                           "--trainer.num_minibatches=1")
-    kl = [m["kl/ref_k3"] for m in a]
-    assert kl[0] == 0.0 and max(kl) > 0, kl  # (a step whose advantages are all 0 moves nothing)
-    for key in ("kl/ref_k3", "loss/total", "reward/mean", "optim/grad_norm"):
-        assert [m[key] for m in a] == [m[key] for m in b], key
-    assert (tmp_path / "resumed" / "checkpoints" / "reference_weights").is_dir()
 
 
 @pytest.mark.distributed

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from gspo_megatron.backends.megatron import plain_state
 from gspo_megatron.data import DatasetError, load_prompt_dataset
 from gspo_megatron.rewards import get_reward_fn
 
@@ -109,7 +110,8 @@ def test_reward_module_next_to_the_recipe_found_from_another_directory(tmp_path)
 def test_hf_tokenizer_path_that_does_not_exist(tmp_path):
     missing = tmp_path / "no" / "such" / "tokenizer"
     proc, run_dir = run_cli(tmp_path, "--tokenizer.kind=hf", f"--tokenizer.path={missing}")
-    assert_refused(proc, run_dir, f"tokenizer directory not found: {missing}")
+    assert_refused(proc, run_dir, f"tokenizer.path='{missing}' (tokenizer.kind='hf'): "
+                   f"tokenizer directory not found: {missing}")
 
 
 def test_hf_tokenizer_directory_without_tokenizer_files(tmp_path):
@@ -349,8 +351,39 @@ def test_a_resume_that_would_lose_what_is_in_flight_is_refused(tmp_path, rank_st
     it = ckpts / "iter_0000002"
     (it / "rank").mkdir(parents=True)
     (it / "metadata.json").write_text("{}")
-    torch.save(rank_state, it / "rank" / "rank_00000.pt")
+    torch.save({"format": plain_state.FORMAT, "state": plain_state.encode(rank_state)},
+               it / "rank" / "rank_00000.pt")
     (ckpts / "latest_checkpointed_iteration.txt").write_text("2")
     before = snapshot(tmp_path / "run")
     proc, run_dir = run_cli(tmp_path, *args)
     assert_refused(proc, run_dir, f"cannot resume (logging.run_dir): {it}: ", needle, before=before)
+
+
+class _WritesAFile:
+    """Unpickled, it opens (creates) ``path``: what a planted checkpoint could do instead."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    """A rank state holding a pickle that writes a file when loaded, at --checkpoint.load_dir:
+    refused in one line naming checkpoint.allow_pickle; the file is never written, nor the run."""
+    import torch
+
+    planted = tmp_path / "elsewhere"
+    it = planted / "iter_0000002"
+    (it / "rank").mkdir(parents=True)
+    (it / "metadata.json").write_text("{}")
+    marker = tmp_path / "pwned"
+    torch.save({"placement": "colocated", "partial": _WritesAFile(str(marker))},
+               it / "rank" / "rank_00000.pt")
+    (planted / "latest_checkpointed_iteration.txt").write_text("2")
+    before = snapshot(planted)
+    proc, run_dir = run_cli(tmp_path, f"--checkpoint.load_dir={planted}")
+    assert_refused(proc, run_dir, f"cannot resume (checkpoint.load_dir): {it}: ",
+                   "rank_00000.pt: holds pickled Python objects", "checkpoint.allow_pickle: true")
+    assert snapshot(planted) == before and not marker.exists()

@@ -70,6 +70,9 @@ def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
     same = [r["value"] for r in by_name["r3_cost"]["rows"] if "same tokens" in r["metric"]]
     assert same == [1.0, 1.0]  # recording routes does not change what is sampled
     assert "ours_vs_hf_tokens_per_s_batch2" in by_name["rollout"]["ratios"]
+    # the long tail in a training run: every phase heavy-tailed vs uniform, and the bound
+    assert {"rollout_heavy_vs_uniform", "training_heavy_vs_uniform", "rollout_bound"} <= set(
+        by_name["long_tail_run"]["ratios"]) and by_name["long_tail_run"]["met"] is None
     # long-tailed vs uniform cost per real token, both engines, one process and EP=2 (2 ranks)
     assert {"ep1_dynamic", "ep1_static", "ep2_dynamic", "ep2_static", "ep1_dynamic_slots4",
             "ep2_dynamic_slots4", "ep1_dynamic_per_step",
@@ -225,3 +228,14 @@ def test_profile_summary_counts_each_kernel_once():
     assert [r["op"] for r in out["top_device"]][0].startswith("nvjet")
     assert all(not r["op"].startswith("aten::") for r in out["top_device"])
     assert out["top_host"][0]["op"] == "aten::addmm"
+
+
+def test_the_long_tail_bound_of_the_step_costs():
+    """The bound of tools.bench.long_tail_run: a batch whose responses all have the same length
+    costs what the uniform one does; the issue's heavy tail (mean 17.6, longest 94 of 128, step
+    0.38 / 1.65 ms at batch 1 / 128) cannot cost less than ~1.9x."""
+    from tools.bench.long_tail_run import bound
+
+    assert bound(20.0, 20.0, 128, 0.38, 1.65) == pytest.approx(1.0, abs=1e-12)
+    assert 1.9 < bound(17.6, 94, 128, 0.38, 1.65) < 2.0
+    assert bound(17.6, 94, 128, 1.65, 1.65) == pytest.approx(94 / 17.6)  # GPU-like: flat cost

@@ -127,3 +127,62 @@ def test_missing_and_bad_pointer(tmp_path, groups):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
     with pytest.raises(ckpt.CheckpointError, match="expected an iteration number"):
         ckpt.load_checkpoint(policy, str(tmp_path))
+
+
+# ------------------------------------------------------------------ the per-rank state file
+
+def _in_flight():
+    """A rank state of the kinds a run keeps: a separate placement's received step (a
+    StepSamples of RolloutSamples and PromptExamples), partial groups, an engine's held state."""
+    from gspo_megatron.data.prompts import PromptExample
+    from gspo_megatron.policy import RolloutSample
+    from gspo_megatron.stages import StepSamples
+
+    samples = StepSamples(
+        prompts=[PromptExample("1+2=", "3", index=4, uid="4", metadata={"src": "t"})],
+        samples=[RolloutSample([1, 2], [3, 0], [-0.5, -0.25], "eos", extra={"routes": None})],
+        advantages=torch.randn(1, dtype=torch.float32), metrics={"reward/mean": 0.5},
+        generated_tokens=2)
+    return {"placement": "separate", "received": {3: {"step": 3, "samples": samples,
+                                                      "skip": ("faults/x", {"a": 1.0})}},
+            "sampler": {"epoch": 0, "position": 8}, "partial": None,
+            "engine": {"held": [0, 2], "ids": {5, 7}, "kv": torch.ones(2, 3),
+                       "dtype": torch.bfloat16, "np": __import__("numpy").arange(3)}}
+
+
+def test_rank_state_round_trips_as_plain_data(tmp_path):
+    """Written as plain data, read back with weights_only=True equal to what was saved."""
+    from gspo_megatron.backends.megatron import plain_state
+
+    state = _in_flight()
+    path = tmp_path / "rank" / "rank_00000.pt"
+    path.parent.mkdir()
+    torch.save({"format": plain_state.FORMAT, "state": plain_state.encode(state)}, path)
+    torch.load(path, weights_only=True)  # no pickled object in it
+    back = ckpt.read_rank_state(str(tmp_path), 0)
+    got, want = back["received"][3]["samples"], state["received"][3]["samples"]
+    assert type(got) is type(want) and got.prompts == want.prompts and got.samples == want.samples
+    assert torch.equal(got.advantages, want.advantages) and got.metrics == want.metrics
+    assert back["received"][3]["skip"] == ("faults/x", {"a": 1.0})
+    engine = back["engine"]
+    assert engine["ids"] == {5, 7} and engine["dtype"] is torch.bfloat16
+    assert torch.equal(engine["kv"], torch.ones(2, 3)) and list(engine["np"]) == [0, 1, 2]
+    with pytest.raises(TypeError, match="not in plain_state.RECORD_TYPES"):
+        plain_state.encode({"x": ckpt.TrainingState(step=1, extra={})})
+    with pytest.raises(ValueError, match="unknown record type 'os:system'"):
+        plain_state.decode({plain_state.TYPE_KEY: "os:system", "fields": {}})
+
+
+def test_a_pickled_rank_state_needs_allow_pickle(tmp_path):
+    """A rank state only a full unpickle reads (as written before the plain format) is refused
+    without checkpoint.allow_pickle, read with it; plain data of before the format is read."""
+    path = tmp_path / "rank" / "rank_00000.pt"
+    path.parent.mkdir()
+    state = _in_flight()
+    torch.save(state, path)  # the old way: objects pickled
+    with pytest.raises(ckpt.UnsafeCheckpointError, match="checkpoint.allow_pickle: true"):
+        ckpt.read_rank_state(str(tmp_path), 0)
+    assert ckpt.read_rank_state(str(tmp_path), 0, allow_pickle=True)["received"][3][
+        "samples"].samples == state["received"][3]["samples"].samples
+    torch.save({"placement": "colocated", "partial": None}, path)  # old, but plain data
+    assert ckpt.read_rank_state(str(tmp_path), 0) == {"placement": "colocated", "partial": None}

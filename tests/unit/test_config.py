@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.algorithms import LOSSES, PolicyLossConfig
+from gspo_megatron.algorithms.losses.gspo import GSPOParams
 from gspo_megatron.config import (DEMO_RECIPE, DataConfig, LoggingConfig, OptimConfig,
                                   RolloutConfig, SFTConfig, TrainConfig)
 from gspo_megatron.config.loader import (
@@ -112,7 +113,10 @@ def test_recipe_without_loss_optim_sft_gets_the_paper_eps_and_no_sft(tmp_path: P
 OLD_DEFAULTS = TrainConfig(
     model=model_config_from_preset("tiny", seq_length=64),  # not tiny_gspo.yaml's 16
     optim=OptimConfig(lr=3e-4, min_lr=3e-5, lr_warmup_steps=20, lr_decay_style="cosine"),
-    loss=PolicyLossConfig(variant="gspo", clip_low=1e-2, clip_high=1e-2),
+    # The demo's eps 1e-2 under the losses that read them (loss.gspo, loss.gspo_token), so that
+    # --loss.variant=OTHER runs OTHER at its defaults; GSPO resolves to the same knobs as before.
+    loss=PolicyLossConfig(variant="gspo", gspo=GSPOParams(clip_low=1e-2, clip_high=1e-2),
+                          gspo_token=GSPOParams(clip_low=1e-2, clip_high=1e-2)),
     data=DataConfig(max_prompt_length=8),
     rollout=RolloutConfig(max_new_tokens=4),
     sft=SFTConfig(steps=300, batch_size=64, lr=3e-3),
@@ -124,6 +128,7 @@ def test_demo_recipe_is_the_old_defaults() -> None:
     cfg = load_config(DEMO_RECIPE)
     assert config_to_dict(cfg) == config_to_dict(OLD_DEFAULTS)
     assert cfg == OLD_DEFAULTS
+    assert cfg.loss.params == PolicyLossConfig(variant="gspo", clip_low=1e-2, clip_high=1e-2).params
     assert validate_config(cfg) == 1
     assert Path(DEMO_RECIPE).is_absolute() and Path(DEMO_RECIPE).is_file()
     # gspo-train with no arguments resolves the demo.
@@ -159,7 +164,7 @@ def test_recipe_loads_and_validates_for_its_world_size(name: str) -> None:
     # GSPO: the paper's eps for real models; the tiny demo's 2-3-token responses use 1e-2
     # (see the comment in tiny_gspo.yaml).
     expected = (0.2, 0.27) if variant == "grpo" else (1e-2, 1e-2) if name.startswith("tiny") else (3e-4, 4e-4)
-    assert (cfg.loss.clip_low, cfg.loss.clip_high) == pytest.approx(expected)
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == pytest.approx(expected)
     if world > 1:
         # A model-parallel recipe does not fit the wrong world size.
         with pytest.raises(ConfigError):
@@ -309,7 +314,9 @@ def test_moe_layer_freq_list_from_yaml(tmp_path: Path) -> None:
 def test_bad_override_syntax() -> None:
     assert "section.field" in error_of(load_config, None, ["--rollout=3"])
     assert "expected --section.field=value" in error_of(load_config, None, ["--rollout.group_size"])
-    assert "section.field" in error_of(load_config, None, ["--a.b.c=1"])
+    assert "section.field" in error_of(load_config, None, ["--a.b.c.d=1"])
+    assert "rollout.group_size: expected int" in error_of(load_config, None,
+                                                          ["--rollout.group_size.x=1"])
 
 
 # ------------------------------------------------------------------------------------- presets
@@ -730,6 +737,32 @@ def test_round_trip_of_non_default_values(tmp_path: Path) -> None:
     assert load_config(tmp_path / "c.yaml") == cfg
 
 
+def test_loss_knobs_under_their_variant(tmp_path: Path) -> None:
+    """A recipe's ``loss.<variant>`` block: read only while that loss runs; one key overridden
+    with ``--loss.<variant>.<knob>``; a flat knob wins; bad keys and values name the block."""
+    recipe = write(tmp_path, "loss:\n  variant: gspo\n  gspo: {clip_low: 1.0e-3, clip_high: 2.0e-3}\n"
+                   "  sapo: {tau_neg: 1.2}\n")
+    cfg = load_config(recipe)
+    assert cfg.loss.params == GSPOParams(clip_low=1e-3, clip_high=2e-3)
+    assert load_config(recipe, ["--loss.variant=grpo"]).loss.params == LOSSES["grpo"].params()
+    assert load_config(recipe, ["--loss.variant=sapo"]).loss.params == LOSSES["sapo"].params(
+        tau_neg=1.2)
+    assert load_config(recipe, ["--loss.gspo.clip_low=5e-4"]).loss.params == GSPOParams(5e-4, 2e-3)
+    assert load_config(recipe, ["--loss.clip_high=6e-4"]).loss.params == GSPOParams(1e-3, 6e-4)
+    assert load_config(None, ["--loss.sapo.tau_pos=2"]).loss.sapo == LOSSES["sapo"].params(
+        tau_pos=2.0)
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml") == cfg
+    assert "loss.gspo: unknown key 'clip_lo'" in error_of(
+        load_config, recipe, ["--loss.gspo.clip_lo=1"]) and "did you mean 'clip_low'?" in error_of(
+        load_config, recipe, ["--loss.gspo.clip_lo=1"])
+    assert "loss.gspo.clip_low: must be < 1" in error_of(load_config, recipe,
+                                                         ["--loss.gspo.clip_low=2"])
+    # A block of a variant that is not running is still checked (it would fail when switched to).
+    assert "loss.sapo.tau_pos: must be" in error_of(load_config, recipe, ["--loss.sapo.tau_pos=-1"])
+    assert "is not section.field" in error_of(load_config, recipe, ["--loss.gspo.=1"])
+
+
 def test_config_to_dict_covers_every_field() -> None:
     d = config_to_dict(TrainConfig())
     assert list(d) == list(section_types())
@@ -751,6 +784,11 @@ def test_parse_cli_forms() -> None:
     assert parse_cli(["--config=a.yaml"]) == ("a.yaml", [])
     assert parse_cli(["-c", "b.yaml"]) == ("b.yaml", [])
     assert "unrecognised argument" in error_of(parse_cli, ["stray"])
+    # a field given without its section: the sections that have it
+    assert error_of(parse_cli, ["--group_size=8"]).endswith(
+        "did you mean --rollout.group_size=8?")
+    assert error_of(parse_cli, ["--seed"]).endswith(
+        "did you mean --data.seed or --trainer.seed or --evaluation.seed?")
     assert "needs a path" in error_of(parse_cli, ["--config"])
 
 

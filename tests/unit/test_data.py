@@ -123,6 +123,27 @@ def test_missing_nested_answer(tmp_path: Path) -> None:
         load_prompt_dataset(p, answer_key="reward_model.ground_truth")
 
 
+def test_missing_fields_name_the_recipe_key_and_the_layout_found(tmp_path: Path) -> None:
+    """The error says which recipe field to set and, when the row is in a peer's layout, to what."""
+    p = _write_jsonl(tmp_path / "verl.jsonl", VERL_ROWS)
+    with pytest.raises(DatasetError) as ei:
+        load_prompt_dataset(p, answer_key="answer")
+    assert str(ei.value).startswith(f"{p}:1: missing answer field 'answer' (row has keys [")
+    assert str(ei.value).endswith("]); set data.answer_key to the field that holds the answer; "
+                                  "this row has 'reward_model.ground_truth' (verl's layout)")
+    p = _write_jsonl(tmp_path / "q.jsonl", [{"question": "1+1=", "result": "2"}])
+    with pytest.raises(DatasetError) as ei:
+        load_prompt_dataset(p, answer_key="result")
+    assert "set data.prompt_key to the field that holds the prompt; this row has 'question'" in \
+        str(ei.value)
+    p = _write_jsonl(tmp_path / "n.jsonl", [{"prompt": "1+1=", "result": "2"}])
+    with pytest.raises(DatasetError) as ei:
+        load_prompt_dataset(p, answer_key="answer")
+    assert str(ei.value).endswith("set data.answer_key to the field that holds the answer "
+                                  "(reward_model.ground_truth (verl's layout), label (slime's "
+                                  "layout))")
+
+
 @pytest.mark.parametrize(
     "prompt",
     ["", "   ", [], [{"role": "user", "content": " "}]],

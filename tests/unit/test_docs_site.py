@@ -92,3 +92,49 @@ def test_recipe_fragments_in_the_docs_are_checked_against_the_schema() -> None:
     assert [no for no, _ in blocks] == [1]
     assert check_recipe(blocks[0][1]) == [
         "rollout.partial_keep_kvv: no field 'partial_keep_kvv' in section 'rollout'"]
+
+
+def _user_docs() -> list[Path]:
+    """The pages a user reads: the README, the guides (docs/**), the examples' READMEs."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+            *sorted((ROOT / "examples").rglob("README.md"))]
+
+
+def test_no_user_doc_names_an_issue_number() -> None:
+    """Our tracker's issue numbers mean nothing to a user ("issue 48"); peers' issues are cited
+    by repository (``verl #7356``), which this does not match."""
+    import re
+
+    pattern = re.compile(r"\bissues?\s*#?\d+", re.I)
+    found = [f"{p.relative_to(ROOT)}:{no}: {m.group(0)}" for p in _user_docs()
+             for no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             for m in pattern.finditer(line)]
+    assert found == []
+
+
+def test_make_docs_installs_the_docs_extra_alone() -> None:
+    """``make docs`` builds in a venv of the ``docs`` extra's packages, pinned as setup.py pins
+    them, and not the training stack (which ``make docs-check`` uses)."""
+    import ast
+    import re
+
+    setup = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    extras = next(ast.literal_eval(k.value) for node in ast.walk(setup)
+                  if isinstance(node, ast.Call) for k in node.keywords
+                  if k.arg == "extras_require")
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    pins = re.search(r"^DOCS_REQUIREMENTS := (.*)$", makefile, re.M).group(1)
+    assert re.findall(r'"([^"]+)"', pins) == extras["docs"]
+    rule = makefile.split("\ndocs: ", 1)[1].split("\n\n", 1)[0]
+    assert "DOCS_VENV" in rule and "$(PY)" not in rule and "VENV)/.installed" not in rule.replace(
+        "DOCS_VENV)/.installed", "")
+
+
+def test_the_recipes_guide_lists_every_section_and_a_page_links_it() -> None:
+    from gspo_megatron.config.loader import section_types
+
+    guide = (ROOT / "examples" / "configs" / "README.md").read_text(encoding="utf-8")
+    intro = guide.split("\n\n")[1]  # "A recipe is a YAML file whose top-level keys are ..."
+    assert [s for s in section_types() if f"`{s}`" not in intro] == []
+    linked = [p for p in _user_docs() if "configs/README.md" in p.read_text(encoding="utf-8")]
+    assert any(p.parent.name == "docs" for p in linked)

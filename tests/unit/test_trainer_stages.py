@@ -12,7 +12,7 @@ from gspo_megatron.data import PromptExample, PromptSampler
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.policy import RolloutSample
 from gspo_megatron.stages import advantage_stage, batch_stage, rollout_stage, update_stage
-from gspo_megatron.trainer import Task, Trainer
+from gspo_megatron.trainer import REQUEUE_EXIT_CODE, Task, Trainer
 
 
 class CharTokenizer:
@@ -105,7 +105,7 @@ class FakePolicy:
     def abort_checkpoint(self):
         self.pending = None
 
-    def load_checkpoint(self, d):
+    def load_checkpoint(self, d, allow_pickle=False):
         step, extra, self.steps = self.saved[d]
         return step, extra
 
@@ -295,6 +295,40 @@ def test_fit_trains_saves_and_resumes_exactly(tmp_path):
     assert resumed.task.sampler.state_dict() == straight.task.sampler.state_dict()
     assert policy.steps == straight_policy.steps == 5 * cfg.trainer.num_minibatches
     assert [m["step"] for m in (json.loads(x) for x in open(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_ends_the_fit_and_the_callers_handlers_come_back(tmp_path, stop):
+    """SIGTERM or SIGUSR1 during a step: the run checkpoints and exits for requeue (the e2e test
+    sends SIGTERM to a real gspo-train); when fit returns, the handlers installed before it are
+    the process's again (an in-process run used to leave its own, so a SIGTERM to pytest logged
+    "will checkpoint after this step" and went on)."""
+    import os
+    import signal
+
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    signals = (signal.SIGTERM, signal.SIGUSR1)
+    before = {sig: signal.signal(sig, mine) for sig in signals}
+    try:
+        class Terminated(FakePolicy):
+            def optimizer_step(self, corrupt_grad=None):
+                if self.steps == 0:
+                    os.kill(os.getpid(), getattr(signal, stop))  # to the trainer's handler
+                return super().optimizer_step(corrupt_grad)
+
+        cfg = _cfg(tmp_path, steps=3)
+        summary = _trainer(cfg, Terminated()).fit()
+        assert summary["exit_code"] == REQUEUE_EXIT_CODE and summary["steps"] == 1 and not seen
+        assert all(signal.getsignal(sig) is mine for sig in signals)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize("source", ["recompute", "rollout"])

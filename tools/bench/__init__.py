@@ -5,6 +5,6 @@ One module per benchmark, each with ``run(smoke: bool = False, **options) -> dic
 process by default), prints one table and writes one JSON file.
 """
 
-BENCHMARKS = ("logprobs", "update_step", "rollout", "long_tail", "packing", "routing", "r3_cost",
+BENCHMARKS = ("logprobs", "update_step", "rollout", "long_tail", "long_tail_run", "packing", "routing", "r3_cost",
               "reward", "rl_step", "overlap", "checkpoint", "trl_peer", "scaling", "gpu_qwen3_slice")
 """Run order; ``gpu_qwen3_slice`` reports "not run" without CUDA."""

@@ -7,6 +7,11 @@ where ``null`` means the variant's own default (the paper's). A knob another var
 take; values are checked by the loss's own params. Knobs shared by several losses
 (``clip_low``, ``clip_high``) keep one field with a per-variant default, as verl's and TRL's
 configs do; each variant's meaning and default are listed in the field's help.
+
+Then one field per variant that has knobs, named after it (``gspo``, ``sapo`` ...): that loss's knobs as a
+mapping (``gspo: {clip_low: 1.0e-2}``), read only while ``variant`` is that loss. A recipe
+keeps its tuned values there, so ``--loss.variant=OTHER`` switches loss with one override (OTHER
+takes its own defaults) instead of failing on, or silently reusing, another loss's eps.
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ class LossSection(Section, name="loss"):
 
     @property
     def params(self) -> Any:
-        """The variant's knobs, resolved: the fields set here, its defaults for the others."""
+        """The variant's knobs, resolved: the flat knobs set here, then the variant's own block
+        (``loss.<variant>``), then its defaults."""
         spec = self.spec
-        return spec.params(**{k: getattr(self, k) for k in _reads(spec)
-                              if getattr(self, k) is not None})
+        block = getattr(self, self.variant, None) or spec.params()
+        return dataclasses.replace(block, **{k: getattr(self, k) for k in _reads(spec)
+                                             if getattr(self, k) is not None})
 
     @property
     def resolved_aggregation(self) -> str:
@@ -83,7 +90,17 @@ class LossSection(Section, name="loss"):
                        f"{agg!r} is not an aggregation of variant={self.variant!r}; it takes "
                        f"{', '.join(repr(a) for a in spec.aggregations)} (default "
                        f"{spec.aggregations[0]!r})")
-            yield from self.params.problems()
+            block = getattr(self, self.variant, None)
+            for fields, text in self.params.problems():
+                if block is not None and getattr(self, fields[0], None) is None:
+                    # The value came from the variant's block: name it there.
+                    fields = (f"{self.variant}.{fields[0]}", self.variant, *fields[1:])
+                yield fields, text
+            for name in LOSSES:
+                other = getattr(self, name, None)
+                if name != self.variant and other is not None:
+                    for fields, text in other.problems():
+                        yield (f"{name}.{fields[0]}", name, *fields[1:]), text
         kl = self.kl_coef
         if isinstance(kl, bool) or not isinstance(kl, (int, float)) or not (
                 math.isfinite(kl) and kl >= 0):
@@ -154,6 +171,18 @@ def _build() -> type:
     for name, (tp, readers) in knobs.items():
         fields.append((name, Optional[tp], dataclasses.field(default=None)))
         docs[name] = _knob_doc(readers)
+    for name, spec in LOSSES.items():
+        if not _reads(spec):
+            continue  # (gpg: no knobs)
+        if name in docs:
+            raise TypeError(f"loss variant {name!r} has the name of a loss field")
+        fields.append((name, Optional[spec.params], dataclasses.field(default=None)))
+        docs[name] = (
+            f"The knobs of variant {name!r} ({', '.join(_reads(spec))}), read only "
+            f"while ``variant`` is {name!r}; null or a knob left out takes its default. A recipe "
+            f"tuned for one loss keeps its values here, so that ``--loss.variant=OTHER`` runs "
+            f"OTHER with its own defaults. One knob: ``--loss.{name}.KNOB=VALUE``. A flat knob "
+            f"(``loss.clip_low`` ...) set as well wins over this block.")
     return dataclasses.make_dataclass(
         "PolicyLossConfig", fields, bases=(LossSection,), frozen=True, kw_only=True,
         namespace={"__module__": __name__, "__doc__": LossSection.__doc__,

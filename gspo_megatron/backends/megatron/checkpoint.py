@@ -3,6 +3,7 @@
     <save_dir>/
         iter_0000010/                      one checkpoint: model + optimizer shards, common state
             rng/rank_00000.pt              per-rank RNG states (tensors and ints only)
+            rank/rank_00000.pt             per-rank rollouts in flight (plain data: .plain_state)
         latest_checkpointed_iteration.txt  "10", written last
         reference_weights/                 trainer.reference_model: the policy RL started from
                                            (model weights only, written at step 0)
@@ -13,12 +14,15 @@ leaves the previous checkpoint and pointer intact. ``keep_last`` prunes older ch
 Loading falls back to the newest older checkpoint when the latest one cannot be read.
 
 Nothing is unpickled beyond tensors, numbers, strings and containers (``weights_only=True``).
+Per-rank state written before it was plain data is read only with ``checkpoint.allow_pickle``
+(a full unpickle: for checkpoints you wrote yourself).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -31,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.policy import RANK_STATE_KEY
+
+from . import plain_state
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +51,11 @@ _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the directory and the reason."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that only a full unpickle reads (and ``checkpoint.allow_pickle`` is
+    off): refused, never tried on an older checkpoint."""
 
 
 def iteration_dir(save_dir: str, step: int) -> str:
@@ -252,7 +263,8 @@ def save_checkpoint(policy, save_dir: str, state: TrainingState, keep_last: int 
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
         if rank_state is not None:
             os.makedirs(os.path.join(tmp, RANK_STATE_KEY), exist_ok=True)
-            torch.save(rank_state, os.path.join(tmp, RANK_STATE_KEY, f"rank_{_rank():05d}.pt"))
+            torch.save({"format": plain_state.FORMAT, "state": plain_state.encode(rank_state)},
+                       os.path.join(tmp, RANK_STATE_KEY, f"rank_{_rank():05d}.pt"))
 
     def commit() -> None:
         if before_commit is not None:
@@ -290,9 +302,11 @@ def _commit_on_rank0(save_dir: str, tmp: str, final: str, step: int, keep_last: 
         shutil.rmtree(iteration_dir(save_dir, old), ignore_errors=True)
 
 
-def load_checkpoint(policy, load_dir: str, step: int | None = None) -> TrainingState:
+def load_checkpoint(policy, load_dir: str, step: int | None = None,
+                    allow_pickle: bool = False) -> TrainingState:
     """Restore the checkpoint at ``step`` (default: the latest; falls back to older complete ones
-    if it cannot be read). Raises :class:`CheckpointError` when none can be loaded."""
+    if it cannot be read). Raises :class:`CheckpointError` when none can be loaded, and
+    :class:`UnsafeCheckpointError` at once for a per-rank state that needs ``allow_pickle``."""
     latest = read_latest(load_dir) if step is None else step
     if latest is None:
         raise CheckpointError(f"{load_dir}: no {TRACKER_FILE}; nothing to resume from")
@@ -302,7 +316,9 @@ def load_checkpoint(policy, load_dir: str, step: int | None = None) -> TrainingS
     errors = []
     for candidate in candidates:
         try:
-            return _load_one(policy, iteration_dir(load_dir, candidate))
+            return _load_one(policy, iteration_dir(load_dir, candidate), allow_pickle)
+        except UnsafeCheckpointError:
+            raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - report, try the previous
             errors.append(f"{iteration_dir(load_dir, candidate)}: {_describe(exc)}")
             logger.warning("checkpoint %s failed to load (%s); trying an older one",
@@ -310,7 +326,7 @@ def load_checkpoint(policy, load_dir: str, step: int | None = None) -> TrainingS
     raise CheckpointError("no loadable checkpoint:\n  " + "\n  ".join(errors))
 
 
-def _load_one(policy, directory: str) -> TrainingState:
+def _load_one(policy, directory: str, allow_pickle: bool = False) -> TrainingState:
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(directory):
@@ -333,17 +349,36 @@ def _load_one(policy, directory: str) -> TrainingState:
     else:
         logger.warning("%s: no RNG state for rank %d (different world size?)", directory, _rank())
     extra = dict(loaded["extra"] or {})
-    rank_state = read_rank_state(directory, _rank())
+    rank_state = read_rank_state(directory, _rank(), allow_pickle)
     if rank_state is not None:
         extra[RANK_STATE_KEY] = rank_state
     return TrainingState(step=int(loaded["step"]), extra=extra)
 
 
-def read_rank_state(directory: str, rank: int) -> Any:
-    """Rank ``rank``'s own part of the checkpoint ``directory`` (the rollouts in flight: our own
-    pickle, written by :func:`save_checkpoint`), or None when it has none."""
+def read_rank_state(directory: str, rank: int, allow_pickle: bool = False) -> Any:
+    """Rank ``rank``'s own part of the checkpoint ``directory`` (the rollouts in flight, written
+    by :func:`save_checkpoint` as :mod:`.plain_state`), or None when it has none. Read with
+    ``weights_only=True``; a file that needs a full unpickle (written before the plain format, or
+    not by gspo-train) raises :class:`UnsafeCheckpointError` unless ``allow_pickle``."""
     path = os.path.join(directory, RANK_STATE_KEY, f"rank_{rank:05d}.pt")
-    return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        if not allow_pickle:
+            raise UnsafeCheckpointError(
+                f"{path}: holds pickled Python objects, which can run code when loaded (a "
+                "checkpoint written before gspo-train saved plain data, or not by gspo-train); "
+                "if you trust it, set checkpoint.allow_pickle: true") from None
+        logger.warning("%s: loading pickled objects (checkpoint.allow_pickle)", path)
+        return torch.load(path, weights_only=False)
+    if not (isinstance(saved, dict) and saved.get("format") == plain_state.FORMAT):
+        return saved  # written before the format by a run with nothing but plain data in flight
+    try:
+        return plain_state.decode(saved["state"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 # ------------------------------------------------------------------ model weights only

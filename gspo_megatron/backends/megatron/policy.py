@@ -272,9 +272,10 @@ class MegatronPolicy:
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.abort()
 
-    def load_checkpoint(self, load_dir: str) -> tuple[int, dict]:
-        """Restore the latest loadable checkpoint; returns ``(step, extra)``."""
-        state = ckpt.load_checkpoint(self, load_dir)
+    def load_checkpoint(self, load_dir: str, allow_pickle: bool = False) -> tuple[int, dict]:
+        """Restore the latest loadable checkpoint; returns ``(step, extra)`` (``allow_pickle``:
+        ``checkpoint.allow_pickle``)."""
+        state = ckpt.load_checkpoint(self, load_dir, allow_pickle=allow_pickle)
         if self.optimizer is not None:
             use_fused_adam(self.optimizer)
         return state.step, state.extra

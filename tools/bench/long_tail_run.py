@@ -1,0 +1,135 @@
+"""Benchmark: the long tail as a training run pays it, heavy-tailed vs uniform responses.
+
+    python -m tools.bench.long_tail_run [--rounds 3] [--steps 9]
+
+:mod:`tools.bench.long_tail` times the engine's call on geometric lengths written with
+per-request budgets. This one runs ``gspo-train`` as a recipe does: the tiny model from random
+weights (no warm-up), responses that end at the model's own EOS (temperature 1, a 128-token cap:
+most end early, a few run long), every phase of the trainer timed by its own ``perf/*`` metrics.
+
+* **heavy-tailed**: the run as configured (:data:`BASE`);
+* **uniform**: the same run with ``rollout.ignore_eos`` and ``max_new_tokens`` = the heavy-tailed
+  run's mean response length: the same real tokens per step, no tail.
+
+The runs alternate (A, B, B, A, ...), one pair per round; per run, each phase's seconds summed over
+the steps after the first (warm-up) over the real response tokens of those steps; the ratio per
+round, medians (and range) over rounds.
+
+**The bound** the step costs set: a heavy-tailed batch of ``N`` responses decodes ``L_max`` steps,
+the ``t``-th at the batch of the ``n_t`` responses still running; with a step cost linear in the
+batch between ``c(1)`` and ``c(N)``, ``sum_t c(n_t) >= L_max c(1) + (c(N) - c(1)) (N L_mean -
+L_max) / (N - 1)`` (``sum_t n_t`` is the real tokens), against ``L_mean c(N)`` for the uniform
+batch. Step costs: ``--step-cost-1`` / ``--step-cost-full`` (ms; default the tiny model's measured
+0.38 / 1.65 ms at batch 1 / 128, ``tools.bench.long_tail`` at ``79c50a6``, 2-core EPYC). On a GPU
+the batch-1 step costs about what a full one does, so on-policy the tail costs whole steps there;
+partial rollouts (``rollout.partial_rollouts``) and overlap (``rollout.placement: separate``) are
+what remove it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+BASE = ["--model.seq_length=144", "--data.max_prompt_length=8", "--rollout.max_new_tokens=128",
+        "--rollout.group_size=8", "--rollout.prompts_per_step=16", "--sft.steps=0",
+        "--data.num_train_examples=200", "--data.num_eval_examples=4",
+        "--trainer.num_minibatches=4", "--trainer.micro_batch_size=8",
+        "--trainer.eval_interval=0", "--logging.progress=false", "--reward.num_workers=0"]
+"""The tiny recipe from random weights: 16 prompts x 8 responses, the model's own EOS, a 128-token
+cap, the recipe's trainer defaults (packed microbatches, 4 minibatches)."""
+PHASES = {"rollout": ("perf/rollout_s",), "training": ("perf/old_logprobs_s", "perf/update_s"),
+          "step": ("perf/step_s",)}
+"""Each phase's ``perf/*`` seconds."""
+STEP_COST_1_MS, STEP_COST_FULL_MS = 0.38, 1.65
+
+
+def bound(mean_length: float, max_length: float, batch: int, cost_1: float,
+          cost_full: float) -> float:
+    """Lowest heavy-tailed / uniform rollout cost per real token that a batch of ``batch``
+    responses of mean ``mean_length`` and longest ``max_length`` can reach, with a step cost
+    linear in the batch from ``cost_1`` (1 request) to ``cost_full`` (``batch``)."""
+    real = batch * mean_length
+    tail = max_length * cost_1 + (cost_full - cost_1) * (real - max_length) / max(batch - 1, 1)
+    return tail / (mean_length * cost_full)
+
+
+def _run(args: list[str]) -> list[dict]:
+    from gspo_megatron.metrics import read_metrics
+    from tools.bench import common
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as tmp:
+        common.run_cli(["--config", os.path.join(root, "examples", "configs", "tiny_gspo.yaml"),
+                        f"--logging.run_dir={tmp}", *args], 1, bind_cores=True)
+        return read_metrics(os.path.join(tmp, "metrics.jsonl"))
+
+
+def _per_token(records: list[dict]) -> dict:
+    """Each phase's seconds per real response token over the steps after the first, and the
+    lengths of those steps."""
+    steady = records[1:] or records
+    tokens = sum(m["response/num_tokens"] for m in steady)
+    out = {phase: sum(m[k] for m in steady for k in keys) / tokens
+           for phase, keys in PHASES.items()}
+    out.update(mean_length=sum(m["response/mean_length"] for m in steady) / len(steady),
+               max_length=max(m["response/max_length"] for m in steady),
+               tokens=tokens, eos=sum(m["response/eos_fraction"] for m in steady) / len(steady))
+    return out
+
+
+def run(smoke: bool = False, rounds: int = 3, steps: int = 9,
+        step_cost_1: float = STEP_COST_1_MS, step_cost_full: float = STEP_COST_FULL_MS) -> dict:
+    from tools.bench.common import make_result, median, row
+
+    steps, rounds = (2, 1) if smoke else (steps, rounds)
+    base = [*BASE, f"--trainer.steps={steps}"]
+    if smoke:
+        base += ["--rollout.max_new_tokens=16", "--model.seq_length=32",
+                 "--rollout.prompts_per_step=2", "--trainer.num_minibatches=2"]
+    heavy = _per_token(_run(base))  # (also fixes the uniform length: the run is seeded)
+    uniform_len = max(1, round(heavy["mean_length"]))
+    uniform_args = [*base, "--rollout.ignore_eos=true", f"--rollout.max_new_tokens={uniform_len}"]
+    per_round = []
+    for r in range(rounds):
+        order = ("heavy", "uniform") if r % 2 else ("uniform", "heavy")  # A B, B A, ...
+        got = {"heavy": heavy} if r == 0 else {}
+        for name in order:
+            if name not in got:
+                got[name] = _per_token(_run(base if name == "heavy" else uniform_args))
+        per_round.append(got)
+    ratios = {phase: [g["heavy"][phase] / g["uniform"][phase] for g in per_round]
+              for phase in PHASES}
+    batch = 2 * 8 if smoke else 16 * 8
+    lower = bound(heavy["mean_length"], heavy["max_length"], batch, step_cost_1, step_cost_full)
+    rows = [row("heavy-tailed: mean / longest response (tokens), EOS share",
+                f"{heavy['mean_length']:.1f} / {heavy['max_length']:.0f}, {heavy['eos']:.2f}"),
+            row("uniform: response length (ignore_eos)", uniform_len, "tokens")]
+    for phase, rs in ratios.items():
+        rows.append(row(f"heavy-tailed / uniform, {phase} per real token, median (min-max) "
+                        f"over {rounds} rounds",
+                        f"{median(rs):.3g} ({min(rs):.3g}-{max(rs):.3g})", "x"))
+    rows.append(row(f"bound from the step costs ({step_cost_1} / {step_cost_full} ms at batch "
+                    f"1 / {batch})", lower, "x"))
+    rows.append(row("rollout: measured / bound", median(ratios["rollout"]) / lower, "x"))
+    return make_result(
+        "long_tail_run", "The long tail in a training run: heavy-tailed vs uniform responses",
+        "on-policy rollout within 1.1x of the step-cost bound; training passes <= 1.3x",
+        None if smoke else (median(ratios["rollout"]) <= 1.1 * lower
+                            and median(ratios["training"]) <= 1.3),
+        rows, ratios={**{f"{p}_heavy_vs_uniform": median(rs) for p, rs in ratios.items()},
+                      "rollout_bound": lower},
+        config={"base": base, "steps": steps, "rounds": rounds, "uniform_length": uniform_len,
+                "step_cost_ms": [step_cost_1, step_cost_full]},
+        notes=["Per run: each phase's perf/* seconds summed over the steps after the first, over "
+               "the real response tokens of those steps; ratios per round (runs alternate A B, "
+               "B A), medians over rounds."])
+
+
+if __name__ == "__main__":
+    from tools.bench.common import module_main
+
+    module_main(run, extra_args=lambda ap: (
+        ap.add_argument("--steps", type=int), ap.add_argument("--rounds", type=int),
+        ap.add_argument("--step-cost-1", dest="step_cost_1", type=float),
+        ap.add_argument("--step-cost-full", dest="step_cost_full", type=float)))
