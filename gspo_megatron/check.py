@@ -92,7 +92,14 @@ def check_run(cfg: TrainConfig, recipe: str, overrides: list[str], recipe_dir: s
     # (imported: validate_config resolves it).
     dp = attempt(lambda: validate_config(cfg, world_size=gpus, reward_search_dirs=search))
     problems.extend(output_dir_problems(cfg))
-    say(f"layout: {gpus} GPUs" + (f", data-parallel size {dp}" if dp else ""))
+    try:  # the layout alone (the files aside): when it works, plan its memory
+        with warnings.catch_warnings():  # the first call showed them
+            warnings.simplefilter("ignore")
+            dp_size = dp or validate_config(cfg, world_size=gpus, check_paths=False,
+                                              reward_search_dirs=search)
+    except ConfigError:
+        dp_size = None
+    say(f"layout: {gpus} GPUs" + (f", data-parallel size {dp_size}" if dp_size else ""))
     if not any(p.startswith("reward.fn") for p in problems):
         say(f"reward: {cfg.reward.fn} imports")
     # The data, if its files exist (validate_config named the missing ones).
@@ -119,18 +126,11 @@ def check_run(cfg: TrainConfig, recipe: str, overrides: list[str], recipe_dir: s
                         f"tokenizer's vocabulary ({tokenizer.vocab_size})")
     if tokenizer is not None and examples is not None:
         attempt(lambda: cli.check_prompt_lengths(cfg, tokenizer, *examples))
-        if dp:
-            attempt(lambda: cli.check_data_sizes(cfg, *examples, dp))
+        if dp_size:
+            attempt(lambda: cli.check_data_sizes(cfg, *examples, dp_size))
     if not cfg.checkpoint.init_weights or os.path.exists(cfg.checkpoint.init_weights):
         attempt(lambda: cli.check_start_weights(cfg))
-    try:  # the layout alone (the files aside): when it works, plan its memory
-        with warnings.catch_warnings():  # the first call showed them
-            warnings.simplefilter("ignore")
-            layout_ok = validate_config(cfg, world_size=gpus, check_paths=False,
-                                        reward_search_dirs=search)
-    except ConfigError:
-        layout_ok = None
-    if layout_ok:
+    if dp_size:
         found = attempt(lambda: memory_plan(cfg, recipe, overrides, gpus, gpu_memory_gib))
         if found is not None:
             say(found[0])
