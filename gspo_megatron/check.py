@@ -63,8 +63,8 @@ def check_run(cfg: TrainConfig, recipe: str, overrides: list[str], recipe_dir: s
               gpus: int | None, gpu_memory_gib: float,
               say: Callable[[str], None] = print) -> list[str]:
     """Run every check for ``cfg`` on ``gpus`` ranks (None: ``$WORLD_SIZE``, else
-    :func:`smallest_world`); ``say`` each finding (a problem, or what was checked) and return the
-    problems, one line each. ``recipe`` and ``overrides`` are what ``cfg`` was loaded from (the
+    :func:`smallest_world`); ``say`` what each check found that passed, and return the problems,
+    one line each. ``recipe`` and ``overrides`` are what ``cfg`` was loaded from (the
     memory plan reads them as ``gspo-plan`` does)."""
     from gspo_megatron import cli
     from gspo_megatron.backends.megatron.checkpoint import CheckpointError
@@ -96,7 +96,7 @@ def check_run(cfg: TrainConfig, recipe: str, overrides: list[str], recipe_dir: s
         with warnings.catch_warnings():  # the first call showed them
             warnings.simplefilter("ignore")
             dp_size = dp or validate_config(cfg, world_size=gpus, check_paths=False,
-                                              reward_search_dirs=search)
+                                            reward_search_dirs=search)
     except ConfigError:
         dp_size = None
     say(f"layout: {gpus} GPUs" + (f", data-parallel size {dp_size}" if dp_size else ""))
@@ -109,6 +109,7 @@ def check_run(cfg: TrainConfig, recipe: str, overrides: list[str], recipe_dir: s
                 if all(os.path.exists(p) for p in paths) else None)
     if examples is not None:
         say(f"data: {len(examples[0])} training, {len(examples[1])} held-out prompts")
+
     def tokenizer_of():
         try:
             return cli.load_tokenizer(cfg, *(examples or ([], [])))

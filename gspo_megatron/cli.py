@@ -291,9 +291,10 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
 
 @contextlib.contextmanager
 def third_party_warnings(verbose: bool):
-    """Hide, for the ``with`` block, the Python warnings and the Megatron / Apex /
-    Transformer Engine / huggingface_hub log records below ERROR that are not gspo_megatron's own: the fallback
-    notices every start-up prints would drown the one line a refused input gets. ``--verbose``
+    """Hide, for the ``with`` block, the Python warnings and the Megatron / Apex / Transformer
+    Engine / huggingface_hub log records below ERROR that are not gspo_megatron's own: the
+    fallback notices every start-up prints (and the Hub client's retries) would drown the one
+    line a refused input gets. ``--verbose``
     (or any ``-W`` / ``PYTHONWARNINGS`` setting, which the user chose) shows them. Filters and
     levels are restored on exit, so calling :func:`main` in-process leaves no trace."""
     loggers = [logging.getLogger(name)

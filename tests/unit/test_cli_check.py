@@ -60,7 +60,8 @@ def test_check_tiny_recipe_ok(tmp_path, capsys):
     lines = out.out.splitlines()
     assert lines[-1] == f"gspo-train --check: ok ({RECIPES / 'tiny_gspo.yaml'})"
     assert "check: data: 500 training, 120 held-out prompts" in lines
-    assert any(line.startswith("check: memory plan: TP1 PP1 EP1 ETP1 CP1 on 1 GPUs") for line in lines)
+    assert any(line.startswith("check: memory plan: TP1 PP1 EP1 ETP1 CP1 on 1 GPUs")
+               for line in lines)
     assert out.err == "" and not run.exists()
 
 
@@ -108,7 +109,9 @@ def test_rotary_tables_made_in_inference_mode_are_dropped():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from gspo_megatron.backends.megatron.parallel import drop_inference_buffers
+    from gspo_megatron.compat import apply_compat
 
+    apply_compat()  # Megatron's rotary table on the CPU (it asks for the current CUDA device)
     rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
     with torch.inference_mode():
         assert rope(16).is_inference()
@@ -155,5 +158,6 @@ def test_tensorboard_dir_that_is_a_file(tmp_path, capsys):
                f"--logging.tensorboard_dir={afile}"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.strip() == f"gspo-train: error: logging.tensorboard_dir: {afile} exists and is not a directory"
+    assert err.strip() == (f"gspo-train: error: logging.tensorboard_dir: {afile} exists and is "
+                           "not a directory")
     assert not run.exists()
