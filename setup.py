@@ -1,13 +1,33 @@
 """gspo_megatron: GSPO / GRPO RL post-training for Megatron-Core MoE models."""
 
+import re
+
 from setuptools import find_packages, setup
+
+# One version, in the package (gspo-train --version prints it); read as text, not imported.
+with open("gspo_megatron/__init__.py", encoding="utf-8") as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 setup(
     name="gspo_megatron",
-    version="0.1.0",
+    version=VERSION,
     description="Group Sequence Policy Optimization for Megatron-Core Mixture-of-Experts models",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",  # as Megatron-Core; the full text in LICENSE
+    license_files=["LICENSE"],
+    keywords=["reinforcement learning", "GSPO", "GRPO", "mixture of experts", "megatron-core",
+              "RLHF", "LLM post-training"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Science/Research",
+        "Intended Audience :: Developers",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.11",  # the tested one (CI, make venv)
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     python_requires=">=3.10",
     packages=find_packages(include=["gspo_megatron", "gspo_megatron.*"]),
     package_data={"gspo_megatron.config": ["recipes/*.yaml"]},  # DEMO_RECIPE: gspo-train's default

@@ -34,29 +34,45 @@ class Prepared(NamedTuple):
 def load_data(cfg: TrainConfig):
     """Tokenizer, training examples and held-out examples for ``cfg.data``; prompts longer than
     ``data.max_prompt_length`` tokens are refused."""
+    train, heldout = load_examples(cfg)
+    tokenizer = load_tokenizer(cfg, train, heldout)
+    check_prompt_lengths(cfg, tokenizer, train, heldout)
+    return tokenizer, train, heldout
+
+
+def load_examples(cfg: TrainConfig) -> tuple[list, list]:
+    """The training and held-out examples of ``cfg.data`` (a file's, or the built-in task's)."""
     from gspo_megatron import data as data_lib
-    from gspo_megatron.tokenizer import build_tokenizer, train_sentencepiece
 
     if cfg.data.source != "file":
-        train, heldout = _arithmetic_splits(cfg)
-    else:
-        keys = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
-        train = data_lib.load_prompt_dataset(cfg.data.train_path, **keys)
-        heldout = data_lib.load_prompt_dataset(cfg.data.eval_path, **keys) if cfg.data.eval_path else []
+        return _arithmetic_splits(cfg)
+    keys = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+    train = data_lib.load_prompt_dataset(cfg.data.train_path, **keys)
+    heldout = data_lib.load_prompt_dataset(cfg.data.eval_path, **keys) if cfg.data.eval_path else []
+    return train, heldout
+
+
+def load_tokenizer(cfg: TrainConfig, train: list, heldout: list):
+    """``tokenizer.path``'s tokenizer, else one trained on the examples' text."""
+    from gspo_megatron import data as data_lib
+    from gspo_megatron.tokenizer import build_tokenizer, train_sentencepiece
 
     if cfg.tokenizer.path:
         options = ({"chat_template_kwargs": cfg.tokenizer.chat_template_kwargs}
                    if cfg.tokenizer.chat_template_kwargs else {})
         try:
-            tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, **options)
+            return build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path, **options)
         except (FileNotFoundError, ValueError) as e:  # the field to fix, in the one line
             raise type(e)(f"tokenizer.path={cfg.tokenizer.path!r} (tokenizer.kind="
                           f"{cfg.tokenizer.kind!r}): {e}") from None
-    else:
-        # Trained in-process on the task's text (deterministic); every rank trains the same one,
-        # so no rank waits on a file. Saved with the run once everything has been validated.
-        corpus = data_lib.arithmetic_tokenizer_corpus(train + heldout)
-        tokenizer = train_sentencepiece(corpus, atomic_symbols=data_lib.ARITHMETIC_SYMBOLS)
+    # Trained in-process on the task's text (deterministic); every rank trains the same one,
+    # so no rank waits on a file. Saved with the run once everything has been validated.
+    corpus = data_lib.arithmetic_tokenizer_corpus(train + heldout)
+    return train_sentencepiece(corpus, atomic_symbols=data_lib.ARITHMETIC_SYMBOLS)
+
+
+def check_prompt_lengths(cfg: TrainConfig, tokenizer, train: list, heldout: list) -> None:
+    """Refuse the first prompt longer than ``data.max_prompt_length`` tokens, naming it."""
     for split, examples in (("train", train), ("eval", heldout)):
         for ex in examples:
             n = len(tokenizer.encode(tokenizer.apply_chat_template(ex.model_input)))
@@ -67,7 +83,6 @@ def load_data(cfg: TrainConfig):
                                      f"{ex.index + 1} ({ex.prompt!r})")
                 raise ValueError(f"{where}: prompt has {n} tokens, more than "
                                  f"data.max_prompt_length={cfg.data.max_prompt_length}")
-    return tokenizer, train, heldout
 
 
 def _arithmetic_splits(cfg: TrainConfig) -> tuple[list, list]:
@@ -294,12 +309,14 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
 
 @contextlib.contextmanager
 def third_party_warnings(verbose: bool):
-    """Hide, for the ``with`` block, the Python warnings and the Megatron / Apex /
-    Transformer Engine log records below ERROR that are not gspo_megatron's own: the fallback
-    notices every start-up prints would drown the one line a refused input gets. ``--verbose``
+    """Hide, for the ``with`` block, the Python warnings and the Megatron / Apex / Transformer
+    Engine / huggingface_hub log records below ERROR that are not gspo_megatron's own: the
+    fallback notices every start-up prints (and the Hub client's retries) would drown the one
+    line a refused input gets. ``--verbose``
     (or any ``-W`` / ``PYTHONWARNINGS`` setting, which the user chose) shows them. Filters and
     levels are restored on exit, so calling :func:`main` in-process leaves no trace."""
-    loggers = [logging.getLogger(name) for name in ("megatron", "apex", "transformer_engine")]
+    loggers = [logging.getLogger(name)
+               for name in ("megatron", "apex", "transformer_engine", "huggingface_hub")]
     levels = [lg.level for lg in loggers]
     with warnings.catch_warnings():
         if not verbose and not sys.warnoptions:
@@ -350,6 +367,8 @@ def _run(args) -> int:
     from gspo_megatron.rollouts.remote import PeerLost, RolloutServer
     from gspo_megatron.trainer import NonFiniteError
 
+    if args.check:
+        return _check(args)
     try:
         cfg = load_config(args.config or DEMO_RECIPE, args.overrides)
         faults = FaultInjector.from_env()
@@ -396,6 +415,35 @@ def _run(args) -> int:
             return 1
         print(f"exported the final policy to {cfg.checkpoint.export_hf}", flush=True)
     return exit_code
+
+
+def _check(args) -> int:
+    """``--check``: every check :mod:`gspo_megatron.check` runs, each problem on one line (stderr),
+    then one verdict; 0 when there is none, else 2. Nothing is written."""
+    from gspo_megatron.check import check_run
+    from gspo_megatron.config import DEMO_RECIPE
+    from gspo_megatron.config.loader import load_config
+
+    recipe = args.config or DEMO_RECIPE
+    try:
+        cfg = load_config(recipe, args.overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        return _user_error(exc)
+    try:
+        gpu_memory = float(os.environ.get("GPU_MEMORY_GIB", "80"))
+    except ValueError:
+        return _user_error(f"GPU_MEMORY_GIB must be a number of GiB, got "
+                           f"{os.environ['GPU_MEMORY_GIB']!r}")
+    problems = check_run(cfg, recipe, args.overrides,
+                         os.path.dirname(os.path.abspath(args.config)) if args.config else None,
+                         args.gpus, gpu_memory, say=lambda line: print(f"check: {line}"))
+    for problem in problems:
+        print(f"gspo-train: error: {problem}", file=sys.stderr)
+    if problems:
+        print(f"gspo-train --check: {len(problems)} problem(s) in {recipe}", file=sys.stderr)
+        return 2
+    print(f"gspo-train --check: ok ({recipe})", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ TensorBoard.
 
 Only the logging rank writes. What each metric means is registered in
 :mod:`gspo_megatron.metric_docs` (``docs/reference/metrics.md`` is generated from it). wandb and
-TensorBoard are imported lazily (a warning when asked for and not installed); wandb runs offline
-without an API key, and tests disable it (``WANDB_MODE=disabled``).
+TensorBoard are imported lazily (a warning when asked for and not installed); wandb runs online
+when the user is logged in (:func:`wandb_mode`: one line says which), offline otherwise, and tests
+disable it (``WANDB_MODE=disabled``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,33 @@ _PROGRESS_KEYS = (
     ("eval/accuracy", "heldout"),
     ("perf/step_s", "s"),
 )
+
+
+def wandb_mode(env, wandb) -> tuple[str, str]:
+    """``(mode, why)`` for ``wandb.init``: the user's ``WANDB_MODE`` when set; online when logged
+    in (``WANDB_API_KEY``, a netrc entry for the wandb host as ``wandb login`` writes, or a key
+    ``wandb.api.api_key`` finds in wandb's settings); else offline, to be synced later."""
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"], "WANDB_MODE"
+    if env.get("WANDB_API_KEY"):
+        return "online", "logged in: WANDB_API_KEY"
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if os.path.isfile(path) and netrc.netrc(path).authenticators(host):
+            return "online", f"logged in: {path}"
+    except (netrc.NetrcParseError, OSError):
+        pass  # wandb's own lookup below
+    try:
+        if getattr(getattr(wandb, "api", None), "api_key", None):
+            return "online", "logged in: wandb settings"
+    except Exception:  # noqa: BLE001 - a settings lookup that fails means: not logged in
+        pass
+    return "offline", ("not logged in: no WANDB_API_KEY, no `wandb login`; the run is kept "
+                       "under the run directory's wandb/ for `wandb sync`")
 
 
 class MetricsLogger:
@@ -62,7 +90,8 @@ class MetricsLogger:
             except ImportError:
                 logger.warning("logging.wandb_project is set but wandb is not installed; skipping")
             else:
-                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+                mode, why = wandb_mode(os.environ, wandb)
+                print(f"wandb: {mode} ({why})", flush=True)
                 self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=run_config,
                                          mode=mode, resume="allow")
 

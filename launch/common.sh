@@ -116,6 +116,15 @@ validate_launch() {
     die "layout TP=$TP PP=$PP EP=$EP ETP=$ETP CP=$CP does not work on $NNODES node(s) x $GPUS_PER_NODE GPUs = $gpus GPUs for $RECIPE (gspo-plan above); change the recipe's parallel: section or pass --parallel.<field>=N, or NNODES/GPUS_PER_NODE"
 }
 
+# gspo-train --check on $1 GPUs with the trainer's arguments (TRAINER_ARGS): the data, reward,
+# tokenizer and checkpoint reachable from this host, the memory plan; one line per problem and a
+# verdict; a failed check stops the launch (exit 2). Like the planner, run from the checkout.
+check_run() {
+    PYTHONPATH="$(gspo_root)${PYTHONPATH:+:$PYTHONPATH}" GPU_MEMORY_GIB="${GPU_MEMORY_GIB:-80}" \
+        "${PLAN_PYTHON:-${PYTHON:-python3}}" -m gspo_megatron.cli --check --gpus "$1" \
+        "${TRAINER_ARGS[@]}" >&2 || die "gspo-train --check refused the run (lines above)"
+}
+
 # Wait for the background child $1 and return its exit status. A trapped signal makes `wait`
 # return early (status > 128) while the child still runs: wait again then.
 wait_for_child() {

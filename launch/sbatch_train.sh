@@ -54,7 +54,12 @@ load_model "$MODEL"
 # Inside an allocation the node count is the allocation's, whatever the model file says.
 export NNODES="${SLURM_NNODES:-$NNODES}"
 trainer_args "$@"
-validate_launch
+if (( DRY_RUN )) && [[ "${LAUNCH_CHECKED:-0}" == 1 ]]; then
+    # submit.sh --dry-run checked the launch and printed the plan: only read the layout here.
+    plan_layout "$((NNODES * GPUS_PER_NODE))" "${TRAINER_ARGS[@]}" 2>/dev/null || true
+else
+    validate_launch
+fi
 # The checked layout, for torchrun_node.sh's environment (CUDA_DEVICE_MAX_CONNECTIONS).
 export GPUS_PER_NODE TP PP EP ETP CP
 

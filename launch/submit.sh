@@ -37,9 +37,11 @@ sbatch_args=(--nodes="$NNODES" --gpus-per-node="$GPUS_PER_NODE" --time="$TIME_LI
 sbatch_args+=(${SBATCH_ARGS:-})
 
 if (( ${#dry_run[@]} )); then
-    # The batch script's own checks and srun command line, without submitting.
+    # Everything the run would read (gspo-train --check: data, reward, tokenizer, checkpoint,
+    # memory), then the srun command line the batch script would run; nothing is submitted.
+    check_run "$((NNODES * GPUS_PER_NODE))"
     log "dry run: would submit: sbatch ${sbatch_args[*]} $GSPO_ROOT/launch/sbatch_train.sh $*"
-    exec bash "$GSPO_ROOT/launch/sbatch_train.sh" --dry-run "$@"
+    LAUNCH_CHECKED=1 exec bash "$GSPO_ROOT/launch/sbatch_train.sh" --dry-run "$@"
 fi
 mkdir -p "$log_dir"
 log "submitting $MODEL: $NNODES node(s) x $GPUS_PER_NODE GPUs, TP=$TP PP=$PP EP=$EP ETP=$ETP CP=$CP, run dir $RUN_DIR"

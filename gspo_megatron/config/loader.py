@@ -57,6 +57,8 @@ from gspo_megatron.config.model import (ARCHITECTURE_FIELDS, MODEL_PRESETS, SHAP
                                         show_value)
 from gspo_megatron.config.schema import TrainConfig
 from gspo_megatron.config.validation import ConfigError, ConfigWarning, validate_config
+# The command line is parsed in .command_line; its names stay importable from here.
+from gspo_megatron.config.command_line import CommandLine, parse_cli, parse_command_line
 
 __all__ = [
     "DEMO_RECIPE",
@@ -499,93 +501,6 @@ def describe_config(sections: Iterable[str] | None = None, width: int = 100) -> 
                                            initial_indent=" " * 6, subsequent_indent=" " * 6))
         lines.append("")
     return "\n".join(lines)
-
-
-_USAGE = """\
-usage: gspo-train [--config RECIPE.yaml] [--verbose] [--section.field=VALUE | --section.field VALUE ...]
-
---verbose shows the Python warnings and the Megatron/Apex log messages below ERROR that are hidden
-by default (fallback notices at start-up); gspo_megatron's own warnings are always shown.
-Without --config, gspo-train runs the CPU demo recipe (gspo_megatron/config/recipes/demo.yaml).
-Every field of the recipe can be overridden; values are YAML scalars (3e-4, true, null, [1,0,1]).
-A field a recipe leaves out takes the default listed below (the paper's and production's).
-A 'model.preset' (tiny, qwen3-30b-a3b, qwen3-235b-a22b) fills the model fields not set explicitly;
-any other preset name is a free label. With --checkpoint.init_weights=DIR holding a converted
-model's model_config.json (gspo-convert-hf), the model comes from that file: a model field given
-here that is architecture (not seq_length, the aux-loss, dispatcher, router-dtype or init settings)
-must agree with it.
-"""
-
-
-def _section_of(name: str, value: str) -> str:
-    """``"; did you mean --rollout.group_size=8?"`` when ``name`` is a field of some sections
-    (a top-level key given without its section), else ``""``."""
-    fields = [f"--{section}.{name}" for section, cls in section_types().items()
-              if name in _field_types(cls)]
-    if not fields:
-        return ""
-    shown = [f + (f"={value}" if value else "") for f in fields]
-    return f"; did you mean {' or '.join(shown)}?"
-
-
-class CommandLine(typing.NamedTuple):
-    """``gspo-train``'s arguments: the recipe, the overrides, and ``--verbose``."""
-
-    config: str | None
-    overrides: list[str]
-    verbose: bool = False
-
-
-def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """``(config_path, overrides)`` of :func:`parse_command_line`, for :func:`load_config`."""
-    return parse_command_line(argv)[:2]
-
-
-def parse_command_line(argv: Sequence[str]) -> CommandLine:
-    """Split ``argv`` into the recipe, the overrides and the ``--verbose`` flag.
-
-    Accepts ``--config PATH`` / ``--config=PATH`` / ``-c PATH``, ``--verbose``,
-    ``--section.field=value``, ``--section.field value``, ``section.field=value``, and a bare
-    ``--section.field`` (= true, for bool fields). ``-h`` / ``--help`` prints every field's
-    documentation and exits.
-    """
-    argv = list(argv)
-    config: str | None = None
-    overrides: list[str] = []
-    verbose = False
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--verbose":
-            verbose, i = True, i + 1
-            continue
-        if arg in ("-h", "--help"):
-            print(_USAGE)
-            print(describe_config())
-            raise SystemExit(0)
-        if arg in ("--config", "-c"):
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{arg} needs a path")
-            config, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
-            config, i = arg.partition("=")[2], i + 1
-            continue
-        body = arg[2:] if arg.startswith("--") else arg
-        key, sep, _ = body.partition("=")
-        if "." not in key or (not sep and not arg.startswith("--")):
-            raise ConfigError(f"unrecognised argument {arg!r}; expected --config PATH or "
-                              f"--section.field=value{_section_of(key, arg.partition('=')[2])}")
-        if sep:
-            overrides.append(arg)
-            i += 1
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            overrides.append(f"{arg}={argv[i + 1]}")
-            i += 2
-        else:
-            overrides.append(f"{arg}=true")
-            i += 1
-    return CommandLine(config, overrides, verbose)
 
 
 def config_from_argv(argv: Sequence[str], world_size: int | None = None) -> TrainConfig:

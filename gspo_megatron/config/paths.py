@@ -50,9 +50,13 @@ def dir_problem(path: str) -> str | None:
 
 def output_dir_problems(cfg: TrainConfig) -> list[str]:
     """``field: problem`` for each directory the run writes (the run directory, the checkpoint
-    directory) that cannot be created or written; empty when all can."""
+    directory, the TensorBoard directory) that cannot be created or written; empty when all
+    can."""
     problems = {}
-    for field, path in (("logging.run_dir", cfg.logging.run_dir), save_dir_of(cfg)):
+    dirs = [("logging.run_dir", cfg.logging.run_dir), save_dir_of(cfg)]
+    if cfg.logging.tensorboard_dir:
+        dirs.append(("logging.tensorboard_dir", cfg.logging.tensorboard_dir))
+    for field, path in dirs:
         problem = dir_problem(path)
         if problem and field not in problems:  # run_dir/checkpoints: run_dir's problem said it
             problems[field] = f"{field}: {problem}"

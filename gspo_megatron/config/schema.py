@@ -406,7 +406,10 @@ class LoggingConfig(Section, name="logging"):
     run_dir: str = "runs/gspo"
     """Run directory: metrics.jsonl, tokenizer, config, checkpoints."""
     wandb_project: str | None = None
-    """Log to Weights & Biases (offline when no API key is set)."""
+    """Log to Weights & Biases under this project: online when the user is logged in
+    (``WANDB_API_KEY``, or the netrc entry ``wandb login`` writes), else offline (kept in the run
+    directory's ``wandb/`` for ``wandb sync``); ``WANDB_MODE`` wins. One line at the start says
+    which."""
     tensorboard_dir: str | None = None
     """Default null (off). A directory: every metric of every step also written there as a
     TensorBoard scalar at its step, by the logging rank (Megatron-LM's ``--tensorboard-dir``; needs

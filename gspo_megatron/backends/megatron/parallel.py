@@ -115,8 +115,20 @@ def drop_inference_buffers() -> None:
     ``"mpu"``) that a pass in inference mode allocated: an inference tensor cannot be written
     outside inference mode, so the update's forward would fail on it (a run whose first pass at
     TP > 1 with sequence parallelism is the old-log-prob pass or a rollout: no SFT warm-up). The
-    next pass that needs one allocates it again."""
+    next pass that needs one allocates it again.
+
+    Also forgets Megatron's rotary tables (``RotaryEmbedding.forward`` and its YaRN variant are
+    ``lru_cache``d per sequence length): one made in inference mode is an inference tensor, and
+    full activation recompute (``precision.recompute_granularity: full``) saves the table with
+    the layer's inputs for backward, which fails on it. Remade on the next forward, the same
+    values."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding)
     from megatron.core.parallel_state import get_global_memory_buffer
+
+    for table in (RotaryEmbedding, YarnRotaryEmbedding):
+        table.forward.cache_clear()
 
     try:
         buffers = get_global_memory_buffer().buffer
