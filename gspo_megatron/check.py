@@ -41,14 +41,13 @@ def memory_plan(cfg: TrainConfig, recipe: str, overrides: list[str], gpus: int,
     import argparse
 
     from gspo_megatron.planner import GIB, plan_memory
-    from gspo_megatron.tools.plan import RECIPE_OVERRIDES, from_recipe
+    from gspo_megatron.tools.plan import RECIPE_OVERRIDES, from_recipe, split_plan_kwargs
 
     # gspo-plan's own reading of the recipe (its flags unset: the recipe decides).
     flags = argparse.Namespace(config=recipe, **{k: None for k in RECIPE_OVERRIDES})
     _, model, layout, kwargs = from_recipe(flags, overrides)
-    for extra in ("prompt_length", "transfer"):
-        kwargs.pop(extra, None)
-    trainer_gpus = gpus - kwargs.pop("rollout_ranks", 0)
+    kwargs, side = split_plan_kwargs(kwargs)
+    trainer_gpus = gpus - side["rollout_ranks"]
     plan = plan_memory(model, layout, trainer_gpus, **kwargs)
     line = (f"memory plan: {layout.describe()} on {trainer_gpus} GPUs: {plan.total / GIB:.2f} GiB "
             f"per GPU (training {plan.training_peak / GIB:.2f}, rollout "

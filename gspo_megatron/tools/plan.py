@@ -258,6 +258,19 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+# What from_flags / from_recipe return beside plan_memory's arguments, with their defaults.
+SIDE_KEYS = {"prompt_length": None, "rollout_ranks": 0, "transfer": None, "decode": None,
+             "accept_for": None, "layout_check": None}
+
+
+def split_plan_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """``(plan_memory's keyword arguments, the rest)`` of a reading of the flags or a recipe
+    (:data:`SIDE_KEYS`: prompt length, separate rollout ranks, weight transfer, the decode
+    section, the layout rule's callables)."""
+    plan = {k: v for k, v in kwargs.items() if k not in SIDE_KEYS}
+    return plan, {k: kwargs.get(k, default) for k, default in SIDE_KEYS.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
@@ -277,12 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"plan: {exc}", file=sys.stderr)
             return 2
-    prompt_length = kwargs.pop("prompt_length", None)
-    rollout_ranks = kwargs.pop("rollout_ranks", 0)
-    transfer = kwargs.pop("transfer", None)
-    decode = kwargs.pop("decode", None)  # the recipe's rollout section (the fast decoder's peak)
-    accept_for = kwargs.pop("accept_for", None)
-    layout_check = kwargs.pop("layout_check", None)
+    kwargs, side = split_plan_kwargs(kwargs)
+    prompt_length, rollout_ranks, transfer = (side["prompt_length"], side["rollout_ranks"],
+                                              side["transfer"])
+    decode = side["decode"]  # the recipe's rollout section (the fast decoder's peak)
+    accept_for, layout_check = side["accept_for"], side["layout_check"]
     if args.prompt_length is not None:
         prompt_length = args.prompt_length
     prompt_length = 1024 if prompt_length is None else prompt_length
