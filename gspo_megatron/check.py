@@ -109,11 +109,8 @@ def check_run(cfg: TrainConfig, recipe: str, overrides: list[str], recipe_dir: s
     if examples is not None:
         say(f"data: {len(examples[0])} training, {len(examples[1])} held-out prompts")
 
-    def tokenizer_of():
-        try:
-            return cli.load_tokenizer(cfg, *(examples or ([], [])))
-        except USER_ERRORS as exc:
-            raise ValueError(f"tokenizer.path: {cfg.tokenizer.path}: {exc}") from None
+    def tokenizer_of():  # its errors name tokenizer.path and tokenizer.kind (cli.load_tokenizer)
+        return cli.load_tokenizer(cfg, *(examples or ([], [])))
 
     tokenizer = None
     if cfg.tokenizer.path or examples is not None:
