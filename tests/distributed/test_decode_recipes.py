@@ -14,6 +14,7 @@ import json
 import os
 
 import pytest
+import yaml
 import torch
 
 from tests.helpers.torchrun import torchrun
@@ -60,9 +61,23 @@ def checkpoint(tmp_path_factory):
     return base, str(base / "mcore"), prompts, out.tolist()
 
 
+# Every shipped Qwen3 recipe decodes at TP4 x EP (ETP 1): 30B (EP8, one node), its GRPO and 16k
+# variants (EP8), 235B (EP64); on 4 gloo ranks each becomes TP4 x EP4, so one run covers them all.
+QWEN3_RECIPES = ("qwen3_30b_a3b_gspo.yaml", "qwen3_30b_a3b_grpo.yaml",
+                 "qwen3_30b_a3b_gspo_16k.yaml", "qwen3_235b_a22b_gspo.yaml")
+
+
+def test_every_shipped_recipe_decodes_at_the_layout_tested():
+    """The layout the run below decodes at is each shipped recipe's, shrunk to 4 ranks."""
+    for name in QWEN3_RECIPES:
+        with open(os.path.join(ROOT, "examples", "configs", name)) as f:
+            par = yaml.safe_load(f)["parallel"]
+        tp, etp = par["tensor_model_parallel_size"], par.get("expert_tensor_parallel_size")
+        assert (tp, etp, min(par["expert_model_parallel_size"], 4 // (etp or tp))) == (4, 1, 4), name
+
+
 @pytest.mark.parametrize("recipe, layout", [
-    ("qwen3_30b_a3b_gspo.yaml", [2, 4, 1]),  # TP2 x EP8, ETP1 -> TP2 x EP4 (DP 2)
-    ("qwen3_235b_a22b_gspo.yaml", [4, 4, 1]),  # TP4 x EP64, ETP1 -> TP4 x EP4
+    ("qwen3_30b_a3b_gspo.yaml", [4, 4, 1]),  # TP4 x EP8, ETP1 -> TP4 x EP4
 ])
 def test_recipe_layout_decodes_through_the_step_function(checkpoint, recipe, layout):
     base, mcore, prompts, hf_tokens = checkpoint
