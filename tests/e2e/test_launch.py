@@ -273,13 +273,14 @@ def test_dry_run_with_rollout_ranks(fake_slurm):
 # Each shipped Qwen3 recipe through the launch scripts with its own parallel layout, the model
 # shrunk by overrides, on gloo: two RL steps, a checkpoint, a resume. The recipes' expert
 # parallelism (8, or 64) needs 8-128 processes, more than 2 cores bear: EP is cut to the TP size,
-# so a run is TP processes with one data-parallel rank. TP is the recipe's, except the 16k
-# recipe's (4, halved to 2: the 235B recipe already runs TP 4, and the suite's time is bounded).
-# The GRPO recipe goes through submit.sh on a 2-node fake allocation (1 process a node: the
-# multi-node path), the others through torchrun_single_node.sh.
+# so a run is TP processes with one data-parallel rank. Every recipe ships TP 4; the 235B one
+# runs it, the 30B ones are halved to TP 2 (the suite's time is bounded; their TP-4 decoding is
+# tests/distributed/test_decode_recipes.py's). The GRPO recipe goes through submit.sh on a
+# 2-node fake allocation (1 process a node: the multi-node path), the others through
+# torchrun_single_node.sh.
 RECIPE_LAYOUTS = {  # recipe file -> (MODEL of launch/models, TP shipped, EP shipped, TP as run)
-    "qwen3_30b_a3b_gspo.yaml": ("qwen3-30b-a3b", 2, 8, 2),
-    "qwen3_30b_a3b_grpo.yaml": ("qwen3-30b-a3b", 2, 8, 2),
+    "qwen3_30b_a3b_gspo.yaml": ("qwen3-30b-a3b", 4, 8, 2),
+    "qwen3_30b_a3b_grpo.yaml": ("qwen3-30b-a3b", 4, 8, 2),
     "qwen3_30b_a3b_gspo_16k.yaml": ("qwen3-30b-a3b", 4, 8, 2),
     "qwen3_235b_a22b_gspo.yaml": ("qwen3-235b-a22b", 4, 64, 4),
 }
