@@ -39,10 +39,10 @@ must agree with it.
 def _section_of(name: str, value: str) -> str:
     """``"; did you mean --rollout.group_size=8?"`` when ``name`` is a field of some sections
     (a top-level key given without its section), else ``""``."""
-    from gspo_megatron.config.loader import _field_types, section_types
+    from gspo_megatron.config.loader import field_types, section_types
 
     fields = [f"--{section}.{name}" for section, cls in section_types().items()
-              if name in _field_types(cls)]
+              if name in field_types(cls)]
     if not fields:
         return ""
     shown = [f + (f"={value}" if value else "") for f in fields]
@@ -67,7 +67,7 @@ def version_line() -> str:
     import platform
     from importlib import metadata
 
-    from gspo_megatron import __version__
+    import gspo_megatron
 
     def installed(name: str) -> str:
         try:
@@ -75,7 +75,7 @@ def version_line() -> str:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    return (f"gspo-train {__version__} (megatron-core {installed('megatron-core')}, torch "
+    return (f"gspo-train {gspo_megatron.__version__} (megatron-core {installed('megatron-core')}, torch "
             f"{installed('torch')}, Python {platform.python_version()})")
 
 

@@ -93,7 +93,7 @@ def section_types() -> dict[str, type]:
 
 
 @functools.lru_cache(maxsize=None)
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
@@ -275,7 +275,7 @@ def _apply_model_file(entries: dict[str, _Entry], path: str, preset: str | None,
         errors.extend(e.errors)
         return False
     reference = ModelConfig(**values)
-    ftypes = _field_types(ModelConfig)
+    ftypes = field_types(ModelConfig)
     preset_values = MODEL_PRESETS.get(preset, {}) if preset is not None else {}
     for field in ARCHITECTURE_FIELDS:
         if field in entries:
@@ -359,7 +359,7 @@ def _build_section(section: str, cls: type, default: Any, entries: dict[str, _En
                    errors: list[str]) -> Any:
     """The section from its ``default`` (TrainConfig's) updated by ``entries``; ``None`` and
     ``errors`` extended when a name, a type or the section's own checks fail."""
-    ftypes = _field_types(cls)
+    ftypes = field_types(cls)
     kwargs: dict[str, Any] = {name: getattr(default, name) for name in ftypes}
     unparsed: set[str] = set()
     for fname, entry in entries.items():
@@ -474,7 +474,7 @@ def documented_sections(sections: Iterable[str] | None = None) -> list[tuple[str
         docs = field_docs(cls)
         current = getattr(defaults, section)
         fields = []
-        for fname, tp in _field_types(cls).items():
+        for fname, tp in field_types(cls).items():
             default = getattr(current, fname)
             shown = "null" if default is None else yaml.safe_dump(
                 default, default_flow_style=True).strip().removesuffix("...").strip()
