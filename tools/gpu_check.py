@@ -382,6 +382,45 @@ def plan_vs_measured(plan_output: str, figures: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def select_stages(work: str, size: str, only: str | None = None,
+                  size_for: str | None = None) -> list[Stage]:
+    """The stages to run: all of them in :func:`stages`' order, or those named in ``only`` in
+    the order named; ``size_for`` (``"stage=size,..."``) builds the named ones at their own size.
+    An unknown stage or size is a ``SystemExit`` naming it."""
+    sized = {}
+    for item in filter(None, (size_for or "").split(",")):
+        name, _, other = item.partition("=")
+        if other not in SIZES:
+            raise SystemExit(f"gpu_check: --size-for {item!r}: size must be one of {SIZES}")
+        sized[name] = other
+    by_size = {z: {s.name: s for s in stages(work, z)} for z in {size, *sized.values()}}
+    names = list(by_size[size]) if not only else [n for n in only.split(",") if n]
+    unknown = [n for n in [*names, *sized] if n not in by_size[size]]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown stage(s) {', '.join(unknown)}; "
+                         f"stages: {', '.join(by_size[size])}")
+    return [by_size[sized.get(n, size)][n] for n in names]
+
+
+def plan_waves(todo: list[Stage], parallel: int, ordered: bool = False) -> list[list[Stage]]:
+    """Stages grouped into waves run one after the other; a wave's stages share the GPU.
+    ``parallel`` 1: one stage a wave. Otherwise the timed stages run alone, and the untimed ones
+    together: all of them in one first wave, or (``ordered``: ``--only``'s order is the run
+    order, the most informative first under a deadline) each run of consecutive untimed stages
+    as one wave in its place."""
+    if parallel <= 1:
+        return [[s] for s in todo]
+    if not ordered:
+        return [[s for s in todo if not s.timed]] + [[s] for s in todo if s.timed]
+    waves: list[list[Stage]] = []
+    for s in todo:
+        if s.timed or not waves or waves[-1][0].timed:
+            waves.append([s])
+        else:
+            waves[-1].append(s)
+    return waves
+
+
 def _run_command(cmd: list[str], env: dict, timeout: float) -> tuple[int | str, str]:
     """``cmd``'s exit code (``"timeout"`` past ``timeout`` seconds) and output. It runs in a
     process group of its own, output to a file: when it exits (or is killed on purpose) the
@@ -449,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=1,
                     help="untimed stages run this many at a time (they share the GPU), then the "
                          "timed ones one by one")
+    ap.add_argument("--size-for", default=None,
+                    help="comma-separated STAGE=SIZE: these stages at another size than --size "
+                         "(e.g. slice_rl=quick)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds for the whole check: no stage starts or runs past it")
     args = ap.parse_args(argv)
@@ -459,12 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     work = args.work or os.path.join(args.out, "work")
     os.makedirs(work, exist_ok=True)
-    only = set(args.only.split(",")) if args.only else None
-    todo = [s for s in stages(work, args.size) if not only or s.name in only]
-    if args.parallel > 1:  # the untimed stages together first, then the timed ones alone
-        waves = [[s for s in todo if not s.timed]] + [[s] for s in todo if s.timed]
-    else:
-        waves = [[s] for s in todo]
+    todo = select_stages(work, args.size, args.only, args.size_for)
+    waves = plan_waves(todo, args.parallel, ordered=bool(args.only))
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "size": args.size,
                "parallel": args.parallel, "stages": []}
     json_path = os.path.join(args.out, "gpu_check.json")

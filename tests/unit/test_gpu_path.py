@@ -194,3 +194,32 @@ def test_plan_against_measured_peaks():
     assert out["training"]["measured_gib"] == 31.0 and out["training"]["planned_gib"] == 33.17
     assert out["rollout"]["measured_over_planned"] == pytest.approx(38.36 / 35.32)
     assert plan_vs_measured(plan, {}) == {}
+
+
+def test_gpu_check_runs_named_stages_in_the_order_named(tmp_path):
+    """``--only`` is the run order (the most informative first under a deadline): consecutive
+    untimed stages share one wave, timed ones run alone; ``--size-for`` sizes one stage apart;
+    an unknown stage or size is refused naming it."""
+    from tools.gpu_check import plan_waves, select_stages
+
+    todo = select_stages(str(tmp_path), "full", "env,decode_probe,tiny_dynamic,tiny_repeat,"
+                         "slice_mfu,slice_plan,slice_rl", "slice_rl=smoke")
+    assert [s.name for s in todo] == ["env", "decode_probe", "tiny_dynamic", "tiny_repeat",
+                                      "slice_mfu", "slice_plan", "slice_rl"]
+    waves = plan_waves(todo, parallel=4, ordered=True)
+    assert [[s.name for s in w] for w in waves] == [
+        ["env"], ["decode_probe"], ["tiny_dynamic", "tiny_repeat"], ["slice_mfu"],
+        ["slice_plan"], ["slice_rl"]]
+    smoke_rl = {s.name: s for s in select_stages(str(tmp_path), "smoke")}["slice_rl"]
+    assert todo[-1].commands == smoke_rl.commands  # sized apart from --size full
+    full_rl = {s.name: s for s in select_stages(str(tmp_path), "full")}["slice_rl"]
+    assert full_rl.commands != smoke_rl.commands
+    # Unordered: every untimed stage in a first wave, then the timed ones alone.
+    unordered = plan_waves(todo, parallel=4)
+    assert [s.name for s in unordered[0]] == ["env", "tiny_dynamic", "tiny_repeat", "slice_plan"]
+    assert all(len(w) == 1 and w[0].timed for w in unordered[1:])
+    assert [[s.name] for s in todo] == [[s.name for s in w] for w in plan_waves(todo, 1)]
+    with pytest.raises(SystemExit, match="tiny_dynmic"):
+        select_stages(str(tmp_path), "full", "tiny_dynmic")
+    with pytest.raises(SystemExit, match="slice_rl=huge"):
+        select_stages(str(tmp_path), "full", None, "slice_rl=huge")
