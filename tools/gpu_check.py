@@ -136,7 +136,10 @@ def stages(work: str, size: str = "full") -> list[Stage]:
     # The two-rank CPU stages' own sizes (they run the same code at any size).
     cpu_steps = (["--sft.steps=5", "--trainer.steps=2"] if smoke
                  else ["--sft.steps=20", "--trainer.steps=3"])
-    slice_cmd = TRAIN + ["--config", SLICE_RECIPE, f"--logging.run_dir={w('slice_rl')}"]
+    # One LR schedule for the run and its resumption (null decay steps would follow each
+    # command's trainer.steps, and a resume with another schedule is refused).
+    slice_cmd = TRAIN + ["--config", SLICE_RECIPE, f"--logging.run_dir={w('slice_rl')}",
+                         "--optim.lr_decay_steps=16"]
     if smoke:  # one small step, one checkpoint of 1.87B parameters and Adam, one resumed step
         slice_rl = [slice_cmd + ["--trainer.steps=1", "--rollout.prompts_per_step=2",
                                  "--rollout.max_new_tokens=16", "--trainer.num_minibatches=1"],

@@ -107,18 +107,60 @@ def fp8_gemm_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+ROW_ALIGN = 16
+""":func:`fp8_linear` pads the activation rows to a multiple of this: the 1 x 128 scales are
+passed rows-innermost (``[T, K / 128]``, stride ``(1, T)``), and cuBLAS wants that leading
+dimension 16-byte aligned (PyTorch's own block-wise tests use 256 rows; a decoding step has any
+number)."""
+
+
+def fp8_gemm_unfit(n: int, k: int, block: int = 128) -> str | None:
+    """None where :func:`fp8_linear` takes a ``[N, K]`` weight, else why not: the kernel's block is
+    128, ``N`` whole 128-row blocks, and ``K`` whole groups of four 128-column blocks (cuBLAS
+    reads the 128 x 128 scales with their ``K / 128`` extent padded to a multiple of 4)."""
+    if block != 128:
+        return f"block {block} (the kernel's is 128)"
+    if n % 128 or k % 512:
+        return f"weight [{n}, {k}]: the FP8 GEMM needs N % 128 == 0 and K % 512 == 0"
+    return None
+
+
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``[T, N]`` in ``out_dtype``: ``x [T, K]`` times the FP8 weight ``(Q [N, K], scale_inv)``
     transposed, as one ``torch._scaled_mm`` (Hopper; :func:`fp8_gemm_runs_on`): activations
     quantized per ``1 x 128`` group, weights per ``128 x 128`` block, float32 accumulation.
-    ``K`` must be a multiple of 16 and ``block`` 128 (the kernel's); elsewhere use
-    :func:`fp8_linear_reference`. GPU-only: checked by ``tools/gpu_check.py --stage fp8``."""
+    The weight must fit (:func:`fp8_gemm_unfit`); the rows are padded to :data:`ROW_ALIGN` with
+    zeros (scale 1, output rows dropped). Elsewhere use :func:`fp8_linear_reference`.
+    GPU-only: checked by ``tools/gpu_check.py``'s ``fp8_decode`` stage."""
+    rows = x.shape[0]
+    pad = -rows % ROW_ALIGN
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
     xq, xs = quantize_activations(x, block)
-    # The kernel wants the activation scales column-major ([T, K/128] with stride (1, T)) and
+    # The kernel wants the activation scales rows-innermost ([T, K/128] with stride (1, T)) and
     # the second operand column-major (Q^T as a view of the row-major Q).
-    return torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_inv.t(),
-                            out_dtype=out_dtype)
+    out = torch._scaled_mm(xq, q.t(), scale_a=xs.t().contiguous().t(), scale_b=scale_inv.t(),
+                           out_dtype=out_dtype)
+    return out[:rows] if pad else out
+
+
+def fp8_gemm_works(device: torch.device, n: int = 256, k: int = 512) -> str | None:
+    """None where :func:`fp8_linear` runs on ``device`` (one call at ``[N, K]``, 3 rows, against
+    :func:`fp8_linear_reference`), else why not, in a line: the FP8 GEMM is chosen by probing,
+    since cuBLAS's support for block-wise scales depends on its version and the shapes."""
+    if not fp8_gemm_runs_on(device):
+        return f"no FP8 block-scaled GEMM on {device} (Hopper only)"
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(3, k, device=device, generator=g)
+    q, s = quantize_blockwise(torch.randn(n, k, device=device, generator=g) * 0.02)
+    try:
+        got = fp8_linear(x.to(torch.bfloat16), q, s).float()
+    except RuntimeError as exc:
+        return f"torch._scaled_mm refused block-wise scales: {str(exc).splitlines()[0][:160]}"
+    want = fp8_linear_reference(x.to(torch.bfloat16).float(), q, s)
+    rel = float((got - want).norm() / want.norm())
+    return None if rel < 2e-2 else f"torch._scaled_mm differs from its reference by {rel:.2e}"
 
 
 class Fp8Linear:

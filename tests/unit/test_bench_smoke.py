@@ -144,7 +144,9 @@ def test_gpu_rollout_bench_runs_its_gpu_code_on_cpu():
     from tools.bench.gpu_rollout import ENGINES, PROFILE_TOKENS, run
 
     res = run("smoke", tiny=True)
-    assert set(res["greedy_tokens_equal"].values()) == {0}, res["greedy_tokens_equal"]
+    greedy = res["greedy_tokens_equal"]
+    assert {v for k, v in greedy.items() if "/" not in k} == {0}, greedy  # requests differing
+    assert all(v < 1e-4 for k, v in greedy.items() if k.endswith("/logprob_max_abs_diff"))
     assert res["decode_limit"]["weight_bytes"] > 0
     for variant in ("megatron_modules", "our_kernels"):
         for engine in ENGINES:

@@ -31,13 +31,17 @@ def test_decode_probe_reports_every_field_on_cpu(setup):  # noqa: F811
         for p in policy.unwrapped().parameters():
             p.mul_(0.999)
     try:
-        out = probe(make_engine, make_prompts(8, seed=1), update)
+        out = probe(make_engine, make_prompts(8, seed=1), update,
+                    list(policy.unwrapped().parameters()))
+        assert all(torch.equal(p, s) for p, s in zip(policy.unwrapped().parameters(), saved))
     finally:
         with torch.no_grad():  # (the model is the module's fixture)
             for p, s in zip(policy.unwrapped().parameters(), saved):
                 p.copy_(s)
-    assert out["graph_tokens_equal"] is True
-    assert out["weights_read_ms"] > 0 and out["attention_backend"]
+    assert out["graph_tokens_equal"] is True and out["graph_requests_differ"] == 0
+    assert out["graph_logprob_max_abs_diff_before_first_differ"] == 0.0  # same step on CPU
+    assert out["weights_read_ms"] > 0
+    assert out["attention_backend"] in ("math", "flash_attention")  # a kernel's name (CPU)
     for key in ("eager", "graphs"):
         rec = out[key]
         assert rec["decode_path"] == "rounds" and rec["replicated"] is False
@@ -45,3 +49,20 @@ def test_decode_probe_reports_every_field_on_cpu(setup):  # noqa: F811
         assert rec["reserved_after_call"] == [None] * RL_STEPS  # (CUDA only)
         assert rec["sync_warnings_per_round"] is None
         assert rec["rollout/decode_graphs"] == 0.0  # no graphs on CPU
+
+
+def test_greedy_comparison_reads_log_probs_before_the_first_difference():
+    """Two continuations that part at a flipped argmax are different sequences: the log-probs
+    are compared up to each request's first different token, and the requests counted."""
+    from types import SimpleNamespace as S
+
+    from tools.bench.decode_probe import compare_greedy
+
+    eager = [S(response_ids=[1, 2, 3], response_logprobs=[-0.5, -1.0, -2.0]),
+             S(response_ids=[4, 5], response_logprobs=[-0.1, -0.2])]
+    graphs = [S(response_ids=[1, 9, 9], response_logprobs=[-0.5 + 1e-3, -7.0, -7.0]),
+              S(response_ids=[4, 5], response_logprobs=[-0.1, -0.2 - 2e-4])]
+    out = compare_greedy(eager, graphs)
+    assert out["tokens_equal"] is False and out["requests_differ"] == 1
+    assert out["requests"] == 2
+    assert out["logprob_max_abs_diff_before_first_differ"] == pytest.approx(1e-3)

@@ -85,6 +85,26 @@ def test_rounds_give_the_per_step_tokens_and_logprobs(setup, cfg):  # noqa: F811
     assert alloc.total_avail == alloc.total_count - 1
 
 
+def test_rounds_take_sdpa_output_in_the_fused_kernels_layout(setup, monkeypatch):  # noqa: F811
+    """CUDA's fused SDPA kernels return ``[B, H, L, D]`` laid out as ``[B, L, H, D]`` (heads
+    innermost), CPU's math kernel contiguously: the step regroups the folded heads by reshape (a
+    view failed on the H200 on 2026-11-27), giving the per-step loop's tokens and log-probs."""
+    real = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def fused_layout(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out.shape)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    per_step, rounds = engines(setup)
+    prompts = make_prompts(12, seed=4)
+    a = per_step.generate(prompts, seed=0)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fused_layout)
+    assert_same(a, rounds.generate(prompts, seed=0))
+    assert calls and all(shape[1] > 1 for shape in calls)  # key/value groups > 1: regrouped
+
+
 def test_rounds_sample_from_the_same_distribution(setup):  # noqa: F811
     """Sampled (T = 1): every token is a valid id with its log-prob under the model; the
     rounds' draws differ from the per-step loop's only once a request has ended (a round keeps

@@ -90,6 +90,71 @@ def test_fp8_linear_reference_and_the_gemm_call():
     assert meta.shape == (5, 384) and meta.dtype == torch.bfloat16
 
 
+def scaled_mm_as_cublas_checks(calls):
+    """A CPU stand-in for ``torch._scaled_mm`` with block-wise scales: cuBLAS's layout rules
+    (1 x 128 activation scales rows-innermost with a 16-byte aligned leading dimension; 128 x 128
+    weight scales ``[K/128, N/128]`` K-innermost, ``K/128`` a multiple of 4), then the product
+    of the dequantized operands in float32."""
+    def fake(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, **_):
+        rows, k = a.shape
+        n = b.shape[1]
+        assert a.dtype == b.dtype == E4M3 and b.stride(0) == 1  # B column-major
+        assert scale_a.shape == (rows, k // 128) and scale_a.stride(0) == 1
+        assert scale_a.stride(1) % 4 == 0 or k == 128, "leading dimension not 16-byte aligned"
+        assert scale_b.shape == (k // 128, n // 128) and scale_b.stride(0) == 1
+        assert (k // 128) % 4 == 0
+        calls.append(rows)
+        x = dequantize_blockwise(a, scale_a, torch.float32, (1, 128))
+        w = dequantize_blockwise(b.t(), scale_b.t(), torch.float32, 128)
+        return (x @ w.t()).to(out_dtype)
+    return fake
+
+
+def test_fp8_gemm_pads_rows_and_refuses_what_cublas_does_not_take(monkeypatch):
+    """A decoding step has any number of rows: ``fp8_linear`` pads them to 16 (zero rows, scale
+    1, dropped from the output) so the activation scales' leading dimension is aligned (one row
+    was refused by cuBLAS on the H200); weights whose ``K`` is not whole groups of four blocks are
+    left to the dequantized path; a GEMM that refuses is found by the probe, in one line."""
+    import gspo_megatron.rollouts.fp8 as fp8
+
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_as_cublas_checks(calls))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 512, generator=g) * 0.02
+    q, s = quantize_blockwise(w, 128)
+    for rows in (1, 5, 16, 37):
+        x = torch.randn(rows, 512, generator=g)
+        got = fp8.fp8_linear(x, q, s, out_dtype=torch.float32)
+        assert got.shape == (rows, 256)
+        torch.testing.assert_close(got, fp8_linear_reference(x, q, s), rtol=1e-5, atol=1e-5)
+    assert calls == [16, 16, 16, 48]
+    assert fp8.fp8_gemm_unfit(256, 512) is None
+    assert "K % 512" in fp8.fp8_gemm_unfit(256, 384) and "N % 128" in fp8.fp8_gemm_unfit(200, 512)
+    assert "block 64" in fp8.fp8_gemm_unfit(256, 512, 64)
+    assert "Hopper" in fp8.fp8_gemm_works(torch.device("cpu"))
+    monkeypatch.setattr(fp8, "fp8_gemm_runs_on", lambda device: True)
+    assert fp8.fp8_gemm_works(torch.device("cpu")) is None  # the stand-in takes the layout
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLt...`\n"
+                           "more lines")
+    monkeypatch.setattr(torch, "_scaled_mm", refuses)
+    why = fp8.fp8_gemm_works(torch.device("cpu"))
+    assert why.startswith("torch._scaled_mm refused") and "NOT_SUPPORTED" in why
+    assert "\n" not in why
+    # The copy packs for the kernel only the attention weights it takes; the rest stay dequantized.
+    from types import SimpleNamespace
+
+    from gspo_megatron.backends.megatron.rollout_numerics import Fp8Weights
+
+    pairs = [(f"decoder.layers.0.self_attention.{name}.weight", torch.zeros(n, k), live)
+             for name, (n, k) in (("linear_qkv", (256, 512)), ("linear_proj", (256, 384)))
+             for live in [torch.randn(n, k, generator=g)]]
+    weights = Fp8Weights(pairs, 128, fp8.fp8_linear, SimpleNamespace())
+    weights.apply()
+    assert list(weights.packed) == ["decoder.layers.0.self_attention.linear_qkv.weight"]
+
+
 # ----------------------------------------------------------------------- the engine (tiny model)
 def fp8_engine(setup, **cfg):  # noqa: F811
     from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine

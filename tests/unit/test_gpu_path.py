@@ -164,10 +164,14 @@ def test_every_training_stage_of_gpu_check_is_a_valid_config(tmp_path):
     from gspo_megatron.config.validation import validate_config
     from tools.gpu_check import stages
 
-    checked = []
+    from gspo_megatron.backends.megatron.policy import lr_schedule
+    from gspo_megatron.cli import rl_optimizer_steps
+
+    checked, resumed = [], []
     for size in ("smoke", "quick", "full"):
         for stage in stages(str(tmp_path), size):
             name = stage.name
+            schedules: dict[str, list] = {}
             for command in stage.commands:
                 if "gspo_megatron.cli" not in command:
                     continue
@@ -177,8 +181,20 @@ def test_every_training_stage_of_gpu_check_is_a_valid_config(tmp_path):
                 cfg = load_config(args.config or DEMO_RECIPE, args.overrides)
                 validate_config(cfg, world_size=world, check_paths=False)
                 checked.append(name)
+                schedules.setdefault(cfg.logging.run_dir, []).append(
+                    repr(lr_schedule(cfg.optim, rl_optimizer_steps(cfg))))
+            _schedules_of_resumed_runs(stage, schedules)
+            resumed += [name for found in schedules.values() if len(found) > 1]
     assert {"tiny_dynamic", "tiny_partial_r3", "tiny_partial_keep_kv_r3",
             "tiny_separate_r3", "tiny_separate_buckets"} <= set(checked)
+    assert set(resumed) >= {"slice_rl", "tiny_resume", "tiny_resume_sync"}
+
+
+def _schedules_of_resumed_runs(stage, schedules: dict) -> None:
+    """A stage command that resumes an earlier one's run directory must have its LR schedule
+    (else ``gspo-train`` refuses to resume: slice_rl's did on the H200 on 2026-11-27)."""
+    for run_dir, found in schedules.items():
+        assert len(set(found)) == 1, (stage.name, run_dir, found)
 
 
 def test_plan_against_measured_peaks():

@@ -9,15 +9,16 @@ Reported (:func:`probe`):
 
 - ``decode_path``: ``rounds`` (the step function) or ``megatron`` (its forward at every step),
   the experts replicated or not, ``rollout/decode_graphs`` and the captures;
-- ``attention_backend``: the SDPA backend torch picks for the decode attention's shapes (a mask
-  and grouped query heads: ``MATH`` means K/V repeated and fp32 scores);
+- ``attention_backend``: the SDPA kernel the decode attention gets at these shapes
+  (:func:`tools.bench.gpu_decode.decode_attention_backend`: ``math`` means fp32 scores);
 - ``sync_warnings_per_round``: ``torch.cuda.set_sync_debug_mode("warn")`` over the rounds (the
   round's two planned host reads, and anything else that waits for the device);
 - ``reserved_after_capture``: ``torch.cuda.memory_reserved()`` after each graph capture, and
   ``reserved_after_call`` after each RL step's rollout (flat: nothing outlives a rollout);
 - ``ms_per_step`` against ``weights_read_ms`` (the weights' bytes over the measured copy
   bandwidth: the step's memory-bound floor);
-- ``graph_tokens_equal``: greedy tokens with graphs equal the eager step's.
+- ``graph_tokens_equal`` / ``graph_requests_differ``: greedy tokens with graphs against the eager
+  step's, and the log-probs before each request's first difference (:func:`compare_greedy`).
 
 On CPU the same code runs (no graphs, no sync debug mode: those fields are None); the unit test
 ``tests/unit/test_decode_probe.py`` runs :func:`probe` there.
@@ -32,24 +33,6 @@ import warnings
 RL_STEPS = 3
 SIZES = {"smoke": (8, 16), "quick": (32, 64), "full": (128, 128)}
 """size -> (requests, new tokens each)."""
-
-
-def attention_backend(heads: int, groups: int, head_dim: int, batch: int, keys: int, dtype,
-                      device) -> str:
-    """The SDPA backend torch picks for one decoding step's attention as
-    :func:`~gspo_megatron.backends.megatron.kernels.decode._attend` calls it (a boolean mask,
-    ``enable_gqa`` with grouped query heads); ``unknown`` where torch cannot say."""
-    import torch
-
-    q = torch.zeros(batch, heads, 1, head_dim, dtype=dtype, device=device)
-    k = torch.zeros(batch, groups, keys, head_dim, dtype=dtype, device=device)
-    mask = torch.ones(batch, 1, 1, keys, dtype=torch.bool, device=device)
-    try:
-        choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, None,
-                                         enable_gqa=heads != groups)
-        return torch.nn.attention.SDPBackend(choice).name
-    except Exception as exc:  # noqa: BLE001 - private API: record why
-        return f"unknown ({type(exc).__name__})"
 
 
 def copy_bandwidth(device) -> float:
@@ -89,16 +72,28 @@ def _sync_counted_rounds(fast, counts: list[int]):
     return run
 
 
-def probe(make_engine, prompts: list[list[int]], update=None) -> dict:
+def probe(make_engine, prompts: list[list[int]], update=None, params=()) -> dict:
     """The figures of the module's docstring. ``make_engine(cuda_graphs)``: a
     :class:`~gspo_megatron.backends.megatron.engine.rollout.RolloutEngine` (greedy) with
     ``rollout.decode_cuda_graphs`` as given; ``update()``: a weight update between RL steps
-    (in place, as the optimizer's)."""
+    (in place, as the optimizer's) of ``params``, the model's parameters, which are restored
+    before the graphs' run and at the end: both runs' first rollouts see the same weights
+    (else the graphs' tokens would be compared with the eager ones at other weights)."""
     import torch
+
+    from tools.bench.gpu_decode import decode_attention_backend
 
     out: dict = {}
     tokens = {}
+    saved = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def restore():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+
     for graphs in (False, True):
+        restore()
         engine = make_engine(graphs)
         fast = engine.dynamic.fast if engine.dynamic is not None else None
         model = engine.sampling_model
@@ -122,7 +117,7 @@ def probe(make_engine, prompts: list[list[int]], update=None) -> dict:
                          max(len(s.response_ids) for s in samples))
             reserved.append(torch.cuda.memory_reserved() if cuda else None)
             if step == 0:
-                tokens[key] = [s.response_ids for s in samples]
+                tokens[key] = samples
             if update is not None and step < RL_STEPS - 1:
                 update()
         rec["ms_per_step"] = [1e3 * t / max(s, 1) for t, s in zip(times, steps)]
@@ -135,15 +130,31 @@ def probe(make_engine, prompts: list[list[int]], update=None) -> dict:
                                              if fast.graphs is not None else None)
         out[key] = rec
         if not graphs:
-            c = model.config
-            out["attention_backend"] = attention_backend(
-                c.num_attention_heads, c.num_query_groups, c.kv_channels, len(prompts), 1024,
-                c.params_dtype, device)
+            out["attention_backend"] = decode_attention_backend(model, len(prompts), 1024)
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             out["weights_read_ms"] = 1e3 * weight_bytes / copy_bandwidth(device)
         del engine, fast
-    out["graph_tokens_equal"] = tokens["graphs"] == tokens["eager"]
+    restore()
+    out.update({f"graph_{k}": v for k, v in compare_greedy(tokens["eager"],
+                                                           tokens["graphs"]).items()})
     return out
+
+
+def compare_greedy(eager: list, graphs: list) -> dict:
+    """Greedy samples of one path (``eager``) against another's (``graphs``): ``tokens_equal``,
+    the requests whose tokens differ, and the largest log-prob difference over each request's
+    tokens before its first difference (in bf16 a graph's padded rows change the GEMMs' row
+    counts, hence their rounding: a near-tie of random weights' logits can flip an argmax, after
+    which the two continuations are different sequences and not comparable)."""
+    differ, worst = 0, 0.0
+    for a, b in zip(eager, graphs):
+        n = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y),
+                 min(len(a.response_ids), len(b.response_ids)))
+        differ += a.response_ids != b.response_ids
+        worst = max([worst] + [abs(x - y) for x, y in zip(a.response_logprobs[:n],
+                                                         b.response_logprobs[:n])])
+    return {"tokens_equal": differ == 0, "requests_differ": differ, "requests": len(eager),
+            "logprob_max_abs_diff_before_first_differ": worst}
 
 
 def run(size: str = "full", tiny: bool = False) -> dict:
@@ -174,7 +185,7 @@ def run(size: str = "full", tiny: bool = False) -> dict:
         def update():  # an optimizer step's in-place write
             for p in gpt.parameters():
                 p.mul_(1.0 - 1e-3)
-        out = probe(make_engine, prompts, update)
+        out = probe(make_engine, prompts, update, list(gpt.parameters()))
     finally:
         destroy_distributed()
     out.update(model="tiny" if tiny else "qwen3-30b-a3b x 2 layers", batch=batch, new_tokens=new,

@@ -31,16 +31,16 @@ def _layer_types(model) -> dict:
             "experts": type(getattr(layer.mlp, "experts", layer.mlp)).__name__}
 
 
-def _backend(model) -> str:
-    """The SDPA kernel of one decoding step's attention at this model's head layout (16 rows,
-    1,000 keys, a key mask): :func:`~...kernels.decode.attention_backend`."""
+def decode_attention_backend(model, batch: int = 16, keys: int = 1000) -> str:
+    """The SDPA kernel of one decoding step's attention at this model's head layout (``batch``
+    rows, ``keys`` keys, a key mask): :func:`~...kernels.decode.attention_backend`."""
     import torch
 
     from gspo_megatron.backends.megatron.kernels.decode import DecodeWeights, attention_backend
 
     w = DecodeWeights.of(model)
     p = next(model.parameters())
-    B, Lk = 16, 1000
+    B, Lk = batch, keys
     q = torch.randn(B, w.heads, 1, w.head_dim, dtype=p.dtype, device=p.device)
     k = torch.randn(B, Lk, w.groups, w.head_dim, dtype=p.dtype, device=p.device)
     mask = torch.ones(B, 1, Lk, dtype=torch.bool, device=p.device)
@@ -100,7 +100,7 @@ def run(batch: int = 16, new: int = 24) -> dict:
         ref = tokens.get("megatron_forward")
         out["greedy_equal"] = {name: got == ref for name, got in tokens.items()
                                if name != "megatron_forward"}
-        out["attention_backend"] = _backend(gpt)
+        out["attention_backend"] = decode_attention_backend(gpt)
     finally:
         destroy_distributed()
     return out

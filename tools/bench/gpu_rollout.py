@@ -64,8 +64,12 @@ figure), multi-step rounds of the pure-torch step launched eagerly and replayed 
 
 def _greedy_equal(engines: dict, prompts) -> dict:
     """Greedy tokens (``top_k`` 1, the call's new tokens) of every dynamic path against the per-step
-    loop's: ``{path: number of requests whose tokens differ}`` (0: identical)."""
+    loop's: ``{path: number of requests whose tokens differ}`` (0: identical), and
+    ``{path}/logprob_max_abs_diff``: the largest log-prob difference before each request's first
+    different token (:func:`tools.bench.decode_probe.compare_greedy`)."""
     import traceback
+
+    from tools.bench.decode_probe import compare_greedy
 
     out, ref = {}, None
     for name, engine in engines.items():
@@ -73,13 +77,15 @@ def _greedy_equal(engines: dict, prompts) -> dict:
             continue
         try:
             greedy = engine.with_sampling(dataclasses.replace(engine.config, top_k=1))
-            tokens = [s.response_ids for s in greedy.generate(prompts, seed=0)]
+            samples = greedy.generate(prompts, seed=0)
         except Exception:  # noqa: BLE001 - record it
             out[name] = traceback.format_exc()[-800:]
             continue
         if ref is None:
-            ref = tokens
-        out[name] = sum(a != b for a, b in zip(tokens, ref))
+            ref = samples
+        cmp = compare_greedy(ref, samples)
+        out[name] = cmp["requests_differ"]
+        out[f"{name}/logprob_max_abs_diff"] = cmp["logprob_max_abs_diff_before_first_differ"]
     return out
 
 

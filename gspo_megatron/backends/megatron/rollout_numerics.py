@@ -20,13 +20,15 @@ GEMM is tiny) and the output layer (its error is the sampled distribution's erro
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Iterable
 
 import torch
 
 from gspo_megatron.rollouts.fp8 import (Fp8Linear, dequantize_blockwise, fp8_gemm_runs_on,
-                                        fp8_linear, quantize_blockwise, relative_error)
+                                        fp8_gemm_unfit, fp8_gemm_works, fp8_linear,
+                                        quantize_blockwise, relative_error)
 
 FP8_WEIGHT = re.compile(
     r"(linear_qkv|linear_proj|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
@@ -35,6 +37,8 @@ FP8_WEIGHT = re.compile(
 """Parameter names (``named_parameters``) whose weights rollouts take in FP8: the linear layers'
 (TE's grouped experts number theirs ``weight0``, ``weight1``, ...; the legacy ``GroupedMLP``
 stores ``weight1`` / ``weight2`` as ``[in, out]``, quantized transposed)."""
+
+logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -78,7 +82,11 @@ class Fp8Weights:
         live = dict(live_model.named_parameters())
         if gemm == "auto":
             device = next(copy_model.parameters()).device
-            gemm = fp8_linear if block == 128 and fp8_gemm_runs_on(device) else None
+            why = fp8_gemm_works(device) if block == 128 else f"block {block}"
+            if why is not None and fp8_gemm_runs_on(device):  # a GPU that should have run it
+                logger.warning("rollout.precision=fp8: the FP8 GEMM is off (%s); the decoding "
+                               "step multiplies the dequantized bf16 weights", why)
+            gemm = fp8_linear if why is None else None
         return cls(((n, p, live[n]) for n, p in copy_model.named_parameters()
                     if FP8_WEIGHT.search(n)), block, gemm, copy_model)
 
@@ -93,8 +101,9 @@ class Fp8Weights:
             q, scale_inv = quantize_blockwise(w, self.block)
             deq = dequantize_blockwise(q, scale_inv, dst.dtype, self.block)
             dst.copy_(deq.t() if transposed else deq)
-            if self.gemm is not None and name.endswith(("linear_qkv.weight", "linear_proj.weight")):
-                self._pack(name, q, scale_inv)
+            if self.gemm is not None and name.endswith(("linear_qkv.weight", "linear_proj.weight")) \
+                    and (self.gemm is not fp8_linear or fp8_gemm_unfit(*w.shape, self.block) is None):
+                self._pack(name, q, scale_inv)  # (what the kernel does not take: dequantized)
             err, norm = relative_error(w, deq)
             m = _LAYER.search(name)
             for key in (None, int(m.group(1))) if m else (None,):

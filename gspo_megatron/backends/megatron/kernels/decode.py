@@ -432,7 +432,9 @@ def _grouped_sdpa(w: DecodeWeights, q: torch.Tensor, k: torch.Tensor, v: torch.T
         mask = mask.unsqueeze(1).expand(B, r, Lq, mask.shape[-1]).reshape(B, r * Lq, -1)
     out = F.scaled_dot_product_attention(folded, k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask.unsqueeze(1), scale=w.softmax_scale)
-    return out.view(B, np_, Lq, hn)
+    # reshape, not view: CUDA's fused kernels return [B, ng, r Lq, hn] laid out as
+    # [B, r Lq, ng, hn] (heads innermost), which no view can regroup into [B, np, Lq, hn].
+    return out.reshape(B, np_, Lq, hn)
 
 
 def attention_backend(w: DecodeWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
