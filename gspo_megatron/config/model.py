@@ -267,10 +267,10 @@ class PrecisionConfig(Section, name="precision"):
     """With the local spec: use :mod:`gspo_megatron.backends.megatron.kernels.local` (SDPA attention, keys
     rotated once in the static KV cache, ``F.linear`` at TP=1, the experts as two grouped GEMMs
     where ``torch._grouped_mm`` runs: CPU, bf16 on Hopper): same parameters and checkpoints,
-    1.5-2x faster rollouts on CPU, 7.0x Megatron's local spec in a training pass on an H200
-    (docs/benchmarks.md section 6). null = on without CUDA, and for packed training (which needs
-    them without TE); on CUDA otherwise off until their rollouts have been measured there. true
-    forces them; false = Megatron's own modules, for comparison or debugging."""
+    1.5-2x faster rollouts on CPU; on an H200 (Qwen3-30B-A3B slice, bf16) 7.8x Megatron's local
+    spec in a training pass and 8.4x in a decoding step (docs/benchmarks.md section 6). null and
+    true = on; false = Megatron's own modules, for comparison or debugging (packed training
+    without TE needs them)."""
 
     def _problems(self) -> Iterator[Problem]:
         if self.fp8 is not None and self.transformer_impl == "local":

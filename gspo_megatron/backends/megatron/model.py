@@ -261,12 +261,11 @@ def build_gpt_model(
     post_process: bool,
     pp_rank: int | None = None,
     transformer_config_overrides: dict | None = None,
-    packed: bool = False,
 ):
     """One pipeline stage of the policy as a Megatron ``GPTModel`` (not yet wrapped in DDP).
-    ``packed``: the training passes feed packed (``thd``) microbatches; with the local spec that
-    needs our packing attention (:mod:`.kernels.local`), so the local kernels are on unless
-    ``precision.local_kernels`` is false (which the config refuses with packing).
+    With the local spec our kernels (:mod:`.kernels.local`) replace Megatron's attention and
+    experts unless ``precision.local_kernels`` is false (which the config refuses with packed
+    training: its ``thd`` attention is theirs).
 
     Output of ``forward(input_ids [B, T], position_ids [B, T], attention_mask)`` on the last stage:
     vocab-parallel logits ``[B, T, V/TP]`` (``parallel_output=True``; never gathered).
@@ -282,8 +281,7 @@ def build_gpt_model(
     impl = resolve_transformer_impl(precision, log=precision.transformer_impl == "auto")
     config = build_transformer_config(model, parallel, precision, impl=impl,
                                       **(transformer_config_overrides or {}))
-    local_kernels = (precision.local_kernels if precision.local_kernels is not None
-                     else packed or not torch.cuda.is_available())  # their CUDA rollouts: unmeasured
+    local_kernels = precision.local_kernels is not False
     spec = build_layer_spec(config, impl, pp_rank=pp_rank, local_kernels=local_kernels)
     gpt = GPTModel(
         config=config,

@@ -341,7 +341,7 @@ def build_policy(
     gpt = build_gpt_model(
         model_cfg, parallel_cfg, precision_cfg,
         pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
-        pp_rank=groups.pp_rank, packed=max_tokens_per_microbatch is not None,
+        pp_rank=groups.pp_rank,
     )
     tf_config = gpt.config
     if frozen:  # no gradient: Megatron DDP then allocates no fp32 gradient buffer for it
