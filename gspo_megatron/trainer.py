@@ -26,6 +26,7 @@ from gspo_megatron.config import TrainConfig, token_budget
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
+from gspo_megatron.memory_profile import MemoryProfile
 from gspo_megatron.metrics import MemoryPeaks, MetricsLogger, Stopwatch
 from gspo_megatron.progress import Progress
 from gspo_megatron.policy import (RANK_STATE_KEY, Generator, Policy, PolicyBatch,
@@ -170,8 +171,19 @@ class Trainer:
         cfg = self.cfg
         self.rollouts.start(self.step, self._rank_state)
         self.rollouts.publish(self.policy, self.step, stop=False)
+        memory = MemoryProfile(cfg.logging.memory_profile_steps if self.groups.is_logging_rank
+                               else 0, os.path.join(cfg.logging.run_dir, "memory_profile.json"))
+        with contextlib.closing(memory):
+            memory.start()
+            return self._train_steps(start_step, metrics_log, summary, memory)
+
+    def _train_steps(self, start_step: int, metrics_log: MetricsLogger, summary: dict,
+                     memory: MemoryProfile) -> int:
+        """:meth:`_train`'s loop, the allocator's history recorded over its first steps."""
+        cfg = self.cfg
         while self.step < cfg.trainer.steps:
             metrics = self.rl_step()
+            memory.step_done(self.step - start_step)
             if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 \
                     and self.task.eval and self.step < cfg.trainer.steps:
                 metrics["eval/accuracy"] = self.evaluate()

@@ -145,8 +145,9 @@ def stages(work: str, size: str = "full") -> list[Stage]:
                                  "--rollout.max_new_tokens=16", "--trainer.num_minibatches=1"],
                     slice_cmd + ["--trainer.steps=2", "--rollout.prompts_per_step=2",
                                  "--rollout.max_new_tokens=16", "--trainer.num_minibatches=1"]]
-    else:
-        slice_rl = [slice_cmd + ["--trainer.steps=2" if full else "--trainer.steps=1"],
+    else:  # the first run also says what is live at its memory peak (memory_profile.json)
+        slice_rl = [slice_cmd + ["--trainer.steps=2" if full else "--trainer.steps=1",
+                                 "--logging.memory_profile_steps=2"],
                     slice_cmd + ["--trainer.steps=3" if full else "--trainer.steps=2"]]
     mfu_size = {"smoke": ["--layers", "1", "--seq", "1024", "--iters", "1"],
                 "quick": ["--layers", "2", "--seq", "2048", "--iters", "2"],
@@ -339,9 +340,10 @@ def run_figures(run_dir: str) -> dict:
         vals = [r[k] for r in rows if k in r]
         if vals:
             out[k] = vals
-    summ = os.path.join(run_dir, "summary.json")
-    if os.path.isfile(summ):
-        out["summary"] = json.load(open(summ))
+    for name, key in (("summary.json", "summary"), ("memory_profile.json", "memory_profile")):
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            out[key] = json.load(open(path))
     return out
 
 

@@ -420,10 +420,16 @@ class LoggingConfig(Section, name="logging"):
     """Show the progress of the warm-up, the RL steps (one line per step), evaluation, with an
     ETA: a live line on a terminal, plain lines otherwise (gspo_megatron/progress.py). On the
     logging rank only."""
+    memory_profile_steps: int = 0
+    """CUDA: record the caching allocator's history over the first N RL steps, then write
+    ``<run_dir>/memory_profile.json``: the peak of allocated memory and what is live at it,
+    grouped by the code that allocated it (gspo_megatron/memory_profile.py), to read a measured
+    peak against ``gspo-plan``'s. 0 = off; on CPU off with one log line."""
 
     def _problems(self) -> Iterator[Problem]:
         if not self.run_dir:
             yield self._problem("run_dir", "must be a non-empty path")
+        yield from self._at_least(0, "memory_profile_steps")
         if self.tensorboard_dir is not None and not self.tensorboard_dir:
             yield self._problem("tensorboard_dir", "must be a non-empty path or null (off)")
 
