@@ -9,7 +9,7 @@ live at that moment grouped by the code that made them (their first stack frame 
 project, Megatron or ``torch.optim``), largest first. The summary is written as
 ``<run_dir>/memory_profile.json``: a few KiB, where the allocator's own snapshot is tens of MiB.
 
-Only CUDA has the history; on CPU the profile is off with one log line.
+Only CUDA has the history; on CPU the profile is off with one warning.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class MemoryProfile:
             return
         if not torch.cuda.is_available():
             logger.warning("logging.memory_profile_steps=%d: the allocator history needs CUDA; off",
-                        self.steps)
+                           self.steps)
             return
         self.start_bytes = torch.cuda.memory_allocated()
         torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
