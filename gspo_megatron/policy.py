@@ -142,6 +142,14 @@ def make_policy_batch(
                        layout=layout)
 
 
+POLICY_MASK_KEY = "policy_mask"
+"""``RolloutSample.extra`` of a multi-turn sample: one 0/1 per response token, 1 where the policy
+wrote it, 0 for an environment's (tool or user) tokens, which are context only
+(:func:`gspo_megatron.stages.batch_stage` takes them out of ``response_mask``)."""
+EPISODE_KEY = "episode"
+"""``RolloutSample.extra`` of a multi-turn sample: ``{"reward", "turns", "tool_calls", "end"}``
+(:mod:`gspo_megatron.envs.turns`)."""
+
 HELD_REQUEST_KEY = "held_request"
 """``RolloutSample.extra`` of an aborted response the engine holds (``GroupStop.hold_cut``): its
 request id there, for :attr:`GroupStop.continue_ids`."""

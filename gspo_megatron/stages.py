@@ -22,7 +22,8 @@ from gspo_megatron.config import OptimConfig, TrainConfig
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, exchange_objects
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.layout import RankBalance, balance_across_ranks
-from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, StepRouting
+from gspo_megatron.policy import (POLICY_MASK_KEY, Generator, Policy, PolicyBatch, RolloutSample,
+                                  StepRouting)
 from gspo_megatron.progress import Progress
 
 
@@ -115,13 +116,20 @@ class StepSamples(NamedTuple):
 
 def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) -> PolicyBatch:
     """A label-aligned :class:`PolicyBatch` ``[N, T]`` of the samples, with their advantages
-    ``[N]`` and the rollout engine's log-probs ``[N, T]``. ``pack(sequences, prompt_lengths)``
+    ``[N]`` and the rollout engine's log-probs ``[N, T]``; a multi-turn sample's environment
+    tokens (``extra[POLICY_MASK_KEY]`` 0) are left out of ``response_mask``: no log-prob, advantage
+    or loss, not in GSPO's ``|y_i|`` nor in any token count. ``pack(sequences, prompt_lengths)``
     pads (:meth:`Trainer.pack`); the log-probs are placed by its layout
     (:meth:`~gspo_megatron.layout.TokenLayout.place_labels`)."""
     batch = pack([s.prompt_ids + s.response_ids for s in samples],
                  [len(s.prompt_ids) for s in samples])
     batch.rollout_logprobs = batch.layout.place_labels([s.response_logprobs for s in samples])
     batch.advantages = advantages
+    authors = [s.extra.get(POLICY_MASK_KEY) for s in samples]
+    if any(a is not None for a in authors):  # multi-turn: environment tokens are context only
+        batch.response_mask &= batch.layout.place_labels(
+            [a if a is not None else [1] * len(s.response_ids)
+             for a, s in zip(authors, samples)]) > 0
     return batch
 
 

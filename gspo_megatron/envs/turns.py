@@ -43,13 +43,10 @@ from typing import Any, Sequence
 import torch
 
 from gspo_megatron.envs.base import ToolCallError, check_answer, parse_tool_calls
+from gspo_megatron.policy import EPISODE_KEY, POLICY_MASK_KEY
 
 __all__ = ["EPISODE_KEY", "POLICY_MASK_KEY", "Episodes", "TurnDriver"]
 
-POLICY_MASK_KEY = "policy_mask"
-"""``RolloutSample.extra``: one 0/1 per response token, 1 where the policy wrote it."""
-EPISODE_KEY = "episode"
-"""``RolloutSample.extra``: ``{"reward", "turns", "tool_calls", "end"}`` of a multi-turn sample."""
 
 COUNTERS = ("errors", "timeouts", "bad_answers", "truncated_messages", "invalid_tool_calls",
             "max_turns_cut", "turn_budget_cut", "budget_cut", "no_reward")
