@@ -228,12 +228,14 @@ class Generator(Protocol):
 
     def generate(self, prompts: list[list[int]], seed: int, budgets: list[int] | None = None,
                  stop: GroupStop | None = None,
-                 progress: Callable[[int], None] | None = None) -> list[RolloutSample]:
+                 progress: Callable[[int], None] | None = None,
+                 turns: Any = None) -> list[RolloutSample]:
         """One response per entry of ``prompts`` (token ids), in order, then one per request
         ``stop.refill`` added. ``budgets``: each request's new-token budget (default
         ``rollout.max_new_tokens``); ``stop``: end early once enough groups are complete, the
         unfinished responses ``aborted``; ``progress(n)``: told the number of the call's
-        responses finished so far as they finish (a display: evaluation's)."""
+        responses finished so far as they finish (a display: evaluation's); ``turns``: the
+        requests are multi-turn episodes (:class:`~gspo_megatron.envs.turns.TurnDriver`)."""
 
     def with_sampling(self, config) -> "Generator":
         """The same engine (model, KV cache) sampling with another ``RolloutConfig``'s

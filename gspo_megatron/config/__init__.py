@@ -14,7 +14,7 @@ from gspo_megatron.sections import FieldError
 from gspo_megatron.config.loader import DEMO_RECIPE, load_config, save_config
 from gspo_megatron.config.model import MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig
 from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, EvaluationConfig,
-                                         LoggingConfig, OptimConfig,
+                                         LoggingConfig, MultiTurnConfig, OptimConfig,
                                          RewardConfig, RolloutConfig, RoutingConfig, SFTConfig,
                                          TokenizerConfig, TrainConfig, TrainerConfig)
 from gspo_megatron.config.validation import (ConfigError, ConfigWarning, logprob_token_budget,
@@ -22,7 +22,7 @@ from gspo_megatron.config.validation import (ConfigError, ConfigWarning, logprob
 
 __all__ = [
     "DEMO_RECIPE", "MODEL_PRESETS", "CheckpointConfig", "ConfigError", "ConfigWarning",
-    "DataConfig", "EvaluationConfig", "FieldError", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "DataConfig", "EvaluationConfig", "FieldError", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "ParallelConfig",
     "PrecisionConfig", "RewardConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
     "TokenizerConfig", "TrainConfig", "TrainerConfig", "load_config", "save_config",
     "logprob_token_budget", "token_budget", "validate_config",

@@ -179,6 +179,41 @@ class RewardConfig(Section, name="reward"):
 
 
 @dataclass
+class MultiTurnConfig(Section, name="multi_turn"):
+    """Multi-turn rollouts: each response is an episode with an environment (tools, a user
+    simulator) that answers every assistant turn. Off while ``env`` is empty. The episode's
+    token budget (policy and environment tokens together) is ``rollout.max_new_tokens``."""
+
+    env: str = ""
+    """The environment: a built-in name (``tool_arithmetic``) or ``package.module:Class``
+    (``reset(example) -> messages``, ``step(assistant_message) -> (messages, reward | None,
+    done)``; docs/multi-turn.md). Its reward is the episode's (``reward.fn`` is not called)."""
+    max_turns: int = 4
+    """Assistant turns per episode at most; an episode the environment has not ended by then is
+    cut (reward 0, ``env/max_turns_cut``)."""
+    max_turn_tokens: int = 256
+    """Policy tokens per assistant turn at most; a turn that reaches it ends the episode
+    (reward 0, ``env/turn_budget_cut``)."""
+    max_message_chars: int = 4000
+    """An environment message longer than this is cut to it (``env/truncated_messages``)."""
+    num_workers: int = 2
+    """Worker processes per rank running the environments (an episode stays in one); 0 = in the
+    trainer's process, without timeouts."""
+    timeout_s: float = 10.0
+    """An environment call (``reset``, ``step``) that takes longer is stopped by killing its
+    worker: that episode and the others the worker held end with reward 0 (``env/timeouts``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.env)
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(1, "max_turns", "max_turn_tokens", "max_message_chars")
+        yield from self._at_least(0, "num_workers")
+        yield from self._positive("timeout_s")
+
+
+@dataclass
 class SFTConfig(Section, name="sft"):
     """Optional supervised warm-up before RL: off by default (a pretrained policy needs none); the
     demo's tiny model, trained from scratch, uses 300 steps."""
@@ -446,6 +481,7 @@ class TrainConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # DAPO's dynamic sampling and overlong handling (both off by default); owned by

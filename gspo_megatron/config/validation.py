@@ -74,7 +74,7 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
     dp, errors = layout_errors(cfg, world_size)
     errors += (_length_errors(cfg) + _routing_errors(cfg) + _loss_errors(cfg) + _offload_errors(cfg)
               + _start_weights_errors(cfg) + _path_errors(cfg, check_paths)
-              + _reward_errors(cfg, reward_search_dirs))
+              + _reward_errors(cfg, reward_search_dirs) + _multi_turn_errors(cfg, reward_search_dirs))
     if errors:
         raise ConfigError(errors)
     return dp
@@ -376,6 +376,31 @@ def _path_errors(cfg: TrainConfig, check_paths: bool) -> list[str]:
             errors.append("checkpoint.export_hf needs checkpoint.init_weights to be a "
                           "gspo-convert-hf directory (or a run that started from one): it "
                           "supplies the Hugging Face config and tokenizer files")
+    return errors
+
+
+def _multi_turn_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str]:
+    """The environment class resolves, on a rollout path that runs turns: the dynamic engine,
+    colocated, without partial rollouts or dynamic sampling's refills."""
+    mt, ro = cfg.multi_turn, cfg.rollout
+    if not mt.enabled:
+        return []
+    errors = []
+    try:
+        from gspo_megatron.envs.workers import resolve_env_class
+        resolve_env_class(mt.env, search_dirs)
+    except (ValueError, ImportError) as e:
+        errors.append(str(e))
+    for field_name, value, bad in (("rollout.engine", ro.engine, ro.engine == "static"),
+                                   ("rollout.placement", ro.placement, ro.placement != "colocated"),
+                                   ("rollout.partial_rollouts", ro.partial_rollouts,
+                                    ro.partial_rollouts),
+                                   ("dynamic_sampling.enabled", cfg.dynamic_sampling.enabled,
+                                    cfg.dynamic_sampling.enabled)):
+        if bad:
+            errors.append(f"multi_turn.env is set: {field_name}={value!r} is not supported with "
+                          "multi-turn rollouts yet (the dynamic engine, colocated, one rollout "
+                          "per step)")
     return errors
 
 

@@ -20,7 +20,7 @@ An episode ends when the environment says ``done`` (its reward is the episode's)
 answer (reward 0), after ``max_turns`` assistant turns, when a turn reaches ``max_turn_tokens``
 policy tokens, or when the environment's answer would not fit in the episode's budget
 (``rollout.max_new_tokens``: policy and environment tokens together); each cut is counted
-(:meth:`TurnDriver.metrics`, ``env/*``).
+(:func:`episode_rewards`, ``env/*``).
 
 What a sample carries (:meth:`TurnDriver.extra`): ``extra[POLICY_MASK_KEY]``, one 0/1 per
 response token (1: the policy wrote it), which :func:`~gspo_megatron.stages.batch_stage` ANDs into
@@ -48,9 +48,6 @@ from gspo_megatron.policy import EPISODE_KEY, POLICY_MASK_KEY
 __all__ = ["EPISODE_KEY", "POLICY_MASK_KEY", "Episodes", "TurnDriver"]
 
 
-COUNTERS = ("errors", "timeouts", "bad_answers", "truncated_messages", "invalid_tool_calls",
-            "max_turns_cut", "turn_budget_cut", "budget_cut", "no_reward")
-"""``env/<name>`` counts of a rollout (what each means: :meth:`TurnDriver.metrics`)."""
 
 
 @dataclasses.dataclass
@@ -63,6 +60,8 @@ class _Episode:
     turns: int = 0
     tool_calls: int = 0
     reward: float | None = None
+    truncated: int = 0
+    invalid_calls: int = 0
     end: str | None = None
     """None while running; ``done`` (the environment ended it), or why it was cut."""
 
@@ -75,16 +74,18 @@ class TurnDriver:
 
     def __init__(self, runner, tokenizer, keys: Sequence[int], budgets: Sequence[int], *,
                  max_turns: int, max_turn_tokens: int, max_message_chars: int,
-                 counts: dict[str, int] | None = None, dead: Sequence[int] = ()):
+                 dead: Sequence[int] = (), on_env_step=None):
         self.runner, self.tokenizer = runner, tokenizer
         self.eos_id = int(tokenizer.eos_id)
         self.max_turns, self.max_turn_tokens = int(max_turns), int(max_turn_tokens)
         self.max_message_chars = int(max_message_chars)
         self.episodes = [_Episode(int(k)) for k in keys]
         self.budgets = [int(b) for b in budgets]
-        self.counts = dict.fromkeys(COUNTERS, 0) if counts is None else counts
+        self.on_env_step = on_env_step
+        """Called after every batch of environment answers (a fault injection point)."""
         for i in dead:
             self.episodes[i].end = "reset_failed"
+        self.runner.drop([k for i, k in enumerate(keys) if i in set(dead)])
 
     # ------------------------------------------------------------------ engine side
     def step(self, rows: Sequence[int], sampled: torch.Tensor, ended: torch.Tensor):
@@ -140,21 +141,22 @@ class TurnDriver:
             try:
                 ep.tool_calls += len(parse_tool_calls(text))
             except ToolCallError:
-                self.counts["invalid_tool_calls"] += 1
+                ep.invalid_calls += 1
             calls.append(("step", ep.key, text))
-        return [check_answer(o, self.max_message_chars) for o in self.runner.run(calls)]
+        answers = [check_answer(o, self.max_message_chars) for o in self.runner.run(calls)]
+        if self.on_env_step is not None:
+            self.on_env_step()
+        return answers
 
     def _answer_queued(self, row: int, answer) -> bool:
         """Queue ``answer``'s tokens for ``row`` (True: the request goes on) or end it."""
         ep = self.episodes[row]
-        self.counts["truncated_messages"] += answer.truncated
+        ep.truncated += answer.truncated
         if answer.problem is not None:
             self._end(ep, answer.kind)
             return False
         if answer.done:
             ep.reward = answer.reward
-            if answer.reward is None:
-                self.counts["no_reward"] += 1
             self._end(ep, "done")
             return False
         if ep.turns >= self.max_turns:
@@ -170,8 +172,6 @@ class TurnDriver:
 
     def _end(self, ep: _Episode, why: str) -> None:
         ep.end = why
-        if why in self.counts:
-            self.counts[why] += 1
         self.runner.drop([ep.key])
 
     # ------------------------------------------------------------------ sample side
@@ -187,21 +187,8 @@ class TurnDriver:
         return {POLICY_MASK_KEY: list(ep.authors),
                 EPISODE_KEY: {"reward": 0.0 if ep.reward is None else float(ep.reward),
                               "turns": ep.turns, "tool_calls": ep.tool_calls,
-                              "end": ep.end or "aborted"}}
-
-    def metrics(self) -> dict[str, float]:
-        """``env/*``: per episode means of ``turns``, ``tool_calls``, ``policy_tokens`` and
-        ``env_tokens``; the counts of :data:`COUNTERS` (errors and timeouts of ``reset`` /
-        ``step``, bad answers, messages cut to ``max_message_chars``, tool calls that are not
-        valid JSON, episodes cut at ``max_turns`` / ``max_turn_tokens`` / the token budget,
-        episodes done without a reward)."""
-        n = max(1, len(self.episodes))
-        out = {f"env/{k}": float(v) for k, v in self.counts.items()}
-        out["env/turns"] = sum(e.turns for e in self.episodes) / n
-        out["env/tool_calls"] = sum(e.tool_calls for e in self.episodes) / n
-        out["env/policy_tokens"] = sum(sum(e.authors) for e in self.episodes) / n
-        out["env/env_tokens"] = sum(len(e.authors) - sum(e.authors) for e in self.episodes) / n
-        return out
+                              "invalid_tool_calls": ep.invalid_calls,
+                              "truncated_messages": ep.truncated, "end": ep.end or "aborted"}}
 
 
 class Episodes:
@@ -209,35 +196,114 @@ class Episodes:
     and ``multi_turn``'s limits (:class:`~gspo_megatron.config.MultiTurnConfig`)."""
 
     def __init__(self, runner, tokenizer, max_turns: int, max_turn_tokens: int,
-                 max_message_chars: int):
-        self.runner, self.tokenizer = runner, tokenizer
+                 max_message_chars: int, budget: int = 0, env_cls: type | None = None):
+        self.runner, self.tokenizer, self.budget = runner, tokenizer, int(budget)
+        self.env_cls = env_cls
+        """The environment class (resolved in this process: its demonstrations)."""
         self.max_turns, self.max_turn_tokens = max_turns, max_turn_tokens
         self.max_message_chars = max_message_chars
         self._next_key = 0
 
-    def start(self, examples: Sequence[Any], budget: int) -> tuple[list[list[int]], TurnDriver]:
+    def start(self, examples: Sequence[Any], budget: int | None = None, on_env_step=None
+              ) -> tuple[list[list[int]], TurnDriver]:
         """Reset one environment per example (repeat an example for a group); returns the
-        first prompts' token ids and the call's :class:`TurnDriver`. An environment whose
+        first prompts' token ids and the call's :class:`TurnDriver` (``budget``: each episode's
+        tokens, default the one given at construction; ``on_env_step``: called after every batch
+        of environment answers). An environment whose
         ``reset`` fails gets the example's own prompt and ends at its first token."""
         keys = list(range(self._next_key, self._next_key + len(examples)))
         self._next_key += len(examples)
-        counts = dict.fromkeys(COUNTERS, 0)
+        budget = self.budget if budget is None else budget
         outcomes = self.runner.run([("reset", k, e) for k, e in zip(keys, examples)])
-        prompts, dead = [], []
+        prompts, dead, reset_failures, truncated = [], [], {}, []
         for i, (example, outcome) in enumerate(zip(examples, outcomes)):
             answer = check_answer(outcome, self.max_message_chars, first=True)
-            counts["truncated_messages"] += answer.truncated
+            truncated.append(answer.truncated)
             if answer.problem is not None or not answer.messages:
-                counts[answer.kind or "bad_answers"] += 1
+                reset_failures[i] = answer.kind or "bad_answers"
                 dead.append(i)
-                self.runner.drop([keys[i]])
                 prompts.append(self.tokenizer.encode_prompt(example.model_input))
             else:
                 prompts.append(self.tokenizer.encode_prompt(answer.messages))
         driver = TurnDriver(self.runner, self.tokenizer, keys, [budget] * len(examples),
                             max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
-                            max_message_chars=self.max_message_chars, counts=counts, dead=dead)
+                            max_message_chars=self.max_message_chars, dead=dead,
+                            on_env_step=on_env_step)
+        for i, why in reset_failures.items():
+            driver.episodes[i].end = f"reset_{why}"
+        for ep, n in zip(driver.episodes, truncated):
+            ep.truncated = n
         return prompts, driver
+
+    @property
+    def demonstrates(self) -> bool:
+        """Whether the environment class writes demonstrations (``demonstration(example) ->
+        messages``, a classmethod) for the supervised warm-up."""
+        return callable(getattr(self.env_cls, "demonstration", None))
+
+    def sft_samples(self, examples: Sequence[Any]) -> list:
+        """One :class:`~gspo_megatron.data.SFTSample` per example: its demonstration laid out as
+        a rollout lays an episode out (the first messages through the chat template, each
+        assistant message + EOS with loss mask 1, the messages between them through
+        :meth:`~gspo_megatron.tokenizer.Tokenizer.continuation` with loss mask 0)."""
+        from gspo_megatron.data import SFTSample
+
+        out = []
+        tok = self.tokenizer
+        for example in examples:
+            messages = self.env_cls.demonstration(example)
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            ids = tok.encode_prompt(messages[:first])
+            mask, prompt_len, pending = [0] * len(ids), len(ids), []
+            for m in messages[first:]:
+                if m["role"] != "assistant":
+                    pending.append(m)
+                    continue
+                if pending:
+                    env = tok.encode(tok.continuation(pending))
+                    ids, mask, pending = ids + env, mask + [0] * len(env), []
+                turn = tok.encode(m["content"]) + [tok.eos_id]
+                ids, mask = ids + turn, mask + [1] * len(turn)
+            out.append(SFTSample(input_ids=ids, loss_mask=mask, prompt_len=prompt_len))
+        return out
 
     def close(self) -> None:
         self.runner.close()
+
+
+def episode_rewards(samples: Sequence[Any], correct_threshold: float = 1.0
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rewards ``[N]`` (float32) of multi-turn samples (their environments'; 0 for an
+    episode cut or failed) and the step's ``reward/*`` and ``env/*`` statistics: per episode
+    means of ``turns``, ``tool_calls``, ``policy_tokens``, ``env_tokens``; totals of the bad
+    answers and cuts (``env/<end>``, ``env/reset_failures``), of messages cut to
+    ``multi_turn.max_message_chars`` and of tool calls that are not valid JSON."""
+    from gspo_megatron.rewards.base import is_correct
+
+    eps = [s.extra[EPISODE_KEY] for s in samples]
+    n = max(1, len(eps))
+    rewards = torch.tensor([e["reward"] for e in eps], dtype=torch.float32)
+    stats = {"reward/mean": float(rewards.mean()) if eps else 0.0,
+             "reward/std": float(rewards.std(unbiased=False)) if eps else 0.0,
+             "reward/accuracy": sum(is_correct(float(r), correct_threshold) for r in rewards) / n}
+    def count(pred) -> float:
+        return float(sum(pred(e) for e in eps))
+
+    stats.update({
+        "env/errors": count(lambda e: e["end"] in ("errors", "reset_errors")),
+        "env/timeouts": count(lambda e: e["end"] in ("timeouts", "reset_timeouts")),
+        "env/bad_answers": count(lambda e: e["end"] in ("bad_answers", "reset_bad_answers")),
+        "env/reset_failures": count(lambda e: e["end"].startswith("reset_")),
+        "env/max_turns_cut": count(lambda e: e["end"] == "max_turns_cut"),
+        "env/turn_budget_cut": count(lambda e: e["end"] == "turn_budget_cut"),
+        "env/budget_cut": count(lambda e: e["end"] == "budget_cut"),
+        "env/length": count(lambda e: e["end"] == "length"),
+        "env/truncated_messages": float(sum(e["truncated_messages"] for e in eps)),
+        "env/invalid_tool_calls": float(sum(e["invalid_tool_calls"] for e in eps)),
+    })
+    stats["env/turns"] = sum(e["turns"] for e in eps) / n
+    stats["env/tool_calls"] = sum(e["tool_calls"] for e in eps) / n
+    policy = [sum(s.extra[POLICY_MASK_KEY]) for s in samples]
+    stats["env/policy_tokens"] = sum(policy) / n
+    stats["env/env_tokens"] = sum(len(s.response_ids) - p for s, p in zip(samples, policy)) / n
+    return rewards, stats

@@ -11,7 +11,8 @@ import torch
 
 from gspo_megatron.envs.base import ToolCallError, check_answer, parse_tool_calls
 from gspo_megatron.envs.tools import calculator, run_python
-from gspo_megatron.envs.turns import EPISODE_KEY, POLICY_MASK_KEY, Episodes
+from gspo_megatron.envs.turns import EPISODE_KEY, POLICY_MASK_KEY, Episodes, episode_rewards
+from gspo_megatron.policy import RolloutSample
 from gspo_megatron.envs.workers import EnvWorkers, InProcessEnvs, resolve_env_class
 from gspo_megatron.tokenizer import Tokenizer
 from tests.helpers.envs import BadEnv, Example
@@ -49,6 +50,13 @@ def run_scripted(eps: Episodes, modes, texts, budget=400):
         assert bool((tokens[~forced] == torch.tensor(sampled)[~forced]).all())
         active = [row for row, e in zip(active, ended.tolist()) if not e]
     return [driver.episodes[r].tokens for r in range(len(modes))], driver
+
+
+def metrics(driver, responses):
+    """The step's ``env/*`` of the episodes (their samples, as the engine returns them)."""
+    samples = [RolloutSample([1], tokens, [0.0] * len(tokens), driver.finish_reason(row),
+                             driver.extra(row, tokens)) for row, tokens in enumerate(responses)]
+    return episode_rewards(samples)
 
 
 def test_parse_tool_calls():
@@ -108,11 +116,12 @@ def test_bad_environments_are_counted_outcomes_and_the_rollout_goes_on():
     responses, driver = run_scripted(eps, modes, texts)
     ends = [ep.end for ep in driver.episodes]
     assert ends == ["errors", "done", "bad_answers", "bad_answers", "bad_answers",
-                    "max_turns_cut", "reset_failed", "done", "done"]
-    m = driver.metrics()
+                    "max_turns_cut", "reset_errors", "done", "done"]
+    rewards, m = metrics(driver, responses)
     assert (m["env/errors"], m["env/bad_answers"], m["env/truncated_messages"],
-            m["env/max_turns_cut"], m["env/no_reward"], m["env/invalid_tool_calls"]) == \
+            m["env/max_turns_cut"], m["env/reset_failures"], m["env/invalid_tool_calls"]) == \
         (2, 3, 2, 1, 1, 2)  # (huge: cut at both of its answers)
+    assert rewards.tolist() == [0.0] * 7 + [1.0, 1.0] and m["reward/accuracy"] == 2 / 9
     extras = [driver.extra(r, responses[r]) for r in range(len(modes))]
     rewards = [e[EPISODE_KEY]["reward"] for e in extras]
     assert rewards == [0.0] * 7 + [1.0, 1.0]
@@ -131,10 +140,10 @@ def test_bad_environments_are_counted_outcomes_and_the_rollout_goes_on():
 def test_budget_cuts():
     eps = Episodes(InProcessEnvs(BadEnv), CharTokenizer(), max_turns=10, max_turn_tokens=5,
                    max_message_chars=100)
-    _, driver = run_scripted(eps, ["never", "never"], ["ab", "abcdefgh"], budget=30)
+    responses, driver = run_scripted(eps, ["never", "never"], ["ab", "abcdefgh"], budget=30)
     assert [ep.end for ep in driver.episodes] == ["budget_cut", "turn_budget_cut"]
     assert len(driver.episodes[0].tokens) <= 30 and len(driver.episodes[1].tokens) == 5
-    m = driver.metrics()
+    _, m = metrics(driver, responses)
     assert m["env/budget_cut"] == 1 and m["env/turn_budget_cut"] == 1
 
 
