@@ -225,7 +225,13 @@ def prepare(cfg: TrainConfig, recipe_dir: str | None = None) -> Prepared:
     problems = output_dir_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    reward_fn = get_reward_fn(cfg.reward.fn, search)
+    if cfg.reward.fns is None:
+        reward_fn = get_reward_fn(cfg.reward.fn, search)
+    else:  # a mix: its reward model (if named) is loaded in build()
+        from gspo_megatron.rewards.reward_model import REWARD_MODEL, RewardMix
+
+        reward_fn = RewardMix([(name, None if name == REWARD_MODEL else get_reward_fn(name, search),
+                                float(weight)) for name, weight in cfg.reward.fns.items()])
     tokenizer, train, heldout = load_data(cfg)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
@@ -300,8 +306,16 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     engine = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
                            config=cfg.rollout, record_routes=cfg.routing.records_rollout_routes)
-    workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
-                                   cfg.reward.timeout_s, prepared.reward_search_dirs)
+    workers = None
+    if cfg.reward.fns is None:
+        workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
+                                       cfg.reward.timeout_s, prepared.reward_search_dirs)
+    elif any(fn is None for _, fn, _ in prepared.reward_fn.components):
+        from gspo_megatron.rewards.reward_model import RewardModelWorker
+
+        rm = cfg.reward_model
+        prepared.reward_fn.scorer = RewardModelWorker(rm.path, rm.batch_size, rm.max_length,
+                                                      rm.device, rm.timeout_s).start()
     episodes = None
     if cfg.multi_turn.enabled:
         from gspo_megatron.envs.turns import Episodes

@@ -54,6 +54,8 @@ METRICS: tuple[MetricDoc, ...] = (
               "(each scores 0)."),
     MetricDoc("reward/hung_threads", "Timed-out reward threads still alive (a thread cannot be "
               "killed; the worker-process pool, `reward.num_workers`, stops a hung call)."),
+    MetricDoc("reward/component/{name}", "Mean of one component of a `reward.fns` mix (before "
+              "its weight), the step's first rollout batch.", "reward.fns"),
     # response/*: stages.py and the loss.
     MetricDoc("response/num_tokens", "**Total** response tokens the step sampled, over every "
               "data-parallel rank."),

@@ -77,6 +77,8 @@ def reward_stage(reward_fn, tokenizer, prompts: list, samples: list[RolloutSampl
         return episode_rewards(samples)
     responses = [tokenizer.decode(s.response_ids) for s in samples]
     examples = [p for p in prompts for _ in range(group_size)]
+    if hasattr(reward_fn, "score_batch"):  # a weighted mix (a reward model among them)
+        return reward_fn.score_batch(responses, [e.answer for e in examples], examples, timeout_s)
     return compute_rewards(reward_fn, responses, [e.answer for e in examples], examples,
                            timeout_s=timeout_s, workers=workers)
 

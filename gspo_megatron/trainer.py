@@ -101,6 +101,8 @@ class Trainer:
             self.task.reward_workers.close()
         if self.task.episodes is not None:
             self.task.episodes.close()
+        if hasattr(self.task.reward_fn, "close"):  # a mix's reward model process
+            self.task.reward_fn.close()
 
     def log(self, msg: str) -> None:
         if not self.groups.is_logging_rank:

@@ -15,7 +15,7 @@ from gspo_megatron.config.loader import DEMO_RECIPE, load_config, save_config
 from gspo_megatron.config.model import MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig
 from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, EvaluationConfig,
                                          LoggingConfig, MultiTurnConfig, OptimConfig,
-                                         RewardConfig, RolloutConfig, RoutingConfig, SFTConfig,
+                                         RewardConfig, RewardModelConfig, RolloutConfig, RoutingConfig, SFTConfig,
                                          TokenizerConfig, TrainConfig, TrainerConfig)
 from gspo_megatron.config.validation import (ConfigError, ConfigWarning, logprob_token_budget,
                                              token_budget, validate_config)
@@ -23,7 +23,7 @@ from gspo_megatron.config.validation import (ConfigError, ConfigWarning, logprob
 __all__ = [
     "DEMO_RECIPE", "MODEL_PRESETS", "CheckpointConfig", "ConfigError", "ConfigWarning",
     "DataConfig", "EvaluationConfig", "FieldError", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "ParallelConfig",
-    "PrecisionConfig", "RewardConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
+    "PrecisionConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
     "TokenizerConfig", "TrainConfig", "TrainerConfig", "load_config", "save_config",
     "logprob_token_budget", "token_budget", "validate_config",
 ]

@@ -405,10 +405,26 @@ def _multi_turn_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str
 
 
 def _reward_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str]:
-    """The reward function resolves (imported lazily: resolving may import the user's module)."""
-    try:
-        from gspo_megatron.rewards import get_reward_fn
-        get_reward_fn(cfg.reward.fn, search_dirs)
-    except (ValueError, ImportError) as e:
-        return [f"reward.fn = {cfg.reward.fn!r}: {e}"]
-    return []
+    """The reward function (or every reward of ``reward.fns``) resolves (imported lazily:
+    resolving may import the user's module); a mix naming the reward model has its path."""
+    from gspo_megatron.rewards import get_reward_fn
+    from gspo_megatron.rewards.reward_model import REWARD_MODEL
+
+    errors = []
+    names = [("reward.fn", cfg.reward.fn)] if cfg.reward.fns is None else [
+        (f"reward.fns.{name}", name) for name in cfg.reward.fns]
+    for field_name, name in names:
+        if name == REWARD_MODEL:
+            path = cfg.reward_model.path
+            if not path or not os.path.isdir(path):
+                errors.append(f"{field_name}: reward_model.path must be the directory of a "
+                              f"Hugging Face reward model, got {path!r}")
+            continue
+        try:
+            get_reward_fn(name, search_dirs)
+        except (ValueError, ImportError) as e:
+            errors.append(f"{field_name} = {name!r}: {e}")
+    if cfg.reward.fns is not None and cfg.multi_turn.enabled:
+        errors.append("reward.fns with multi_turn.env: a multi-turn episode's reward is its "
+                      "environment's")
+    return errors
