@@ -175,3 +175,46 @@ def test_worker_timeout_stops_the_call_and_loses_only_its_workers_episodes():
     with EnvWorkers("tests.helpers.envs:AsyncEnv", 1, timeout_s=5.0) as pool:
         assert pool.run([("reset", 0, Example("q")), ("step", 0, "a")]) == [
             ([{"role": "user", "content": "q"}], None, False), (([], 2.0, True), None, False)]
+
+
+def test_continuation_through_a_chat_template(tmp_path):
+    """An environment's messages between the policy's EOS and the next assistant turn, as a
+    Qwen3-layout template renders them (the EOS itself is the policy's, not repeated), and the
+    prompt + turn + continuation equal to the template's whole conversation."""
+    from gspo_megatron.tokenizer import HFTokenizer, SentencePieceTokenizer
+    from tests.helpers.reward_model import QWEN3_LIKE_TEMPLATE, char_tokenizer
+
+    char_tokenizer(QWEN3_LIKE_TEMPLATE, eos="<|im_end|>").save_pretrained(str(tmp_path))
+    tok = HFTokenizer(tmp_path)
+    tool = [{"role": "tool", "content": "42"}]
+    cont = tok.continuation(tool)
+    assert cont == ("\n<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    user = [{"role": "user", "content": "6*7="}]
+    turn = "<tool_call>{}</tool_call>"
+    whole = tok.hf_tokenizer.apply_chat_template(
+        user + [{"role": "assistant", "content": turn}] + tool, tokenize=False,
+        add_generation_prompt=True)
+    assert tok.apply_chat_template(user) + turn + "<|im_end|>" + cont == whole
+    # without a template: "role: content" lines after the EOS, then "assistant: "
+    assert SentencePieceTokenizer.continuation(None, tool) == "\ntool: 42\nassistant: "
+
+
+def test_config_checks_of_multi_turn_and_reward_mixes(tmp_path):
+    from gspo_megatron.config import ConfigError, load_config, validate_config
+
+    recipe = "examples/configs/tiny_tool_gspo.yaml"
+    assert validate_config(load_config(recipe)) == 1
+    for override, words in (("--rollout.partial_rollouts=true", "rollout.partial_rollouts=True"),
+                            ("--rollout.engine=static", "rollout.engine='static'"),
+                            ("--multi_turn.env=nothing", "neither a built-in"),
+                            ("--reward.fns={arithmetic_exact: 1.0}", "reward.fns with multi_turn")):
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
+            validate_config(load_config(recipe, [override]))
+    cfg = load_config(None, ["--reward.fns={arithmetic_exact: 1.0, reward_model: 0.5}"])
+    with pytest.raises(ConfigError, match="reward_model.path must be the directory"):
+        validate_config(cfg)
+    with pytest.raises(Exception, match="reward.fns: expected a mapping"):
+        load_config(None, ["--reward.fns={arithmetic_exact: high}"])
+    assert load_config(None, ["--reward.fns={arithmetic_exact: 1}"]).reward.fns == {
+        "arithmetic_exact": 1.0}
