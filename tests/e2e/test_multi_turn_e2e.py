@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 TOOL_RECIPE = os.path.join(ROOT, "examples", "configs", "tiny_tool_gspo.yaml")
 TOOL = ["--model.seq_length=128", "--rollout.max_new_tokens=96", "--data.max_prompt_length=32",
-        "--sft.steps=40", "--multi_turn.num_workers=1"]
+        "--sft.steps=40", "--multi_turn.num_workers=1", "--data.num_eval_examples=4"]
 
 
 def test_killed_mid_episode_then_resumed_matches_uninterrupted(tmp_path):
