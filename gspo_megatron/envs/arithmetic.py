@@ -14,12 +14,17 @@ An episode::
 A turn without a tool call is the final answer: reward 1 when it equals the reference answer,
 else 0; the episode is then over. A tool call that is not valid JSON, or names another tool,
 gets an ``error: ...`` tool message and the episode goes on (``multi_turn.max_turns`` bounds it).
-:meth:`ToolArithmeticEnv.demonstration` writes the episode above for the supervised warm-up.
+
+:meth:`ToolArithmeticEnv.demonstration` writes the warm-up's episodes: the one above for a share
+``TOOL_DEMO_FRACTION`` (20 %) of the problems (chosen by a hash of the problem), a direct answer
+for the others. The warmed-up policy therefore calls the tool now and then; RL is what makes it
+call the tool on problems it cannot add (``env/tool_calls`` rising with the held-out accuracy).
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 
 from gspo_megatron.envs.base import ToolCallError, parse_tool_calls
 from gspo_megatron.envs.tools import calculator
@@ -37,6 +42,8 @@ class ToolArithmeticEnv:
     """Text the built-in task's character tokenizer must cover (one token per character)."""
     TOKENIZER_SYMBOLS = ("<tool_call>", "</tool_call>")
     """Multi-character strings that must each be one token."""
+    TOOL_DEMO_FRACTION = 0.2
+    """Share of the warm-up's demonstrations that call the tool (the rest answer directly)."""
 
     def reset(self, example) -> list[dict[str, str]]:
         self.answer = str(example.answer).strip()
@@ -59,8 +66,12 @@ class ToolArithmeticEnv:
 
     @classmethod
     def demonstration(cls, example) -> list[dict[str, str]]:
-        """The episode an expert plays: the first messages, then assistant and tool messages."""
+        """The episode the warm-up trains on: the first messages, then assistant (and tool)
+        messages; with the tool for ``TOOL_DEMO_FRACTION`` of the problems (module docstring)."""
         expr = example.prompt.rstrip("=")
+        if zlib.crc32(expr.encode("utf-8")) % 1000 >= 1000 * cls.TOOL_DEMO_FRACTION:
+            return [{"role": "user", "content": example.prompt},
+                    {"role": "assistant", "content": str(example.answer)}]
         call = json.dumps({"name": cls.TOOL, "arguments": {"expr": expr}}, separators=(",", ":"))
         return [{"role": "user", "content": example.prompt},
                 {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
