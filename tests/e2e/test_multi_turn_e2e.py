@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from tests.e2e.test_train_e2e import ROOT, kill_and_resume
+from gspo_megatron.metrics import read_metrics
+from tests.e2e.test_train_e2e import ROLLOUT_KL_TOL, ROOT, gspo_train, kill_and_resume
 from tests.unit.test_bad_user_files import assert_refused, run_cli
 
 pytestmark = pytest.mark.slow
@@ -23,6 +24,21 @@ def test_killed_mid_episode_then_resumed_matches_uninterrupted(tmp_path):
     for key in ("reward/mean", "env/turns", "env/tool_calls", "env/policy_tokens",
                 "env/env_tokens", "loss/policy", "kl/rollout_vs_train", "optim/grad_norm"):
         assert [m[key] for m in a] == [m[key] for m in b], key
+
+
+@pytest.mark.distributed
+def test_two_process_expert_parallel_episodes(tmp_path):
+    """EP=2 on two ranks: each rank's episodes answer their environments between engine steps
+    while the other rank's steps wait for it (the lock-step), and the rollout's log-probs of the
+    policy's tokens (KV kept across turns) equal the trainer's on every step."""
+    run = tmp_path / "ep2"
+    gspo_train(run, *TOOL, "--trainer.steps=2", "--sft.steps=20",
+               "--parallel.expert_model_parallel_size=2", nproc=2, recipe=TOOL_RECIPE)
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert max(m["env/env_tokens"] for m in metrics) > 0
+    kl = [m["kl/rollout_vs_train"] for m in metrics]
+    assert all(0 <= v < ROLLOUT_KL_TOL for v in kl), kl
 
 
 def test_missing_environment_class_is_refused_in_one_line(tmp_path):
