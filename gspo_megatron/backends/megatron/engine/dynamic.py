@@ -288,12 +288,12 @@ class DynamicRollout:
         step until ``stop`` is done, the requests ``(prompt, budget)`` to add; ``progress(n)``:
         told the number of requests finished after each step that finishes some. With
         ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
-        allocated) for the next call to continue
-        (``stop.continue_ids``). ``turns``: a multi-turn rollout's
-        :class:`~gspo_megatron.envs.turns.TurnDriver`, told every step's tokens (it puts the
-        environments' tokens in place of samples and keeps requests going past their EOS);
-        decoding then runs Megatron's step at every step (no multi-step rounds). Collective over the coupled group under EP > 1 (lock-step; with
-        the experts replicated for decoding only its start is: each rank then steps alone),
+        allocated) for the next call to continue (``stop.continue_ids``). ``turns``: a
+        multi-turn rollout's :class:`~gspo_megatron.envs.turns.TurnDriver`, told every step's
+        tokens (it puts the environments' tokens in place of samples, and keeps requests going
+        past a turn's EOS); Megatron's step then runs at every step (no multi-step rounds).
+        Collective over the coupled group under EP > 1 (lock-step; with the experts replicated
+        for decoding only its start is: each rank then steps alone),
         over the model-parallel group otherwise."""
         held = self._claim_held(stop)
         self.resume()
@@ -431,12 +431,11 @@ class DynamicRollout:
         ids = ctx.request_ids[first:last].clone()  # [n]: update_requests moves the slots
         # (one finish rule: :class:`.sampler.FinishRule`, Megatron's)
         stop_ids = ctx.request_metadata["termination_id"][first:last]
-        if call.turns is not None:  # the driver rules on EOS (a turn's goes on) and on the
-            # environment tokens it puts in place of samples; the rule here: the length limit
+        if call.turns is not None:  # the length limit only: the driver rules on the EOS
             stop_ids = torch.full_like(stop_ids, -1)
         ended = call.finish_rule.ends(sampled, stop_ids, ctx.get_active_sequence_lengths(),
                                       ctx.get_max_sequence_lengths())
-        if call.turns is not None:
+        if call.turns is not None:  # (the environment's tokens in place of samples)
             rows = [call.row[r] for r in ids.tolist()]
             sampled, ended, forced = call.turns.step(rows, sampled, ended)
             logprobs = logprobs.masked_fill(forced, 0.0)
@@ -542,8 +541,7 @@ class _Call:
         self.done: list[bool] = []
         self.running = 0
         """Requests of the call not finished."""
-        self.turns = None
-        """A multi-turn rollout's :class:`~gspo_megatron.envs.turns.TurnDriver`, or None."""
+        self.turns = None  # a multi-turn rollout's :class:`~gspo_megatron.envs.turns.TurnDriver`
         self.waiting: collections.deque = collections.deque()
         self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
