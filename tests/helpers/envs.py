@@ -53,5 +53,6 @@ class Example:
     """A stand-in for a prompt example (``prompt``, ``model_input``), cheap to unpickle in a
     worker (a class of a test module would import the module, torch included)."""
 
-    def __init__(self, prompt):
+    def __init__(self, prompt, answer=""):
         self.prompt = self.model_input = prompt
+        self.answer = answer

@@ -218,3 +218,37 @@ def test_config_checks_of_multi_turn_and_reward_mixes(tmp_path):
         load_config(None, ["--reward.fns={arithmetic_exact: high}"])
     assert load_config(None, ["--reward.fns={arithmetic_exact: 1}"]).reward.fns == {
         "arithmetic_exact": 1.0}
+
+
+def test_demonstrations_are_laid_out_as_rollouts_lay_out_episodes():
+    """The warm-up's sample of a demonstrated episode: the tokens a rollout of the same turns
+    would hold (prompt, turn, EOS, the tool's answer through the chat format, turn, EOS), the
+    policy's turns as targets only; 20 % of the problems (by hash) demonstrate the tool."""
+    from gspo_megatron.envs.arithmetic import ToolArithmeticEnv
+
+    examples = [Example(f"{a}+{a + 7}=") for a in range(100, 160)]
+    for e in examples:
+        e.answer = str(int(e.prompt[:3]) * 2 + 7)
+    demos = [ToolArithmeticEnv.demonstration(e) for e in examples]
+    with_tool = [d for d in demos if len(d) == 4]
+    assert 0.1 < len(with_tool) / len(demos) < 0.3
+    tok = CharTokenizer()
+    eps = Episodes(InProcessEnvs(ToolArithmeticEnv), tok, max_turns=3, max_turn_tokens=100,
+                   max_message_chars=100, env_cls=ToolArithmeticEnv)
+    assert eps.demonstrates
+    samples = eps.sft_samples(examples)
+    for demo, s in zip(demos, samples):
+        user, *rest = demo
+        ids = tok.encode_prompt([user])
+        want_ids, want_mask = list(ids), [0] * len(ids)
+        for m in rest:
+            part = (tok.encode(m["content"]) + [0] if m["role"] == "assistant"
+                    else tok.encode(tok.continuation([m])))
+            want_ids += part
+            want_mask += [int(m["role"] == "assistant")] * len(part)
+        assert (s.input_ids, s.loss_mask, s.prompt_len) == (want_ids, want_mask, len(ids))
+    # a demonstrated tool call is one the environment answers with the right sum
+    env = ToolArithmeticEnv()
+    user, call, tool, answer = with_tool[0]
+    env.reset(Example(user["content"], answer["content"]))
+    assert env.step(call["content"]) == ([tool], None, False) and tool["content"] == answer["content"]
