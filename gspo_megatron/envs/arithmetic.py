@@ -16,7 +16,7 @@ else 0; the episode is then over. A tool call that is not valid JSON, or names a
 gets an ``error: ...`` tool message and the episode goes on (``multi_turn.max_turns`` bounds it).
 
 :meth:`ToolArithmeticEnv.demonstration` writes the warm-up's episodes: the one above for a share
-``TOOL_DEMO_FRACTION`` (20 %) of the problems (chosen by a hash of the problem), a direct answer
+``TOOL_DEMO_FRACTION`` (half) of the problems (chosen by a hash of the problem), a direct answer
 for the others. The warmed-up policy therefore calls the tool now and then; RL is what makes it
 call the tool on problems it cannot add (``env/tool_calls`` rising with the held-out accuracy).
 """
@@ -42,7 +42,7 @@ class ToolArithmeticEnv:
     """Text the built-in task's character tokenizer must cover (one token per character)."""
     TOKENIZER_SYMBOLS = ("<tool_call>", "</tool_call>")
     """Multi-character strings that must each be one token."""
-    TOOL_DEMO_FRACTION = 0.2
+    TOOL_DEMO_FRACTION = 0.5
     """Share of the warm-up's demonstrations that call the tool (the rest answer directly)."""
 
     def reset(self, example) -> list[dict[str, str]]:
@@ -52,8 +52,8 @@ class ToolArithmeticEnv:
     def step(self, assistant_message: str):
         try:
             calls = parse_tool_calls(assistant_message)
-        except ToolCallError as e:
-            return [{"role": "tool", "content": f"error: {e}"}], None, False
+        except ToolCallError:  # (short: the tiny model's budget; parse_tool_calls says why)
+            return [{"role": "tool", "content": "error: invalid tool call"}], None, False
         if not calls:  # the final answer
             return [], float(assistant_message.strip() == self.answer), True
         out = []
