@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 TOOL_RECIPE = os.path.join(ROOT, "examples", "configs", "tiny_tool_gspo.yaml")
 TOOL = ["--model.seq_length=128", "--rollout.max_new_tokens=96", "--data.max_prompt_length=32",
-        "--sft.steps=40", "--multi_turn.num_workers=1", "--data.num_eval_examples=4"]
+        "--sft.steps=20", "--multi_turn.num_workers=1", "--data.num_eval_examples=4"]
 
 
 def test_killed_mid_episode_then_resumed_matches_uninterrupted(tmp_path):
@@ -32,7 +32,7 @@ def test_two_process_expert_parallel_episodes(tmp_path):
     while the other rank's steps wait for it (the lock-step), and the rollout's log-probs of the
     policy's tokens (KV kept across turns) equal the trainer's on every step."""
     run = tmp_path / "ep2"
-    gspo_train(run, *TOOL, "--trainer.steps=2", "--sft.steps=20",
+    gspo_train(run, *TOOL, "--trainer.steps=2",
                "--parallel.expert_model_parallel_size=2", nproc=2, recipe=TOOL_RECIPE)
     metrics = read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1]
