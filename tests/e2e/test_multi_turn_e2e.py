@@ -3,6 +3,7 @@ tiny_tool_gspo.yaml``): killed mid-episode and resumed, every step equals the un
 (the restart rule: an episode cut by the kill is played again from its start, from the step's
 seed, never resumed half-way); an environment class that cannot be loaded is refused in one line."""
 
+import json
 import os
 
 import pytest
@@ -30,10 +31,13 @@ def test_killed_mid_episode_then_resumed_matches_uninterrupted(tmp_path):
 def test_two_process_expert_parallel_episodes(tmp_path):
     """EP=2 on two ranks: each rank's episodes answer their environments between engine steps
     while the other rank's steps wait for it (the lock-step), and the rollout's log-probs of the
-    policy's tokens (KV kept across turns) equal the trainer's on every step."""
+    policy's tokens (KV kept across turns) equal the trainer's on every step; pass@k of the
+    held-out episodes' final answers (sampled evaluation) before and after."""
     run = tmp_path / "ep2"
-    gspo_train(run, *TOOL, "--trainer.steps=2",
+    gspo_train(run, *TOOL, "--trainer.steps=2", "--evaluation.num_samples=2",
                "--parallel.expert_model_parallel_size=2", nproc=2, recipe=TOOL_RECIPE)
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 <= summary["eval/pass@1_before"] <= summary["eval/pass@2_before"] <= 1
     metrics = read_metrics(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1]
     assert max(m["env/env_tokens"] for m in metrics) > 0
