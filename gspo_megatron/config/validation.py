@@ -381,7 +381,7 @@ def _path_errors(cfg: TrainConfig, check_paths: bool) -> list[str]:
 
 def _multi_turn_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str]:
     """The environment class resolves, on a rollout path that runs turns: the dynamic engine,
-    colocated, without partial rollouts or dynamic sampling's refills."""
+    colocated, without partial rollouts."""
     mt, ro = cfg.multi_turn, cfg.rollout
     if not mt.enabled:
         return []
@@ -394,13 +394,11 @@ def _multi_turn_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str
     for field_name, value, bad in (("rollout.engine", ro.engine, ro.engine == "static"),
                                    ("rollout.placement", ro.placement, ro.placement != "colocated"),
                                    ("rollout.partial_rollouts", ro.partial_rollouts,
-                                    ro.partial_rollouts),
-                                   ("dynamic_sampling.enabled", cfg.dynamic_sampling.enabled,
-                                    cfg.dynamic_sampling.enabled)):
+                                    ro.partial_rollouts)):
         if bad:
             errors.append(f"multi_turn.env is set: {field_name}={value!r} is not supported with "
-                          "multi-turn rollouts yet (the dynamic engine, colocated, one rollout "
-                          "per step)")
+                          "multi-turn rollouts yet (the dynamic engine, colocated, without "
+                          "partial rollouts)")
     return errors
 
 
