@@ -100,7 +100,9 @@ def check_run(cfg: TrainConfig, recipe: str, overrides: list[str], recipe_dir: s
         dp_size = None
     say(f"layout: {gpus} GPUs" + (f", data-parallel size {dp_size}" if dp_size else ""))
     if not any(p.startswith("reward.fn") for p in problems):
-        say(f"reward: {cfg.reward.fn} imports")
+        say(f"reward: {cfg.reward.fn if cfg.reward.fns is None else cfg.reward.fns} imports")
+    if cfg.multi_turn.enabled and not any(p.startswith("multi_turn") for p in problems):
+        say(f"multi_turn: environment {cfg.multi_turn.env} imports")
     # The data, if its files exist (validate_config named the missing ones).
     paths = [p for p in (cfg.data.train_path if cfg.data.source == "file" else None,
                          cfg.data.eval_path) if p]

@@ -68,7 +68,14 @@ def load_tokenizer(cfg: TrainConfig, train: list, heldout: list):
     # Trained in-process on the task's text (deterministic); every rank trains the same one,
     # so no rank waits on a file. Saved with the run once everything has been validated.
     corpus = data_lib.arithmetic_tokenizer_corpus(train + heldout)
-    return train_sentencepiece(corpus, atomic_symbols=data_lib.ARITHMETIC_SYMBOLS)
+    symbols = data_lib.ARITHMETIC_SYMBOLS
+    from gspo_megatron.envs.workers import BUILTIN_ENVS, resolve_env_class
+
+    if cfg.multi_turn.env in BUILTIN_ENVS:  # a built-in environment's tool calls and chat roles
+        env = resolve_env_class(cfg.multi_turn.env)
+        corpus = corpus + list(getattr(env, "TOKENIZER_TEXT", ()))
+        symbols = symbols + tuple(getattr(env, "TOKENIZER_SYMBOLS", ()))
+    return train_sentencepiece(corpus, atomic_symbols=symbols)
 
 
 def check_prompt_lengths(cfg: TrainConfig, tokenizer, train: list, heldout: list) -> None:
@@ -218,7 +225,13 @@ def prepare(cfg: TrainConfig, recipe_dir: str | None = None) -> Prepared:
     problems = output_dir_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    reward_fn = get_reward_fn(cfg.reward.fn, search)
+    if cfg.reward.fns is None:
+        reward_fn = get_reward_fn(cfg.reward.fn, search)
+    else:  # a mix: its reward model (if named) is loaded in build()
+        from gspo_megatron.rewards.reward_model import REWARD_MODEL, RewardMix
+
+        reward_fn = RewardMix([(name, None if name == REWARD_MODEL else get_reward_fn(name, search),
+                                float(weight)) for name, weight in cfg.reward.fns.items()])
     tokenizer, train, heldout = load_data(cfg)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
@@ -293,9 +306,29 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     engine = RolloutEngine(actor.unwrapped(), groups, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size,
                            config=cfg.rollout, record_routes=cfg.routing.records_rollout_routes)
-    workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
-                                   cfg.reward.timeout_s, prepared.reward_search_dirs)
-    task = Task(tokenizer, sampler, prepared.train, prepared.eval, prepared.reward_fn, workers)
+    workers = None
+    if cfg.reward.fns is None:
+        workers = start_reward_workers(cfg.reward.fn, prepared.reward_fn, cfg.reward.num_workers,
+                                       cfg.reward.timeout_s, prepared.reward_search_dirs)
+    elif any(fn is None for _, fn, _ in prepared.reward_fn.components):
+        from gspo_megatron.rewards.reward_model import RewardModelWorker
+
+        rm = cfg.reward_model
+        prepared.reward_fn.scorer = RewardModelWorker(rm.path, rm.batch_size, rm.max_length,
+                                                      rm.device, rm.timeout_s).start()
+    episodes = None
+    if cfg.multi_turn.enabled:
+        from gspo_megatron.envs.turns import Episodes
+        from gspo_megatron.envs.workers import resolve_env_class, start_envs
+
+        mt = cfg.multi_turn
+        episodes = Episodes(start_envs(mt.env, mt.num_workers, mt.timeout_s,
+                                       prepared.reward_search_dirs),
+                            tokenizer, mt.max_turns, mt.max_turn_tokens, mt.max_message_chars,
+                            budget=cfg.rollout.max_new_tokens,
+                            env_cls=resolve_env_class(mt.env, prepared.reward_search_dirs))
+    task = Task(tokenizer, sampler, prepared.train, prepared.eval, prepared.reward_fn, workers,
+                episodes)
     if rollout_rank:
         return RolloutServer(bridge, StepSampler(cfg, groups, engine, task, faults),
                              actor.load_weight_pieces, cfg.rollout.max_staleness,

@@ -6,7 +6,8 @@
 * kill points, the process SIGKILLs itself: ``step_start`` (before the rollout), ``mid_update``
   (after the first optimiser step of the update), ``checkpoint_write`` (checkpoint shards written,
   not yet renamed into place), ``rollout_sample`` (a rollout rank of ``rollout.placement:
-  separate``, before it samples the step); ``stop_signal`` sends SIGTERM instead (a trainer rank,
+  separate``, before it samples the step), ``mid_episode`` (a multi-turn rollout, after the
+  environments' first answers: episodes half played, their KV held); ``stop_signal`` sends SIGTERM instead (a trainer rank,
   at the start of the step: SLURM's notice of the end, which the run answers with a checkpoint
   after that step and exit code 75);
 * NaN points, a tensor is replaced by NaNs: ``nan_rewards``, ``nan_advantages``, ``nan_logprobs``
@@ -23,7 +24,8 @@ import signal
 
 import torch
 
-KILL_POINTS = ("step_start", "mid_update", "checkpoint_write", "rollout_sample", "stop_signal")
+KILL_POINTS = ("step_start", "mid_update", "checkpoint_write", "rollout_sample", "stop_signal",
+               "mid_episode")
 NAN_POINTS = ("nan_rewards", "nan_advantages", "nan_logprobs", "nan_loss", "nan_grads")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 #: The namespaces of step metrics (the part before the first ``/``), in the reference's order.
 NAMESPACES: tuple[str, ...] = (
     "reward", "response", "loss", "clip", "gate", "ratio", "kl", "entropy", "correction", "optim",
-    "moe", "sampling", "rollout", "eval", "routing", "perf", "faults",
+    "moe", "sampling", "rollout", "env", "eval", "routing", "perf", "faults",
 )
 
 
@@ -54,6 +54,8 @@ METRICS: tuple[MetricDoc, ...] = (
               "(each scores 0)."),
     MetricDoc("reward/hung_threads", "Timed-out reward threads still alive (a thread cannot be "
               "killed; the worker-process pool, `reward.num_workers`, stops a hung call)."),
+    MetricDoc("reward/component/{name}", "Mean of one component of a `reward.fns` mix (before "
+              "its weight), the step's first rollout batch.", "reward.fns"),
     # response/*: stages.py and the loss.
     MetricDoc("response/num_tokens", "**Total** response tokens the step sampled, over every "
               "data-parallel rank."),
@@ -247,6 +249,36 @@ METRICS: tuple[MetricDoc, ...] = (
               "rollout peak).", "CUDA"),
     MetricDoc("perf/train_peak_mem_gib", "Its peak in the old-log-prob pass and the updates "
               "(`gspo-plan`'s training peak).", "CUDA"),
+    # env/*: envs/turns.py (multi-turn episodes, the step's first rollout batch).
+    MetricDoc("env/turns", "Mean assistant turns per episode.", "multi_turn.env"),
+    MetricDoc("env/tool_calls", "Mean valid tool calls (Qwen3 `<tool_call>` JSON) per episode.",
+              "multi_turn.env"),
+    MetricDoc("env/policy_tokens", "Mean tokens per episode the policy wrote (those in the loss).",
+              "multi_turn.env"),
+    MetricDoc("env/env_tokens", "Mean tokens per episode the environment's messages took "
+              "(context: no loss).", "multi_turn.env"),
+    MetricDoc("env/errors", "Episodes ended by an exception in the environment's `reset` or "
+              "`step` (reward 0).", "multi_turn.env"),
+    MetricDoc("env/timeouts", "Episodes ended by an environment call past "
+              "`multi_turn.timeout_s`, or lost with the worker it stopped (reward 0).",
+              "multi_turn.env"),
+    MetricDoc("env/bad_answers", "Episodes ended by an unusable answer: not a list of "
+              "`{role, content}` messages, content not UTF-8, a non-finite reward (reward 0).",
+              "multi_turn.env"),
+    MetricDoc("env/reset_failures", "Episodes whose `reset` failed (counted in `env/errors`, "
+              "`env/timeouts` or `env/bad_answers` too).", "multi_turn.env"),
+    MetricDoc("env/max_turns_cut", "Episodes the environment had not ended after "
+              "`multi_turn.max_turns` turns (reward 0).", "multi_turn.env"),
+    MetricDoc("env/turn_budget_cut", "Episodes cut at a turn of `multi_turn.max_turn_tokens` "
+              "policy tokens (reward 0).", "multi_turn.env"),
+    MetricDoc("env/budget_cut", "Episodes cut because the environment's answer would not fit in "
+              "`rollout.max_new_tokens` (reward 0).", "multi_turn.env"),
+    MetricDoc("env/length", "Episodes cut at `rollout.max_new_tokens` inside a policy turn "
+              "(reward 0).", "multi_turn.env"),
+    MetricDoc("env/truncated_messages", "Environment messages cut to "
+              "`multi_turn.max_message_chars`.", "multi_turn.env"),
+    MetricDoc("env/invalid_tool_calls", "Assistant turns with a `<tool_call>` block that is not "
+              "valid JSON (the environment answers them; the episode goes on).", "multi_turn.env"),
     # faults/*: stages.py, trainer.py (a step or update skipped for a non-finite value).
     MetricDoc("faults/nonfinite_rewards", "1 when the step was skipped for a non-finite reward.",
               "skipped steps"),

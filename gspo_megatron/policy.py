@@ -142,6 +142,14 @@ def make_policy_batch(
                        layout=layout)
 
 
+POLICY_MASK_KEY = "policy_mask"
+"""``RolloutSample.extra`` of a multi-turn sample: one 0/1 per response token, 1 where the policy
+wrote it, 0 for an environment's (tool or user) tokens, which are context only
+(:func:`gspo_megatron.stages.batch_stage` takes them out of ``response_mask``)."""
+EPISODE_KEY = "episode"
+"""``RolloutSample.extra`` of a multi-turn sample: ``{"reward", "turns", "tool_calls", "end"}``
+(:mod:`gspo_megatron.envs.turns`)."""
+
 HELD_REQUEST_KEY = "held_request"
 """``RolloutSample.extra`` of an aborted response the engine holds (``GroupStop.hold_cut``): its
 request id there, for :attr:`GroupStop.continue_ids`."""
@@ -220,12 +228,14 @@ class Generator(Protocol):
 
     def generate(self, prompts: list[list[int]], seed: int, budgets: list[int] | None = None,
                  stop: GroupStop | None = None,
-                 progress: Callable[[int], None] | None = None) -> list[RolloutSample]:
+                 progress: Callable[[int], None] | None = None,
+                 turns: Any = None) -> list[RolloutSample]:
         """One response per entry of ``prompts`` (token ids), in order, then one per request
         ``stop.refill`` added. ``budgets``: each request's new-token budget (default
         ``rollout.max_new_tokens``); ``stop``: end early once enough groups are complete, the
         unfinished responses ``aborted``; ``progress(n)``: told the number of the call's
-        responses finished so far as they finish (a display: evaluation's)."""
+        responses finished so far as they finish (a display: evaluation's); ``turns``: the
+        requests are multi-turn episodes (:class:`~gspo_megatron.envs.turns.TurnDriver`)."""
 
     def with_sampling(self, config) -> "Generator":
         """The same engine (model, KV cache) sampling with another ``RolloutConfig``'s

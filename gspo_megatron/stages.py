@@ -22,7 +22,8 @@ from gspo_megatron.config import OptimConfig, TrainConfig
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, exchange_objects
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.layout import RankBalance, balance_across_ranks
-from gspo_megatron.policy import Generator, Policy, PolicyBatch, RolloutSample, StepRouting
+from gspo_megatron.policy import (EPISODE_KEY, POLICY_MASK_KEY, Generator, Policy, PolicyBatch,
+                                  RolloutSample, StepRouting)
 from gspo_megatron.progress import Progress
 
 
@@ -41,12 +42,20 @@ def prompt_ids(tokenizer, prompt) -> list[int]:
 
 
 def rollout_stage(generator: Generator, tokenizer, prompts: list, group_size: int,
-                  seed: int, progress: Callable[[int], None] | None = None) -> list[RolloutSample]:
+                  seed: int, progress: Callable[[int], None] | None = None,
+                  episodes=None, on_env_step: Callable[[], None] | None = None
+                  ) -> list[RolloutSample]:
     """Sample ``group_size`` responses for every prompt. Returns the samples, prompt-major:
     sample ``i * G + g`` is response ``g`` to prompt ``i``. Each prompt is tokenized once, its
     ``G`` requests sharing the id list (a chat template and an encode per response were 1.7 ms
     of TRL's 128-request rollout; 0.2 ms per prompt). ``progress(n)``: told the number of
-    responses finished as they finish (:meth:`Generator.generate`)."""
+    responses finished as they finish (:meth:`Generator.generate`). ``episodes``: multi-turn
+    rollouts (:class:`~gspo_megatron.envs.turns.Episodes`): one environment per response, whose
+    ``reset`` gives its prompt; ``on_env_step``: called after every batch of their answers."""
+    if episodes is not None:
+        requests, turns = episodes.start([p for p in prompts for _ in range(group_size)],
+                                         on_env_step=on_env_step)
+        return generator.generate(requests, seed=seed, progress=progress, turns=turns)
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
     requests = [ids for ids in encoded for _ in range(group_size)]
     if progress is None:  # (the plain call: RL rollouts, ranks that show no progress)
@@ -57,12 +66,19 @@ def rollout_stage(generator: Generator, tokenizer, prompts: list, group_size: in
 def reward_stage(reward_fn, tokenizer, prompts: list, samples: list[RolloutSample],
                  group_size: int, timeout_s: float, workers=None) -> tuple[torch.Tensor, dict]:
     """Score every response against its prompt's answer (inline, in ``workers`` or in threads:
-    the rule is :mod:`gspo_megatron.rewards.registry`'s). Returns (rewards [N], ``reward/``
-    stats)."""
+    the rule is :mod:`gspo_megatron.rewards.registry`'s); multi-turn samples carry their
+    environments' rewards (:func:`~gspo_megatron.envs.turns.episode_rewards`, which adds the
+    ``env/`` statistics). Returns (rewards [N], ``reward/`` stats)."""
     from gspo_megatron.rewards import compute_rewards
 
+    if samples and EPISODE_KEY in samples[0].extra:  # multi-turn: the environments scored them
+        from gspo_megatron.envs.turns import episode_rewards
+
+        return episode_rewards(samples)
     responses = [tokenizer.decode(s.response_ids) for s in samples]
     examples = [p for p in prompts for _ in range(group_size)]
+    if hasattr(reward_fn, "score_batch"):  # a weighted mix (a reward model among them)
+        return reward_fn.score_batch(responses, [e.answer for e in examples], examples, timeout_s)
     return compute_rewards(reward_fn, responses, [e.answer for e in examples], examples,
                            timeout_s=timeout_s, workers=workers)
 
@@ -115,13 +131,20 @@ class StepSamples(NamedTuple):
 
 def batch_stage(samples: list[RolloutSample], advantages: torch.Tensor, pack) -> PolicyBatch:
     """A label-aligned :class:`PolicyBatch` ``[N, T]`` of the samples, with their advantages
-    ``[N]`` and the rollout engine's log-probs ``[N, T]``. ``pack(sequences, prompt_lengths)``
+    ``[N]`` and the rollout engine's log-probs ``[N, T]``; a multi-turn sample's environment
+    tokens (``extra[POLICY_MASK_KEY]`` 0) are left out of ``response_mask``: no log-prob, advantage
+    or loss, not in GSPO's ``|y_i|`` nor in any token count. ``pack(sequences, prompt_lengths)``
     pads (:meth:`Trainer.pack`); the log-probs are placed by its layout
     (:meth:`~gspo_megatron.layout.TokenLayout.place_labels`)."""
     batch = pack([s.prompt_ids + s.response_ids for s in samples],
                  [len(s.prompt_ids) for s in samples])
     batch.rollout_logprobs = batch.layout.place_labels([s.response_logprobs for s in samples])
     batch.advantages = advantages
+    authors = [s.extra.get(POLICY_MASK_KEY) for s in samples]
+    if any(a is not None for a in authors):  # multi-turn: environment tokens are context only
+        batch.response_mask &= batch.layout.place_labels(
+            [a if a is not None else [1] * len(s.response_ids)
+             for a, s in zip(authors, samples)]) > 0
     return batch
 
 
@@ -267,7 +290,8 @@ def response_metrics(samples: list[RolloutSample], groups: ParallelGroups) -> di
 
 def sft_stage(policy: Policy, samples: list, cfg: TrainConfig, groups: ParallelGroups, pack,
               progress: Progress) -> None:
-    """Supervised warm-up on prompt -> answer + EOS (``samples``: ``input_ids``/``prompt_len``)
+    """Supervised warm-up on prompt -> answer + EOS (``samples``: ``input_ids``/``prompt_len``/
+    ``loss_mask``: the tokens after the prompt with mask 0 are context, not targets)
     through the policy's own minibatch update, with a fresh optimizer (RL's Adam state and LR
     schedule start untouched afterwards). ``progress`` is told every step and its loss."""
     optim = OptimConfig(lr=cfg.sft.lr, lr_warmup_steps=min(10, cfg.sft.steps), weight_decay=0.0,
@@ -280,6 +304,9 @@ def sft_stage(policy: Policy, samples: list, cfg: TrainConfig, groups: ParallelG
             idx = torch.randint(len(samples), (cfg.sft.batch_size,), generator=gen)
             idx = idx[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank].tolist()
             batch = pack([samples[i].input_ids for i in idx], [samples[i].prompt_len for i in idx])
+            # (a multi-turn demonstration: its environment tokens are context, not targets)
+            batch.response_mask &= batch.layout.place_labels(
+                [samples[i].loss_mask[samples[i].prompt_len:] for i in idx]) > 0
             policy.zero_grad()
             metrics = policy.train_minibatch(batch, objective)
             policy.optimizer_step()

@@ -24,3 +24,6 @@ class Task:
     reward_workers: Any = None
     """The reward process pool (:mod:`gspo_megatron.rewards.workers`), stopped by
     :meth:`~gspo_megatron.trainer.Trainer.close`; None: rewards run in this process."""
+    episodes: Any = None
+    """Multi-turn rollouts (:class:`~gspo_megatron.envs.turns.Episodes`, ``multi_turn.env``),
+    closed by :meth:`~gspo_megatron.trainer.Trainer.close`; None: one turn per response."""

@@ -83,6 +83,14 @@ class Tokenizer(ABC):
         """``encode(apply_chat_template(prompt))``."""
         return self.encode(self.apply_chat_template(prompt))
 
+    def continuation(self, messages: list[dict[str, str]]) -> str:
+        """The text that follows an assistant turn ended by its EOS to hand it ``messages`` (an
+        environment's tool or user messages) and open the next assistant turn: what the chat
+        format puts between the two turns (a multi-turn rollout appends it as tokens,
+        :mod:`gspo_megatron.envs.turns`). Without a chat template: ``"\n" + role: content``
+        lines + ``"\nassistant: "``, as :meth:`apply_chat_template` lays a conversation out."""
+        return "\n" + _simple_chat_format(messages)
+
     def _valid_ids(self, ids: Sequence[int]) -> list[int]:
         n = self.vocab_size
         return [int(i) for i in ids if 0 <= int(i) < n]
@@ -336,6 +344,23 @@ class HFTokenizer(Tokenizer):
             return _simple_chat_format(messages)
         return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                  **self.chat_template_kwargs))
+
+    def continuation(self, messages: list[dict[str, str]]) -> str:
+        """The chat template's text between an assistant turn's EOS and the next assistant
+        turn, ``messages`` in between (:meth:`Tokenizer.continuation`): the template rendered
+        over a placeholder conversation with and without ``messages``, the difference after the
+        placeholder assistant reply and its EOS (Qwen3: ``"\n<|im_start|>user\n
+        <tool_response>\n...\n</tool_response><|im_end|>\n<|im_start|>assistant\n"``)."""
+        if getattr(self._tok, "chat_template", None) is None:
+            return super().continuation(messages)
+        mark = "\x00gspo-turn\x00"
+        head = [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
+        text = str(self._tok.apply_chat_template(head + list(messages), tokenize=False,
+                                                 add_generation_prompt=True,
+                                                 **self.chat_template_kwargs))
+        tail = text[text.index(mark) + len(mark):]
+        eos = self._tok.eos_token or ""
+        return tail[len(eos):] if eos and tail.startswith(eos) else tail
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

@@ -100,6 +100,10 @@ class Trainer:
         self.rollouts.close()  # (after an error: rollout ranks must not wait on)
         if self.task.reward_workers is not None:
             self.task.reward_workers.close()
+        if self.task.episodes is not None:
+            self.task.episodes.close()
+        if hasattr(self.task.reward_fn, "close"):  # a mix's reward model process
+            self.task.reward_fn.close()
 
     def log(self, msg: str) -> None:
         if not self.groups.is_logging_rank:
@@ -260,8 +264,12 @@ class Trainer:
     def warm_up(self) -> None:
         from gspo_megatron.data import sft_samples
 
-        train = self.task.train
-        samples = sft_samples(self.task.tokenizer, train[: self.cfg.sft.num_examples or len(train)])
+        train = self.task.train[: self.cfg.sft.num_examples or len(self.task.train)]
+        episodes = self.task.episodes
+        if episodes is not None and episodes.demonstrates:  # whole episodes, policy turns trained
+            samples = episodes.sft_samples(train)
+        else:
+            samples = sft_samples(self.task.tokenizer, train)
         with self.new_progress("sft", self.cfg.sft.steps, every=50) as progress:
             sft_stage(self.policy, samples, self.cfg, self.groups, self.pack, progress)
 
@@ -359,7 +367,7 @@ class Trainer:
         # (trainer.offload: its rollouts hold the KV cache as the training steps' do)
         with self.policy.training_state_offloaded(), self.new_progress("eval", len(local)) as progress:
             samples = rollout_stage(self.greedy, self.task.tokenizer, local, 1, seed=0,
-                                    progress=progress.callback())
+                                    progress=progress.callback(), episodes=self.task.episodes)
         _, stats = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, 1,
                                 self.cfg.reward.timeout_s, self.task.reward_workers)
         correct = torch.tensor([stats["reward/accuracy"] * len(local), len(local)],
@@ -380,7 +388,7 @@ class Trainer:
                 self.new_progress(f"eval@{n}", len(local) * n) as progress:
             samples = rollout_stage(self.sampled_eval, self.task.tokenizer, local, n,
                                     seed=self.cfg.evaluation.seed + self.groups.dp_rank,
-                                    progress=progress.callback())
+                                    progress=progress.callback(), episodes=self.task.episodes)
         rewards, _ = reward_stage(self.task.reward_fn, self.task.tokenizer, local, samples, n,
                                   self.cfg.reward.timeout_s, self.task.reward_workers)
         from gspo_megatron.rewards import is_correct

@@ -14,16 +14,16 @@ from gspo_megatron.sections import FieldError
 from gspo_megatron.config.loader import DEMO_RECIPE, load_config, save_config
 from gspo_megatron.config.model import MODEL_PRESETS, ModelConfig, ParallelConfig, PrecisionConfig
 from gspo_megatron.config.schema import (CheckpointConfig, DataConfig, EvaluationConfig,
-                                         LoggingConfig, OptimConfig,
-                                         RewardConfig, RolloutConfig, RoutingConfig, SFTConfig,
+                                         LoggingConfig, MultiTurnConfig, OptimConfig,
+                                         RewardConfig, RewardModelConfig, RolloutConfig, RoutingConfig, SFTConfig,
                                          TokenizerConfig, TrainConfig, TrainerConfig)
 from gspo_megatron.config.validation import (ConfigError, ConfigWarning, logprob_token_budget,
                                              token_budget, validate_config)
 
 __all__ = [
     "DEMO_RECIPE", "MODEL_PRESETS", "CheckpointConfig", "ConfigError", "ConfigWarning",
-    "DataConfig", "EvaluationConfig", "FieldError", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-    "PrecisionConfig", "RewardConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
+    "DataConfig", "EvaluationConfig", "FieldError", "LoggingConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "ParallelConfig",
+    "PrecisionConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RoutingConfig", "SFTConfig",
     "TokenizerConfig", "TrainConfig", "TrainerConfig", "load_config", "save_config",
     "logprob_token_budget", "token_budget", "validate_config",
 ]

@@ -170,12 +170,83 @@ class RewardConfig(Section, name="reward"):
     ``timeout_s`` is stopped by killing its worker (replaced at once). 0 = threads in the trainer's
     process (a hung call cannot be stopped, only counted in ``reward/hung_threads``). Rewards
     registered as cheap (arithmetic_exact, math_exact, format_boxed) always run inline."""
+    fns: dict[str, float] | None = None
+    """A weighted mix in place of ``fn``: ``{name: weight}``, each name a registered reward, a
+    dotted ``module:function`` or ``reward_model`` (the ``reward_model`` section's model); the
+    reward is ``sum w * r``, each component's mean logged as ``reward/component/{name}``. Such a
+    mix scores in threads of the trainer (``num_workers`` is not used), the reward model in its
+    own process."""
 
     def _problems(self) -> Iterator[Problem]:
         if not self.fn:
             yield self._problem("fn", "must name a reward function")
+        if self.fns is not None:
+            if not self.fns:
+                yield self._problem("fns", "must name at least one reward (or be null)")
+            for name, weight in self.fns.items():
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                    yield self._problem("fns", f"weight of {name!r} must be a number, got "
+                                        f"{weight!r}")
         yield from self._positive("timeout_s")
         yield from self._at_least(0, "num_workers")
+
+
+@dataclass
+class RewardModelConfig(Section, name="reward_model"):
+    """A Hugging Face sequence-classification reward model (one output, a Bradley-Terry scalar
+    head), used where ``reward.fns`` names ``reward_model``; run in a process of its own."""
+
+    path: str = ""
+    """Directory of an ``AutoModelForSequenceClassification`` with ``num_labels: 1`` and its
+    tokenizer (whose chat template formats the scored conversation)."""
+    batch_size: int = 16
+    """Conversations per forward."""
+    max_length: int = 4096
+    """Tokens per conversation at most (cut from the left: the response's end is kept)."""
+    device: str = "cpu"
+    """Where the reward model runs (``cpu``, or a GPU of its own such as ``cuda:1``)."""
+    timeout_s: float = 600.0
+    """A batch of the step's scores that takes longer scores 0 (counted in ``reward/errors``)
+    and the reward model's process is started again."""
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(1, "batch_size", "max_length")
+        yield from self._positive("timeout_s")
+
+
+@dataclass
+class MultiTurnConfig(Section, name="multi_turn"):
+    """Multi-turn rollouts: each response is an episode with an environment (tools, a user
+    simulator) that answers every assistant turn. Off while ``env`` is empty. The episode's
+    token budget (policy and environment tokens together) is ``rollout.max_new_tokens``."""
+
+    env: str = ""
+    """The environment: a built-in name (``tool_arithmetic``) or ``package.module:Class``
+    (``reset(example) -> messages``, ``step(assistant_message) -> (messages, reward | None,
+    done)``; docs/multi-turn.md). Its reward is the episode's (``reward.fn`` is not called)."""
+    max_turns: int = 4
+    """Assistant turns per episode at most; an episode the environment has not ended by then is
+    cut (reward 0, ``env/max_turns_cut``)."""
+    max_turn_tokens: int = 256
+    """Policy tokens per assistant turn at most; a turn that reaches it ends the episode
+    (reward 0, ``env/turn_budget_cut``)."""
+    max_message_chars: int = 4000
+    """An environment message longer than this is cut to it (``env/truncated_messages``)."""
+    num_workers: int = 2
+    """Worker processes per rank running the environments (an episode stays in one); 0 = in the
+    trainer's process, without timeouts."""
+    timeout_s: float = 10.0
+    """An environment call (``reset``, ``step``) that takes longer is stopped by killing its
+    worker: that episode and the others the worker held end with reward 0 (``env/timeouts``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.env)
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from self._at_least(1, "max_turns", "max_turn_tokens", "max_message_chars")
+        yield from self._at_least(0, "num_workers")
+        yield from self._positive("timeout_s")
 
 
 @dataclass
@@ -452,6 +523,8 @@ class TrainConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # DAPO's dynamic sampling and overlong handling (both off by default); owned by

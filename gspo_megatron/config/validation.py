@@ -74,7 +74,7 @@ def validate_config(cfg: TrainConfig, world_size: int = 1, *, check_paths: bool 
     dp, errors = layout_errors(cfg, world_size)
     errors += (_length_errors(cfg) + _routing_errors(cfg) + _loss_errors(cfg) + _offload_errors(cfg)
               + _start_weights_errors(cfg) + _path_errors(cfg, check_paths)
-              + _reward_errors(cfg, reward_search_dirs))
+              + _reward_errors(cfg, reward_search_dirs) + _multi_turn_errors(cfg, reward_search_dirs))
     if errors:
         raise ConfigError(errors)
     return dp
@@ -379,11 +379,50 @@ def _path_errors(cfg: TrainConfig, check_paths: bool) -> list[str]:
     return errors
 
 
-def _reward_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str]:
-    """The reward function resolves (imported lazily: resolving may import the user's module)."""
+def _multi_turn_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str]:
+    """The environment class resolves, on a rollout path that runs turns: the dynamic engine,
+    colocated, without partial rollouts."""
+    mt, ro = cfg.multi_turn, cfg.rollout
+    if not mt.enabled:
+        return []
+    errors = []
     try:
-        from gspo_megatron.rewards import get_reward_fn
-        get_reward_fn(cfg.reward.fn, search_dirs)
+        from gspo_megatron.envs.workers import resolve_env_class
+        resolve_env_class(mt.env, search_dirs)
     except (ValueError, ImportError) as e:
-        return [f"reward.fn = {cfg.reward.fn!r}: {e}"]
-    return []
+        errors.append(str(e))
+    for field_name, value, bad in (("rollout.engine", ro.engine, ro.engine == "static"),
+                                   ("rollout.placement", ro.placement, ro.placement != "colocated"),
+                                   ("rollout.partial_rollouts", ro.partial_rollouts,
+                                    ro.partial_rollouts)):
+        if bad:
+            errors.append(f"multi_turn.env is set: {field_name}={value!r} is not supported with "
+                          "multi-turn rollouts yet (the dynamic engine, colocated, without "
+                          "partial rollouts)")
+    return errors
+
+
+def _reward_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str]:
+    """The reward function (or every reward of ``reward.fns``) resolves (imported lazily:
+    resolving may import the user's module); a mix naming the reward model has its path."""
+    from gspo_megatron.rewards import get_reward_fn
+    from gspo_megatron.rewards.reward_model import REWARD_MODEL
+
+    errors = []
+    names = [("reward.fn", cfg.reward.fn)] if cfg.reward.fns is None else [
+        (f"reward.fns.{name}", name) for name in cfg.reward.fns]
+    for field_name, name in names:
+        if name == REWARD_MODEL:
+            path = cfg.reward_model.path
+            if not path or not os.path.isdir(path):
+                errors.append(f"{field_name}: reward_model.path must be the directory of a "
+                              f"Hugging Face reward model, got {path!r}")
+            continue
+        try:
+            get_reward_fn(name, search_dirs)
+        except (ValueError, ImportError) as e:
+            errors.append(f"{field_name} = {name!r}: {e}")
+    if cfg.reward.fns is not None and cfg.multi_turn.enabled:
+        errors.append("reward.fns with multi_turn.env: a multi-turn episode's reward is its "
+                      "environment's")
+    return errors

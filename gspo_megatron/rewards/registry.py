@@ -70,7 +70,8 @@ def list_rewards() -> list[str]:
     return sorted(REGISTERED_REWARDS)
 
 
-def _import_user_module(path: str, module_name: str, search_dirs: Sequence[str] = ()):
+def _import_user_module(path: str, module_name: str, search_dirs: Sequence[str] = (),
+                        what: str = "Reward"):
     """Import the user's reward module, from ``sys.path``, else the current directory, else
     ``search_dirs`` (the recipe's directory): a ``rewards.py`` next to the recipe is found without
     setting ``PYTHONPATH`` (the ``gspo-train`` console script's ``sys.path`` does not hold the
@@ -88,33 +89,36 @@ def _import_user_module(path: str, module_name: str, search_dirs: Sequence[str] 
     try:
         return importlib.import_module(module_name)
     except SyntaxError as e:
-        raise ValueError(f"Reward '{path}': {e.filename}:{e.lineno}: syntax error in module "
+        raise ValueError(f"{what} '{path}': {e.filename}:{e.lineno}: syntax error in module "
                          f"'{module_name}': {e.msg}") from None
     except ImportError as e:
-        raise ValueError(f"Reward '{path}': cannot import module '{module_name}': {e}") from None
+        raise ValueError(f"{what} '{path}': cannot import module '{module_name}': {e}") from None
     except Exception as e:  # noqa: BLE001 - the user's module raised while being imported
-        raise ValueError(f"Reward '{path}': importing module '{module_name}' raised "
+        raise ValueError(f"{what} '{path}': importing module '{module_name}' raised "
                          f"{type(e).__name__}: {e}") from None
     finally:
         for d in added:
             sys.path.remove(d)
 
 
-def _import_dotted(path: str, search_dirs: Sequence[str] = ()) -> Callable[..., float]:
+def import_dotted(path: str, search_dirs: Sequence[str] = (), what: str = "Reward") -> Any:
+    """The object ``package.module:attr`` (or ``package.module.attr``) names, its module looked up
+    as :func:`get_reward_fn` says; every failure one ``ValueError`` line starting
+    ``{what} '{path}'`` (a reward function, an environment class)."""
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"Reward '{path}' is not 'package.module:function' or 'package.module.function'")
-    module = _import_user_module(path, module_name, search_dirs)
+        raise ValueError(f"{what} '{path}' is not 'package.module:function' or 'package.module.function'")
+    module = _import_user_module(path, module_name, search_dirs, what)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"Reward '{path}': module '{module_name}' has no attribute '{attr}'")
+            raise ValueError(f"{what} '{path}': module '{module_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"Reward '{path}' is not callable ({type(obj).__name__})")
+        raise ValueError(f"{what} '{path}' is not callable ({type(obj).__name__})")
     return obj
 
 
@@ -138,7 +142,7 @@ def get_reward_fn(name: str | Callable[..., float],
                 raise ImportError(f"Reward '{name}' needs the '{package}' package: `pip install {package}`")
         return REGISTERED_REWARDS[name]
     if "." in name or ":" in name:
-        return _import_dotted(name, search_dirs)
+        return import_dotted(name, search_dirs)
     raise ValueError(
         f"Unknown reward '{name}'. Registered rewards: {', '.join(sorted(REGISTERED_REWARDS))}; "
         "or give a dotted path 'package.module:function'"

@@ -23,19 +23,20 @@ import signal
 import sys
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from gspo_megatron.rewards.base import Outcome, is_cheap, to_float, warmup_call
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Outcome", "RewardWorkers", "start_reward_workers"]
+__all__ = ["Outcome", "ProcessWorker", "RewardWorkers", "WorkerPool", "die_with_parent", "serve",
+           "start_reward_workers"]
 
 
 _STARTUP_TIMEOUT_S = 120.0  # a worker must import and resolve the reward within this
 
 
-def _die_with_parent(parent_pid: int) -> None:  # pragma: no cover - child
+def die_with_parent(parent_pid: int) -> None:  # pragma: no cover - child
     """The trainer owns its workers: Ctrl-C reaches the whole process group but only the trainer
     acts on it, and a worker whose trainer dies (even SIGKILLed, mid-call) is killed by the
     kernel (Linux ``PR_SET_PDEATHSIG``; elsewhere it exits when its pipe closes, after the
@@ -51,21 +52,19 @@ def _die_with_parent(parent_pid: int) -> None:  # pragma: no cover - child
         os._exit(0)
 
 
-def _worker_main(conn, spec: str, search_dirs: Sequence[str],
-                 parent_pid: int) -> None:  # pragma: no cover - child
-    """Resolve the reward, say ready (or why not), then answer calls until told to stop."""
-    _die_with_parent(parent_pid)
-    from gspo_megatron.rewards.registry import get_reward_fn
-
+def serve(conn, parent_pid: int, resolve: Callable[[], Any]) -> Iterator[tuple]:
+    """A worker's life (the child side of :class:`WorkerPool`): tied to its parent, it resolves
+    what it serves (``resolve()``; its exception is sent as ``("fail", why)``), says
+    ``("ready", None)``, then yields each message until told to stop or the pipe closes. The
+    resolved object is the generator's first item."""
+    die_with_parent(parent_pid)
     try:
-        fn = get_reward_fn(spec, search_dirs)
-        warm = warmup_call(fn)
-        if warm is not None:  # math-verify: seconds of imports and parser set-up on the first
-            fn(*warm)         # call, which must not count against that call's timeout
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which falls back
+        obj = resolve()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send(("fail", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
+    yield obj
     while True:
         try:
             msg = conn.recv()
@@ -73,7 +72,25 @@ def _worker_main(conn, spec: str, search_dirs: Sequence[str],
             return
         if msg[0] == "stop":
             return
-        _, index, args = msg
+        yield msg
+
+
+def _resolve_reward(spec: str, search_dirs: Sequence[str]):
+    from gspo_megatron.rewards.registry import get_reward_fn
+
+    fn = get_reward_fn(spec, search_dirs)
+    warm = warmup_call(fn)
+    if warm is not None:  # math-verify: seconds of imports and parser set-up on the first
+        fn(*warm)         # call, which must not count against that call's timeout
+    return fn
+
+
+def _worker_main(conn, spec: str, search_dirs: Sequence[str],
+                 parent_pid: int) -> None:  # pragma: no cover - child
+    """Resolve the reward, say ready (or why not), then answer calls until told to stop."""
+    messages = serve(conn, parent_pid, lambda: _resolve_reward(spec, search_dirs))
+    fn = next(messages, None)
+    for _, index, args in messages:
         try:
             value = fn(*args)
             out = to_float(value)
@@ -82,16 +99,18 @@ def _worker_main(conn, spec: str, search_dirs: Sequence[str],
             conn.send(("done", index, None, None, f"{type(e).__name__}: {e}"))
 
 
-class _Worker:
-    def __init__(self, ctx, spec: str, search_dirs: Sequence[str]) -> None:
+class ProcessWorker:
+    """One spawned worker process running ``target(conn, *args, parent_pid)`` and the pipe to it;
+    ``call``: ``(index, deadline)`` of the call it runs, None when idle."""
+
+    def __init__(self, ctx, target, args: tuple, name: str) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main,
-                                   args=(child, spec, list(search_dirs), os.getpid()),
-                                   daemon=True, name="gspo-reward-worker")
+        self.process = ctx.Process(target=target, args=(child, *args, os.getpid()),
+                                   daemon=True, name=name)
         self.process.start()
         child.close()
         self.ready = False
-        self.call: tuple[int, float] | None = None  # (index, deadline) of the call it runs
+        self.call: tuple[int, float] | None = None
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -100,13 +119,13 @@ class _Worker:
         self.conn.close()
 
 
-class RewardWorkers:
-    """``num_workers`` processes scoring ``spec`` (a ``reward.fn`` value) with a per-call timeout.
+class WorkerPool:
+    """Worker processes that resolve ``spec`` at start-up and say ready (or why not): what the
+    reward and environment pools share. A subclass sets ``what`` and ``_target`` (the child's
+    main: resolve, send ``("ready", None)`` or ``("fail", why)``, answer calls)."""
 
-    ``run(calls)`` returns one :data:`Outcome` per ``(response, answer, example)`` call, in order.
-    Raises ``RuntimeError`` at start-up if the workers cannot resolve the reward (the caller then
-    scores in-process). ``close()`` stops the workers; a daemon worker also dies with the trainer.
-    """
+    what = "worker"
+    _target = None
 
     def __init__(self, spec: str, num_workers: int, timeout_s: float,
                  search_dirs: Sequence[str] = ()) -> None:
@@ -114,30 +133,32 @@ class RewardWorkers:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.spec, self.timeout_s, self.search_dirs = spec, float(timeout_s), list(search_dirs)
         self._ctx = multiprocessing.get_context("spawn")
-        self._workers = [_Worker(self._ctx, spec, self.search_dirs) for _ in range(num_workers)]
-        self.killed = 0
-        """Workers killed at a timeout (and replaced) over the pool's life."""
+        self._workers = [self._spawn() for _ in range(num_workers)]
+
+    def _spawn(self) -> ProcessWorker:
+        return ProcessWorker(self._ctx, type(self)._target, (self.spec, self.search_dirs),
+                             f"gspo-{self.what.replace(' ', '-')}")
 
     @property
     def num_workers(self) -> int:
         return len(self._workers)
 
-    def _await_ready(self, worker: _Worker) -> None:
+    def _await_ready(self, worker: ProcessWorker) -> None:
         if worker.ready:
             return
         if not worker.conn.poll(_STARTUP_TIMEOUT_S):
-            raise RuntimeError(f"reward worker for {self.spec!r} did not start within "
+            raise RuntimeError(f"{self.what} for {self.spec!r} did not start within "
                                f"{_STARTUP_TIMEOUT_S:.0f} s")
         try:
             kind, detail = worker.conn.recv()
         except EOFError:
-            raise RuntimeError(f"reward worker for {self.spec!r} exited at start-up") from None
+            raise RuntimeError(f"{self.what} for {self.spec!r} exited at start-up") from None
         if kind != "ready":
-            raise RuntimeError(f"reward worker cannot load {self.spec!r}: {detail}")
+            raise RuntimeError(f"{self.what} cannot load {self.spec!r}: {detail}")
         worker.ready = True
 
-    def start(self) -> "RewardWorkers":
-        """Wait until every worker has resolved the reward (raises if one cannot)."""
+    def start(self):
+        """Wait until every worker has resolved ``spec`` (raises if one cannot)."""
         try:
             for w in self._workers:
                 self._await_ready(w)
@@ -146,9 +167,59 @@ class RewardWorkers:
             raise
         return self
 
+    def _wait(self) -> tuple[list, float]:
+        """Wait until a busy worker answers or the earliest deadline passes; returns the
+        connections that can be read and the time."""
+        busy = [w for w in self._workers if w.call]
+        wait_s = max(0.0, min(w.call[1] for w in busy) - time.monotonic())
+        ready = multiprocessing.connection.wait([w.conn for w in busy], timeout=wait_s)
+        return ready, time.monotonic()
+
+    def _busy(self):
+        """``(i, worker, call index, deadline)`` of each worker running a call (a snapshot:
+        the loop may replace workers)."""
+        for i, w in enumerate(list(self._workers)):
+            if w.call is not None:
+                yield (i, w, *w.call)
+
+    def close(self) -> None:
+        for w in self._workers:
+            if w.process.is_alive() and w.call is None:
+                try:
+                    w.conn.send(("stop",))
+                except (OSError, ValueError):
+                    pass
+        for w in self._workers:
+            w.process.join(2)
+            w.kill()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RewardWorkers(WorkerPool):
+    """``num_workers`` processes scoring ``spec`` (a ``reward.fn`` value) with a per-call timeout.
+
+    ``run(calls)`` returns one :data:`Outcome` per ``(response, answer, example)`` call, in order.
+    Raises ``RuntimeError`` at start-up if the workers cannot resolve the reward (the caller then
+    scores in-process). ``close()`` stops the workers; a daemon worker also dies with the trainer.
+    """
+
+    what = "reward worker"
+    _target = staticmethod(_worker_main)
+
+    def __init__(self, spec: str, num_workers: int, timeout_s: float,
+                 search_dirs: Sequence[str] = ()) -> None:
+        super().__init__(spec, num_workers, timeout_s, search_dirs)
+        self.killed = 0
+        """Workers killed at a timeout (and replaced) over the pool's life."""
+
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
-        self._workers[i] = _Worker(self._ctx, self.spec, self.search_dirs)
+        self._workers[i] = self._spawn()
 
     def run(self, calls: Sequence[tuple[Any, ...]]) -> list[Outcome]:
         """Score every call; each gets ``timeout_s`` from the moment a worker takes it."""
@@ -170,14 +241,8 @@ class RewardWorkers:
                         self._replace(i)
                         continue
                     w.call = (index, time.monotonic() + self.timeout_s)
-            busy = [w for w in self._workers if w.call]
-            wait_s = max(0.0, min(w.call[1] for w in busy) - time.monotonic())
-            ready = multiprocessing.connection.wait([w.conn for w in busy], timeout=wait_s)
-            now = time.monotonic()
-            for i, w in enumerate(list(self._workers)):
-                if w.call is None:
-                    continue
-                index, deadline = w.call
+            ready, now = self._wait()
+            for i, w, index, deadline in self._busy():
                 if w.conn in ready:
                     try:
                         _, got, value, invalid, error = w.conn.recv()
@@ -195,23 +260,6 @@ class RewardWorkers:
                                    "stopped and replaced", index, self.timeout_s)
                     self._replace(i)
         return outcomes  # type: ignore[return-value]
-
-    def close(self) -> None:
-        for w in self._workers:
-            if w.process.is_alive() and w.call is None:
-                try:
-                    w.conn.send(("stop",))
-                except (OSError, ValueError):
-                    pass
-        for w in self._workers:
-            w.process.join(2)
-            w.kill()
-
-    def __enter__(self) -> "RewardWorkers":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class _Invalid:

@@ -68,7 +68,9 @@ class StepSampler:
             else:
                 prompts = self._local_prompts(task.sampler.next_batch())
                 samples = rollout_stage(self.generator, task.tokenizer, prompts, group,
-                                        seed + EXTRA_BATCH_SEED_STRIDE * b)
+                                        seed + EXTRA_BATCH_SEED_STRIDE * b,
+                                        episodes=task.episodes,
+                                        on_env_step=lambda: self.faults.maybe_fail("mid_episode"))
                 generated += sum(len(s.response_ids) for s in samples)
             watch.lap("perf/rollout_s")
             if b == 0 and hasattr(self.generator, "weight_metrics"):  # rollout/fp8_weight_*

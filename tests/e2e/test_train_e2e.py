@@ -50,11 +50,12 @@ BF16_CLI = [os.path.join(ROOT, "tests", "helpers", "bf16_cpu.py")]
 """gspo-train with Megatron's bf16 weights and optimizer on CPU (:mod:`tests.helpers.bf16_cpu`)."""
 
 
-def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout=600, cli=CLI):
+def gspo_train(run_dir, *overrides, nproc=1, env_extra=None, check=True, timeout=600, cli=CLI,
+               recipe=RECIPE):
     """Run gspo-train (forked from the warm interpreter, :mod:`tests.helpers.warm`: a process of
     its own, in its own process group, killed with everything it left once it exits); returns a
     CompletedProcess with stdout/stderr."""
-    args = ["--config", RECIPE, f"--logging.run_dir={run_dir}", *SMALL, *overrides]
+    args = ["--config", recipe, f"--logging.run_dir={run_dir}", *SMALL, *overrides]
     os.makedirs(run_dir, exist_ok=True)
     result = warm.run([*cli, *args], env=clean_env(env_extra), cwd=ROOT,
                       nproc=nproc, timeout=timeout)
@@ -71,22 +72,23 @@ PACKED = ["--trainer.max_tokens_per_microbatch=24"]
 PADDED = ["--trainer.pack_sequences=false"]
 
 
-def kill_and_resume(tmp_path, *overrides, nproc=1, cli=CLI, resumed_overrides=()
-                    ) -> tuple[list[dict], list[dict]]:
+def kill_and_resume(tmp_path, *overrides, nproc=1, cli=CLI, resumed_overrides=(), recipe=RECIPE,
+                    fault="step_start:3") -> tuple[list[dict], list[dict]]:
     """4 steps with checkpoints every 2: straight, and killed at the start of step 3 (after the
     step-2 checkpoint) then resumed; returns both runs' metrics (the resumed one's steps checked).
     ``resumed_overrides``: for the killed and resumed run only (a setting that must not change a
-    metric)."""
+    metric); ``fault``: where in step 3 it is killed (``GSPO_FAULT``)."""
     steps = ["--trainer.steps=4", "--checkpoint.save_interval=2", *overrides]
     straight = tmp_path / "straight"
-    gspo_train(straight, *steps, nproc=nproc, cli=cli)
+    gspo_train(straight, *steps, nproc=nproc, cli=cli, recipe=recipe)
     resumed = tmp_path / "resumed"
     steps = [*steps, *resumed_overrides]
-    killed = gspo_train(resumed, *steps, nproc=nproc, env_extra={"GSPO_FAULT": "step_start:3"},
-                        check=False, cli=cli)
-    assert killed.returncode != 0  # SIGKILLed at the start of step 3, after the step-2 checkpoint
+    killed = gspo_train(resumed, *steps, nproc=nproc, env_extra={"GSPO_FAULT": fault},
+                        check=False, cli=cli, recipe=recipe)
+    assert killed.returncode != 0  # SIGKILLed in step 3, after the step-2 checkpoint
     assert (resumed / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert "resumed from" in gspo_train(resumed, *steps, nproc=nproc, cli=cli).stdout
+    assert "resumed from" in gspo_train(resumed, *steps, nproc=nproc, cli=cli,
+                                        recipe=recipe).stdout
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
     assert [m["step"] for m in b] == [0, 1, 2, 3]
     return a, b

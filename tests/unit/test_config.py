@@ -36,6 +36,7 @@ RECIPE_WORLD_SIZES = {
     "tiny_gspo.yaml": 1,
     "tiny_grpo.yaml": 1,
     "tiny_grpo_r2.yaml": 1,
+    "tiny_tool_gspo.yaml": 1,
     "qwen3_30b_a3b_gspo.yaml": 16,
     "qwen3_30b_a3b_gspo_16k.yaml": 16,
     "qwen3_30b_a3b_grpo.yaml": 16,

@@ -279,7 +279,7 @@ class DynamicRollout:
         return {}
 
     def generate(self, prompts: list[list[int]], budgets: list[int], sp,
-                 stop=None, refill=None, progress=None) -> list["Generated"]:
+                 stop=None, refill=None, progress=None, turns=None) -> list["Generated"]:
         """Per request, in order (``prompts``, then those ``refill`` added), what it wrote in
         this call (:class:`Generated`; ``finished`` False for a request ``stop``, a
         :class:`~gspo_megatron.policy.GroupStop`, aborted). ``budgets``: each prompt's new-token
@@ -288,9 +288,12 @@ class DynamicRollout:
         step until ``stop`` is done, the requests ``(prompt, budget)`` to add; ``progress(n)``:
         told the number of requests finished after each step that finishes some. With
         ``stop.hold_cut`` the aborted requests stay in the context (and the KV buffer
-        allocated) for the next call to continue
-        (``stop.continue_ids``). Collective over the coupled group under EP > 1 (lock-step; with
-        the experts replicated for decoding only its start is: each rank then steps alone),
+        allocated) for the next call to continue (``stop.continue_ids``). ``turns``: a
+        multi-turn rollout's :class:`~gspo_megatron.envs.turns.TurnDriver`, told every step's
+        tokens (it puts the environments' tokens in place of samples, and keeps requests going
+        past a turn's EOS); Megatron's step then runs at every step (no multi-step rounds).
+        Collective over the coupled group under EP > 1 (lock-step; with the experts replicated
+        for decoding only its start is: each rank then steps alone),
         over the model-parallel group otherwise."""
         held = self._claim_held(stop)
         self.resume()
@@ -307,6 +310,7 @@ class DynamicRollout:
             graphs = self.fast is not None and self.fast.graphs is not None
             call = self.call = _Call(sp, self.controller.sampling_rng,
                                      "gumbel" if graphs else "multinomial")
+            call.turns = turns
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
                     call.join(held[i], prompt, budget)
@@ -326,7 +330,8 @@ class DynamicRollout:
                 mine = (self.context.total_request_count > 0 or bool(call.waiting)) and \
                     not (stop and stop.done)
                 plan = (self.fast.plan(early_stop=stop is not None)
-                        if mine and self.fast and self.fast.ready(call) else None)
+                        if mine and self.fast and turns is None and self.fast.ready(call)
+                        else None)
                 step = next_step(mine, plan, coupled, self.fast is not None, self.coupled)
                 if step.kind is StepKind.DONE:
                     break
@@ -425,9 +430,16 @@ class DynamicRollout:
         logprobs = call.sampler.logprobs(last_logits.float(), sampled)  # [n]
         ids = ctx.request_ids[first:last].clone()  # [n]: update_requests moves the slots
         # (one finish rule: :class:`.sampler.FinishRule`, Megatron's)
-        active = ~call.finish_rule.ends(sampled, ctx.request_metadata["termination_id"][first:last],
-                                        ctx.get_active_sequence_lengths(),
-                                        ctx.get_max_sequence_lengths())
+        stop_ids = ctx.request_metadata["termination_id"][first:last]
+        if call.turns is not None:  # the length limit only: the driver rules on the EOS
+            stop_ids = torch.full_like(stop_ids, -1)
+        ended = call.finish_rule.ends(sampled, stop_ids, ctx.get_active_sequence_lengths(),
+                                      ctx.get_max_sequence_lengths())
+        if call.turns is not None:  # (the environment's tokens in place of samples)
+            rows = [call.row[r] for r in ids.tolist()]
+            sampled, ended, forced = call.turns.step(rows, sampled, ended)
+            logprobs = logprobs.masked_fill(forced, 0.0)
+        active = ~ended
         call.record(ids, sampled, logprobs)
         finished = [] if bool(active.all()) else ids[~active].tolist()
         call.finish(finished)
@@ -529,6 +541,7 @@ class _Call:
         self.done: list[bool] = []
         self.running = 0
         """Requests of the call not finished."""
+        self.turns = None  # a multi-turn rollout's :class:`~gspo_megatron.envs.turns.TurnDriver`
         self.waiting: collections.deque = collections.deque()
         self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 

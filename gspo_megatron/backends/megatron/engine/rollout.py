@@ -352,8 +352,12 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seed: int, budgets: list[int] | None = None,
                  stop: GroupStop | None = None,
-                 progress: Callable[[int], None] | None = None) -> list[RolloutSample]:
-        """One response per prompt (in order), sampled from the current weights. ``budgets``:
+                 progress: Callable[[int], None] | None = None,
+                 turns=None) -> list[RolloutSample]:
+        """One response per prompt (in order), sampled from the current weights. ``turns``: the
+        requests are episodes of a multi-turn rollout (:class:`~gspo_megatron.envs.turns.
+        TurnDriver`; dynamic engine only): a response holds every turn, the environments'
+        tokens included (``extra["policy_mask"]`` says whose each is). ``budgets``:
         each request's new-token budget (default ``max_new_tokens``); ``stop``: a partial
         rollout's early end (dynamic engine only), the requests it cuts returned ``aborted``;
         ``progress(n)``: told how many responses have finished, after each static batch or
@@ -363,10 +367,11 @@ class RolloutEngine:
         """
         prompts = [[int(t) for t in p] for p in prompts]
         budgets = budgets or [int(self.config.max_new_tokens)] * len(prompts)
-        if (stop is not None or budgets != [self.config.max_new_tokens] * len(prompts)) and \
+        if (stop is not None or turns is not None
+                or budgets != [self.config.max_new_tokens] * len(prompts)) and \
                 self.backend != "dynamic":
             raise NotImplementedError("partial rollouts (per-request budgets, an early stop) "
-                                      "need the dynamic engine")
+                                      "and multi-turn rollouts need the dynamic engine")
         self._check(prompts, budgets)
         sp, score_t = self._sampling()
         self.wrapper.temperature = score_t
@@ -385,7 +390,7 @@ class RolloutEngine:
                     with _sequence_parallel_off(model):
                         samples = self._generate_static(prompts, sp, progress)
                 else:
-                    samples = self._generate_dynamic(prompts, sp, budgets, stop, progress)
+                    samples = self._generate_dynamic(prompts, sp, budgets, stop, progress, turns)
         finally:
             set_training([model], was_training)  # model.train(), over a cached module list
             self.wrapper.route_recorder = None
@@ -526,7 +531,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ dynamic path
     def _generate_dynamic(self, prompts, sp, budgets: list[int], stop: GroupStop | None,
-                          progress=None) -> list[RolloutSample]:
+                          progress=None, turns=None) -> list[RolloutSample]:
         # Sampling draws from controller.sampling_rng (seeded in generate()).
         prompts, budgets = list(prompts), list(budgets)
         refill = None
@@ -550,16 +555,20 @@ class RolloutEngine:
         sp_off = (_sequence_parallel_off(self.sampling_model) if self.groups.ep_size == 1
                   else contextlib.nullcontext())
         with torch.inference_mode(), sp_off, _context_parallel_off(self.sampling_model):
-            written = self.dynamic.generate(prompts, budgets, sp, stop, refill, progress)
+            written = self.dynamic.generate(prompts, budgets, sp, stop, refill, progress, turns)
         held_ids = self.dynamic.held_ids()
         recorder = self._route_recorder
         samples = []
-        for prompt, budget, w in zip(prompts, budgets, written):
+        for row, (prompt, budget, w) in enumerate(zip(prompts, budgets, written)):
             if not w.finished:
                 held = {HELD_REQUEST_KEY: w.request_id} if w.request_id in held_ids else {}
                 samples.append(RolloutSample(list(prompt), w.tokens, w.logprobs, "aborted", held))
                 continue
-            sample = self._finish(prompt, w.tokens, w.logprobs, budget)
+            if turns is not None:  # every turn: the episode's EOS is not the first
+                sample = RolloutSample(list(prompt), w.tokens, w.logprobs,
+                                       turns.finish_reason(row), turns.extra(row, w.tokens))
+            else:
+                sample = self._finish(prompt, w.tokens, w.logprobs, budget)
             if recorder is not None:
                 from gspo_megatron.backends.megatron.routing.rollout_routes import ROLLOUT_ROUTES_KEY
 
