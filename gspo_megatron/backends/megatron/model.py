@@ -192,6 +192,8 @@ def build_transformer_config(
     )
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
+    # Read by this project's kernels (kernels.batch_invariant.enabled); Megatron ignores it.
+    config.batch_invariant = bool(precision.batch_invariant)
     if model.position_embedding_type == "yarn":
         # Megatron-Core reads YaRN's knobs off the config by name (GPTModel's
         # YarnRotaryEmbedding, the attention's cos/sin scale) but declares them only on the MLA
@@ -283,7 +285,8 @@ def build_gpt_model(
     config = build_transformer_config(model, parallel, precision, impl=impl,
                                       **(transformer_config_overrides or {}))
     local_kernels = (precision.local_kernels if precision.local_kernels is not None
-                     else packed or not torch.cuda.is_available())  # their CUDA rollouts: unmeasured
+                     else packed or precision.batch_invariant  # (the mode's kernels are there)
+                     or not torch.cuda.is_available())  # their CUDA rollouts: unmeasured
     spec = build_layer_spec(config, impl, pp_rank=pp_rank, local_kernels=local_kernels)
     gpt = GPTModel(
         config=config,

@@ -1,0 +1,212 @@
+"""Batch-invariant kernels (``precision.batch_invariant``): every per-token value computed in an
+order that does not depend on which other tokens share the call, how many there are, whether the
+row is packed or padded, or whether it runs in the rollout's decoding step or in the training
+forward. The training forward (:mod:`.local`, :mod:`.moe`), the engine's prefill and decoding
+step (:mod:`.decode`) and both log-prob paths (the engine's sampler, the trainer's scoring) call
+these functions and no other implementation of the same op, so the rollout's log-probs and routes
+are bitwise the trainer's by construction (``tests/unit/test_batch_invariant.py``).
+
+Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py --probe``):
+
+* **matmul**: ``F.linear`` of ``m`` rows takes another kernel for ``m <= 3`` in fp32 (the row
+  results differ in the last bits from the same rows inside a larger call). :func:`linear` runs
+  every call as a ``bmm`` of fixed ``[ROW_TILE, K]`` tiles (the rows zero-padded to a multiple),
+  so the library sees one shape and picks one blocking; a row's value does not depend on its
+  tile's other rows or on its place in the tile (checked for every row count and shift).
+* **attention**: SDPA over a KV cache (one query) and over a packed row (a causal block) reduce
+  the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks of
+  ``KEY_CHUNK`` positions (the chunks' partial sums added left to right; chunks past the query's
+  keys add exact zeros), with the scores and the value sums as elementwise products and
+  fixed-length reductions over contiguous memory.
+* **log-softmax**: the engine's ``torch.log_softmax`` and the trainer's chunked log-sum-exp are
+  different formulas. :func:`token_logprobs` is both: max (exact), ``exp`` and the sum in fixed
+  vocabulary chunks of ``VOCAB_CHUNK`` added left to right.
+* **experts**: a grouped GEMM's (or a dense ``bmm``'s) blocking follows the tokens per expert.
+  :func:`experts` runs each expert's rows through :func:`linear` and adds a token's ``k`` expert
+  outputs in ascending expert index.
+* **router**: its gating GEMM through :func:`linear`; the softmax and ``torch.topk`` that follow
+  are per row (the same function of a row in Megatron's router and the decoding step: ties
+  go the same way in both; that they go to the lower expert index is ``torch.topk``'s behaviour,
+  not enforced here).
+* RMSNorm, the QK-norm, RoPE, the activation and the embedding are per row or elementwise
+  already: both paths call the same module or op.
+
+The constants are fixed, not tunable per call: a tile or chunk size that differed between the
+rollout and the trainer would break the equality.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 32
+"""Rows per matmul tile (:func:`linear`): every GEMM is ``[ROW_TILE, K] x [K, N]``."""
+KEY_CHUNK = 16
+"""Key positions per attention chunk (:func:`attention`)."""
+VOCAB_CHUNK = 256
+"""Vocabulary columns per log-sum-exp chunk (:func:`token_logprobs`)."""
+
+
+def enabled(config) -> bool:
+    """Whether ``config`` (Megatron's ``TransformerConfig``, tagged by the model builder) runs the
+    batch-invariant kernels."""
+    return bool(getattr(config, "batch_invariant", False))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``), computed as
+    one ``bmm`` over tiles of :data:`ROW_TILE` rows: the same GEMM shape whatever the row count.
+    Differentiable (the backward is not batch-invariant: only the forward's values must be)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    n = rows.shape[0]
+    pad = (-n) % ROW_TILE
+    if pad or n == 0:
+        rows = torch.cat((rows, rows.new_zeros(pad if n else ROW_TILE, k)))
+    tiles = rows.view(-1, ROW_TILE, k)  # [n / T, T, K]
+    w = weight.t().to(x.dtype).unsqueeze(0).expand(tiles.shape[0], -1, -1)  # [n / T, K, N]
+    out = torch.bmm(tiles, w).view(-1, weight.shape[0])[:n]
+    return out.reshape(*lead, weight.shape[0])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """``[B, np, Lq, hn]``: queries ``q [B, np, Lq, hn]`` over keys and values ``k, v [B, Lk, ng,
+    hn]`` (key ``j`` of row ``b`` at position ``j`` of its sequence; masked slots must hold
+    finite values) under ``allowed [B, Lq | 1, Lk]`` (True: attend); query head ``i`` reads key
+    head ``i // (np / ng)`` (Megatron's order). Each query's value depends only on its own
+    vector, its keys and values by position and the constants: in fp32 (the output in ``q``'s
+    dtype), ``m`` = the max score (exact), ``p = exp(s - m)``, and per chunk of
+    :data:`KEY_CHUNK` positions the sums of ``p`` and of ``p v`` as fixed-length reductions,
+    added chunk after chunk."""
+    B, np_, Lq, hn = q.shape
+    Lk, ng = k.shape[1], k.shape[2]
+    r = np_ // ng
+    pad = (-Lk) % KEY_CHUNK
+    if pad:  # masked slots: zero keys and values (finite), not allowed
+        k = torch.cat((k, k.new_zeros(B, pad, ng, hn)), dim=1)
+        v = torch.cat((v, v.new_zeros(B, pad, ng, hn)), dim=1)
+        allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], pad)), dim=2)
+    chunks = k.shape[1] // KEY_CHUNK
+    qf = q.float().reshape(B, ng, r * Lq, 1, hn)  # query heads folded by key head
+    kf = k.float().permute(0, 2, 1, 3)  # [B, ng, Lk, hn]
+    vf = v.float().permute(0, 2, 3, 1)  # [B, ng, hn, Lk]
+    allowed = allowed.expand(B, Lq, allowed.shape[2])
+    # [B, 1, r Lq, Lk]: folded row j Lq + l (head j of the group, query l) carries query l's row
+    mask = allowed.unsqueeze(1).expand(B, r, Lq, allowed.shape[2]).reshape(B, 1, r * Lq, -1)
+    scores = []
+    for c in range(chunks):  # [B, ng, r Lq, C]: q . k as a product and a reduction over hn
+        kc = kf[:, :, c * KEY_CHUNK:(c + 1) * KEY_CHUNK].unsqueeze(2)  # [B, ng, 1, C, hn]
+        scores.append((qf * kc).contiguous().sum(-1))
+    s = torch.cat(scores, dim=-1) * scale  # [B, ng, r Lq, Lk]
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query with no key: output 0
+    p = torch.exp(s - m)  # masked: exact zeros
+    total = torch.zeros_like(m)
+    out = torch.zeros(B, ng, r * Lq, hn, dtype=torch.float32, device=q.device)
+    for c in range(chunks):
+        pc = p[..., c * KEY_CHUNK:(c + 1) * KEY_CHUNK]  # [B, ng, r Lq, C]
+        total = total + pc.contiguous().sum(-1, keepdim=True)
+        vc = vf[..., c * KEY_CHUNK:(c + 1) * KEY_CHUNK].unsqueeze(2)  # [B, ng, 1, hn, C]
+        out = out + (pc.unsqueeze(3) * vc).contiguous().sum(-1)  # [B, ng, r Lq, hn]
+    out = out / torch.where(total > 0, total, torch.ones_like(total))
+    return out.reshape(B, np_, Lq, hn).to(q.dtype)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     starts: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of a packed row through :func:`attention`: ``query [S, np, hn]``,
+    ``key/value [S, ng, hn]``, the segments starting at ``starts`` (``[m + 1]`` host ints, the
+    last the row's end) each attending only to itself -> ``[S, np, hn]``. Segments are grouped
+    by length (at most 2x padding); every query reads its segment's keys at their positions."""
+    from gspo_megatron.backends.megatron.kernels.row_attention import length_groups
+
+    device = query.device
+    lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    out = torch.empty_like(query)
+    for members in length_groups(lens):
+        longest = max(lens[i] for i in members)
+        t = torch.arange(longest, device=device)
+        first = torch.tensor([starts[i] for i in members], device=device)
+        n = torch.tensor([lens[i] for i in members], device=device)
+        valid = t[None, :] < n[:, None]  # [n_g, L]
+        index = torch.where(valid, first[:, None] + t[None, :], first[:, None])  # pads: 1st token
+        q = query[index].transpose(1, 2)  # [n_g, np, L, hn]
+        causal = (t[None, :] <= t[:, None])[None] & valid[:, None, :]  # [n_g, L, L]
+        o = attention(q, key[index], value[index], causal, scale)  # [n_g, np, L, hn]
+        out[index[valid]] = o.transpose(1, 2)[valid]
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int | None = None,
+                   temperature: float = 1.0, compute_entropy: bool = False):
+    """``(logprobs [N], entropy [N] or None)`` fp32 of ``target [N]`` under
+    ``logits [N, V'] / temperature`` over the first ``vocab`` columns (all: None), the columns
+    padded with ``-inf`` to a multiple of :data:`VOCAB_CHUNK`: ``m`` = the row max (exact),
+    ``S`` = the sums of ``exp(l - m)`` per chunk added chunk after chunk, ``logp = (l_y - m) -
+    log S``; entropy ``log S - sum_j e_j (l_j - m) / S``. Differentiable."""
+    n = logits.shape[0]
+    vocab = logits.shape[1] if vocab is None else vocab
+    x = logits[:, :vocab].float()
+    if temperature != 1.0:
+        x = x / temperature
+    pad = (-vocab) % VOCAB_CHUNK
+    if pad:
+        x = torch.cat((x, x.new_full((n, pad), float("-inf"))), dim=1)
+    m = x.detach().amax(-1, keepdim=True)
+    shifted = x - m  # [N, V]
+    e = torch.exp(shifted)
+    total = x.new_zeros(n)
+    spread = x.new_zeros(n) if compute_entropy else None
+    for c in range(x.shape[1] // VOCAB_CHUNK):
+        cols = slice(c * VOCAB_CHUNK, (c + 1) * VOCAB_CHUNK)
+        total = total + e[:, cols].contiguous().sum(-1)
+        if compute_entropy:  # e x with x = -inf where e = 0: the product taken as 0
+            ex = torch.where(e[:, cols] > 0, e[:, cols] * shifted[:, cols], 0.0)
+            spread = spread + ex.contiguous().sum(-1)
+    log_total = torch.log(total)
+    lp = shifted.gather(-1, target.long().view(-1, 1)).squeeze(-1) - log_total
+    return lp, (log_total - spread / total if compute_entropy else None)
+
+
+def scaled_activation(h: torch.Tensor, probs: torch.Tensor, activation, gated: bool,
+                      offset: float, dtype: torch.dtype) -> torch.Tensor:
+    """``probs * act(h)`` (SwiGLU when ``gated``: ``act(gate) * (up + offset)``), ``h [n, (2)F]``,
+    ``probs [n]`` -> ``[n, F]`` in ``dtype``: Megatron's ``MLP`` with ``per_token_scale``, the one
+    expert activation of the training forward and the decoding step."""
+    if gated:
+        gate, up = torch.chunk(h, 2, dim=-1)
+        h = activation(gate) * (up + offset)
+    else:
+        h = activation(h)
+    return (h * probs.unsqueeze(-1)).to(dtype)
+
+
+def experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor, fc1, fc2, activate,
+            first: int = 0) -> torch.Tensor:
+    """``[T, H]``: each token's ``k`` chosen experts (``top [T, k]`` global ids, ``probs [T, k]``)
+    over ``tokens [T, H]``, of the experts ``first .. first + len(fc1) - 1`` here (the others'
+    routes skipped: EP), each expert's rows through :func:`linear` (``fc1[e] [(2)F, H]``,
+    ``fc2[e] [H, F]``, as ``F.linear`` takes them), ``activate(h [n, (2)F], p [n]) -> [n, F]``;
+    a token's outputs added in ascending expert index, starting from zero."""
+    T, H = tokens.shape
+    order = torch.sort(top, dim=1, stable=True)
+    top_sorted, slot_of = order.values, order.indices  # [T, k]
+    probs_sorted = probs.gather(1, slot_of)
+    k = top.shape[1]
+    per_route = tokens.new_zeros(T * k, H)  # route (t, j): token t's j-th smallest expert
+    flat = top_sorted.reshape(-1)
+    for e in range(len(fc1)):
+        routes = (flat == first + e).nonzero().squeeze(1)  # [n_e] in token order
+        if routes.numel() == 0 and not torch.is_grad_enabled():
+            continue
+        rows = tokens.index_select(0, routes // k)
+        h = activate(linear(rows, fc1[e]), probs_sorted.reshape(-1).index_select(0, routes))
+        per_route = per_route.index_copy(0, routes, linear(h, fc2[e]))
+    per_route = per_route.view(T, k, H)
+    out = torch.zeros_like(tokens)
+    for j in range(k):  # fixed order: ascending expert index
+        out = out + per_route[:, j]
+    return out
