@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 #: The namespaces of step metrics (the part before the first ``/``), in the reference's order.
 NAMESPACES: tuple[str, ...] = (
-    "reward", "response", "loss", "clip", "gate", "ratio", "kl", "entropy", "correction", "optim",
+    "reward", "response", "loss", "clip", "gate", "ratio", "kl", "mismatch", "entropy", "correction",
+    "optim",
     "moe", "sampling", "rollout", "eval", "routing", "perf", "faults",
 )
 
