@@ -192,3 +192,23 @@ def test_trainer_logprobs_bitwise_under_random_batch_compositions():
               f"{differ[True]}, off {differ[False]} (of {len(watched) * 5})")
     finally:
         destroy_distributed()
+
+
+def test_tokens_differ_counts_the_stale_prefix_apart():
+    """``mismatch/tokens_differ`` over the response tokens; a partial rollout's carried prefix
+    (``extra["stale_tokens"]``) counted in ``mismatch/tokens_differ_stale`` instead."""
+    from gspo_megatron.algorithms.objectives import stale_mask, tokens_differ
+    from gspo_megatron.policy import STALE_TOKENS_KEY, RolloutSample
+
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    train = torch.zeros(2, 5)
+    rollout = torch.tensor([[9.0, 1.0, 0.0, 1.0, 9.0], [0.0, 0.0, 1.0, 1.0, -0.0]])
+    assert tokens_differ(train, rollout, mask) == {"mismatch/tokens_differ": 4.0}  # (-0.0 == 0.0)
+    plain = [RolloutSample([1], [2], [0.0], "eos") for _ in range(2)]
+    assert stale_mask(plain, mask) is None
+    samples = [RolloutSample([1], [2, 3, 4], [0.0] * 3, "eos", {STALE_TOKENS_KEY: 2}),
+               RolloutSample([1], [2, 3, 4], [0.0] * 3, "eos", {STALE_TOKENS_KEY: 0})]
+    stale = stale_mask(samples, mask)
+    assert stale.tolist() == [[False, True, True, False, False], [False] * 5]
+    assert tokens_differ(train, rollout, mask, stale) == {
+        "mismatch/tokens_differ": 3.0, "mismatch/tokens_differ_stale": 1.0}
