@@ -101,13 +101,37 @@ def test_token_logprobs_do_not_depend_on_the_batch_or_padded_columns(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_linear_rows_do_not_depend_on_the_counts(dtype):
+    """A row's value through its expert is the same whatever the other experts' counts and its
+    own (its place in its tiles): every expert's rows in one ``bmm`` of fixed tiles."""
+    g = torch.Generator().manual_seed(11)
+    E, K, O = 4, 48, 40
+    w = torch.randn(E, O, K, generator=g).to(dtype)
+    x = torch.randn(100, K, generator=g).to(dtype)
+    ref = torch.cat([bi.expert_linear(x[i:i + 1], [0, 0, 1, 0], w) for i in range(100)])
+    for counts in ([100, 0, 0, 0], [1, 33, 0, 66], [31, 32, 33, 4], [0, 0, 0, 100]):
+        got = bi.expert_linear(x, counts, w)
+        starts = [sum(counts[:e]) for e in range(E)]
+        for e in range(E):  # rows of expert e against expert 2 alone: compare via expert e's own
+            rows = slice(starts[e], starts[e] + counts[e])
+            alone = torch.cat([bi.expert_linear(x[i:i + 1], [1], w[e:e + 1])
+                               for i in range(rows.start, rows.stop)] or [got[:0]])
+            assert torch.equal(got[rows], alone), (counts, e)
+    assert torch.equal(ref, torch.cat([bi.expert_linear(x[i:i + 1], [1], w[2:3])
+                                       for i in range(100)]))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(ref.double(), x.double() @ w[2].double().t(), rtol=tol,
+                          atol=tol * K ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_experts_per_token_values_and_fixed_order(dtype):
     """A token's expert output does not depend on the other tokens routed with it; the k outputs
     are added in ascending expert index (top-k given in any order)."""
     g = torch.Generator().manual_seed(7)
     E, H, Fh, k, T = 6, 32, 24, 3, 40
-    fc1 = [torch.randn(2 * Fh, H, generator=g).to(dtype) for _ in range(E)]
-    fc2 = [torch.randn(H, Fh, generator=g).to(dtype) for _ in range(E)]
+    fc1 = torch.randn(E, 2 * Fh, H, generator=g).to(dtype)
+    fc2 = torch.randn(E, H, Fh, generator=g).to(dtype)
     tokens = torch.randn(T, H, generator=g).to(dtype)
     top = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     probs = torch.rand(T, k, generator=g)
@@ -124,8 +148,11 @@ def test_experts_per_token_values_and_fixed_order(dtype):
     # the order of addition: ascending expert index, starting from zero
     one = bi.experts(tokens[:1], top[:1], probs[:1], fc1, fc2, act)
     order = torch.argsort(top[0])
-    parts = [bi.linear(act(bi.linear(tokens[:1], fc1[int(top[0, j])]), probs[0, j:j + 1]),
-                       fc2[int(top[0, j])]) for j in order]
+    parts = []
+    for j in order:
+        e = int(top[0, j])
+        h = act(bi.expert_linear(tokens[:1], [1], fc1[e:e + 1]), probs[0, j:j + 1])
+        parts.append(bi.expert_linear(h, [1], fc2[e:e + 1]))
     acc = torch.zeros_like(parts[0])
     for part in parts:
         acc = acc + part

@@ -77,9 +77,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     finite values) under ``allowed [B, Lq | 1, Lk]`` (True: attend); query head ``i`` reads key
     head ``i // (np / ng)`` (Megatron's order). Each query's value depends only on its own
     vector, its keys and values by position and the constants: in fp32 (the output in ``q``'s
-    dtype), ``m`` = the max score (exact), ``p = exp(s - m)``, and per chunk of
+    dtype), the scores ``s_j = (q . k_j) scale`` (a product and a reduction over ``hn``), ``m`` =
+    their max (exact), ``p = exp(s - m)`` (exact zeros where masked), and per chunk of
     :data:`KEY_CHUNK` positions the sums of ``p`` and of ``p v`` as fixed-length reductions,
-    added chunk after chunk."""
+    added chunk after chunk (the chunks past a query's keys add exact zeros)."""
     B, np_, Lq, hn = q.shape
     Lk, ng = k.shape[1], k.shape[2]
     r = np_ // ng
@@ -88,29 +89,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
         k = torch.cat((k, k.new_zeros(B, pad, ng, hn)), dim=1)
         v = torch.cat((v, v.new_zeros(B, pad, ng, hn)), dim=1)
         allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], pad)), dim=2)
-    chunks = k.shape[1] // KEY_CHUNK
+    Lk = k.shape[1]
+    chunks = Lk // KEY_CHUNK
+    allowed = allowed.expand(B, Lq, Lk)
+    # [B, ng, r Lq, Lk]: folded row j Lq + l (head j of the group, query l) carries query l's row
+    mask = allowed.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, r * Lq, Lk)
     qf = q.float().reshape(B, ng, r * Lq, 1, hn)  # query heads folded by key head
-    kf = k.float().permute(0, 2, 1, 3)  # [B, ng, Lk, hn]
-    vf = v.float().permute(0, 2, 3, 1)  # [B, ng, hn, Lk]
-    allowed = allowed.expand(B, Lq, allowed.shape[2])
-    # [B, 1, r Lq, Lk]: folded row j Lq + l (head j of the group, query l) carries query l's row
-    mask = allowed.unsqueeze(1).expand(B, r, Lq, allowed.shape[2]).reshape(B, 1, r * Lq, -1)
-    scores = []
-    for c in range(chunks):  # [B, ng, r Lq, C]: q . k as a product and a reduction over hn
-        kc = kf[:, :, c * KEY_CHUNK:(c + 1) * KEY_CHUNK].unsqueeze(2)  # [B, ng, 1, C, hn]
-        scores.append((qf * kc).contiguous().sum(-1))
-    s = torch.cat(scores, dim=-1) * scale  # [B, ng, r Lq, Lk]
+    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [B, ng, 1, Lk, hn]
+    s = (qf * kf).contiguous().sum(-1) * scale  # [B, ng, r Lq, Lk]
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query with no key: output 0
-    p = torch.exp(s - m)  # masked: exact zeros
-    total = torch.zeros_like(m)
-    out = torch.zeros(B, ng, r * Lq, hn, dtype=torch.float32, device=q.device)
-    for c in range(chunks):
-        pc = p[..., c * KEY_CHUNK:(c + 1) * KEY_CHUNK]  # [B, ng, r Lq, C]
-        total = total + pc.contiguous().sum(-1, keepdim=True)
-        vc = vf[..., c * KEY_CHUNK:(c + 1) * KEY_CHUNK].unsqueeze(2)  # [B, ng, 1, hn, C]
-        out = out + (pc.unsqueeze(3) * vc).contiguous().sum(-1)  # [B, ng, r Lq, hn]
+    p = torch.exp(s - m)  # [B, ng, r Lq, Lk]
+    sums = p.view(B, ng, r * Lq, chunks, KEY_CHUNK).sum(-1)  # [B, ng, r Lq, chunks]
+    vf = v.float().permute(0, 2, 3, 1).unsqueeze(2)  # [B, ng, 1, hn, Lk]
+    pv = (p.unsqueeze(3) * vf).contiguous()  # [B, ng, r Lq, hn, Lk]
+    pv = pv.view(B, ng, r * Lq, hn, chunks, KEY_CHUNK).sum(-1)  # [B, ng, r Lq, hn, chunks]
+    total, out = sums[..., 0], pv[..., 0]
+    for c in range(1, chunks):  # fixed order: chunk after chunk
+        total, out = total + sums[..., c], out + pv[..., c]
+    total = total.unsqueeze(-1)
     out = out / torch.where(total > 0, total, torch.ones_like(total))
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
 
@@ -184,29 +182,59 @@ def scaled_activation(h: torch.Tensor, probs: torch.Tensor, activation, gated: b
     return (h * probs.unsqueeze(-1)).to(dtype)
 
 
-def experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor, fc1, fc2, activate,
-            first: int = 0) -> torch.Tensor:
+def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> torch.Tensor:
+    """``[N, O]``: the rows ``x [N, K]``, grouped by expert (``counts[e]`` rows of expert ``e``,
+    in order), each times its expert's ``weights[e] [O, K]`` (``F.linear``'s layout) as one
+    ``bmm`` over tiles of :data:`ROW_TILE` rows of one expert each (each expert's rows
+    zero-padded to whole tiles, its weight gathered per tile): the same GEMM shape for every
+    row whatever the counts. Memory: a copy of an expert's weight per tile (fine on CPU; a GPU
+    wants a grouped kernel with fixed tiles). Differentiable."""
+    n, k = x.shape
+    device = x.device
+    counts_t = torch.tensor(counts, device=device)
+    tiles = (counts_t + ROW_TILE - 1) // ROW_TILE  # [E]
+    n_tiles = int(tiles.sum())
+    if n_tiles == 0:
+        return x.new_zeros(0, weights.shape[1]) + 0 * weights.sum()  # (a graph to the weights)
+    expert_of_tile = torch.repeat_interleave(torch.arange(len(counts), device=device), tiles)
+    slot = torch.arange(n_tiles * ROW_TILE, device=device)
+    e = expert_of_tile.repeat_interleave(ROW_TILE)  # [slots]
+    first_slot = (torch.cumsum(tiles, 0) - tiles) * ROW_TILE  # [E]
+    first_row = torch.cumsum(counts_t, 0) - counts_t
+    offset = slot - first_slot[e]
+    real = offset < counts_t[e]
+    index = torch.where(real, first_row[e] + offset, n)  # pads read the zero row n
+    rows = torch.cat((x, x.new_zeros(1, k))).index_select(0, index)
+    w = weights.index_select(0, expert_of_tile).to(x.dtype)  # [tiles, O, K]
+    out = torch.bmm(rows.view(n_tiles, ROW_TILE, k), w.transpose(1, 2))
+    return out.reshape(-1, weights.shape[1])[real]
+
+
+def experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
+            fc2: torch.Tensor, activate, first: int = 0) -> torch.Tensor:
     """``[T, H]``: each token's ``k`` chosen experts (``top [T, k]`` global ids, ``probs [T, k]``)
-    over ``tokens [T, H]``, of the experts ``first .. first + len(fc1) - 1`` here (the others'
-    routes skipped: EP), each expert's rows through :func:`linear` (``fc1[e] [(2)F, H]``,
-    ``fc2[e] [H, F]``, as ``F.linear`` takes them), ``activate(h [n, (2)F], p [n]) -> [n, F]``;
-    a token's outputs added in ascending expert index, starting from zero."""
+    over ``tokens [T, H]``, of the experts ``first .. first + E_l - 1`` here (the others'
+    routes skipped: EP), through :func:`expert_linear` (``fc1 [E_l, (2)F, H]``, ``fc2 [E_l, H,
+    F]``, ``F.linear``'s layout), ``activate(h [n, (2)F], p [n]) -> [n, F]``; a token's outputs
+    added in ascending expert index, starting from zero. Megatron's ``unpermute`` in the
+    training forward adds the same outputs in the same order (the dispatcher's expert-major
+    rows, scattered in order)."""
     T, H = tokens.shape
-    order = torch.sort(top, dim=1, stable=True)
-    top_sorted, slot_of = order.values, order.indices  # [T, k]
-    probs_sorted = probs.gather(1, slot_of)
     k = top.shape[1]
-    per_route = tokens.new_zeros(T * k, H)  # route (t, j): token t's j-th smallest expert
-    flat = top_sorted.reshape(-1)
-    for e in range(len(fc1)):
-        routes = (flat == first + e).nonzero().squeeze(1)  # [n_e] in token order
-        if routes.numel() == 0 and not torch.is_grad_enabled():
-            continue
-        rows = tokens.index_select(0, routes // k)
-        h = activate(linear(rows, fc1[e]), probs_sorted.reshape(-1).index_select(0, routes))
-        per_route = per_route.index_copy(0, routes, linear(h, fc2[e]))
+    ordered = torch.sort(top, dim=1, stable=True)
+    flat = ordered.values.reshape(-1)  # route t k + j: token t's j-th smallest expert
+    flat_probs = probs.gather(1, ordered.indices).reshape(-1)
+    local = flat - first
+    here = (local >= 0) & (local < fc1.shape[0])
+    key = torch.where(here, local, fc1.shape[0])  # the other ranks' routes last
+    routes = torch.argsort(key, stable=True)  # expert-major, token order within an expert
+    counts = torch.bincount(key, minlength=fc1.shape[0] + 1)[:fc1.shape[0]].tolist()
+    routes = routes[:sum(counts)]
+    rows = tokens.index_select(0, routes // k)
+    h = activate(expert_linear(rows, counts, fc1), flat_probs.index_select(0, routes))
+    per_route = tokens.new_zeros(T * k, H).index_copy(0, routes, expert_linear(h, counts, fc2))
     per_route = per_route.view(T, k, H)
-    out = torch.zeros_like(tokens)
+    out = torch.zeros_like(tokens)  # (from zero, as unpermute's scatter-add: the same signed zeros)
     for j in range(k):  # fixed order: ascending expert index
         out = out + per_route[:, j]
     return out

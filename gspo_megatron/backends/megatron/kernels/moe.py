@@ -98,16 +98,15 @@ class LoopedSequentialMLP(SequentialMLP):
                                     c.glu_linear_offset, dtype)
 
     def _invariant(self, x: torch.Tensor, tokens_per_expert, probs) -> torch.Tensor:
-        """``[N, H]``: the rows ``x [N, H]`` (expert-major) through their expert, each GEMM
-        :func:`.batch_invariant.linear` (``precision.batch_invariant``); Megatron's
+        """``[N, H]``: the rows ``x [N, H]`` (expert-major) through their expert by
+        :func:`.batch_invariant.expert_linear` (``precision.batch_invariant``); Megatron's
         ``unpermute`` then adds each token's outputs in this (ascending expert) order, as
         :func:`.batch_invariant.experts` does in the decoding step."""
-        outputs = []
-        for expert, rows, p in zip(self.local_experts, torch.split(x, tokens_per_expert.tolist()),
-                                   torch.split(probs, tokens_per_expert.tolist())):
-            h = self._activate(bi.linear(rows, expert.linear_fc1.weight), p, x.dtype)
-            outputs.append(bi.linear(h, expert.linear_fc2.weight))
-        return torch.cat(outputs, dim=0)
+        counts = tokens_per_expert.tolist()
+        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, (2)F, H]
+        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
+        h = self._activate(bi.expert_linear(x, counts, fc1), probs, x.dtype)
+        return bi.expert_linear(h, counts, fc2)
 
     @functools.cached_property  # layout and device are fixed once built: decided on first call
     def _grouped_training(self) -> bool:
