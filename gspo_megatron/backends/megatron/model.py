@@ -84,6 +84,8 @@ def choose_transformer_impl(precision: PrecisionConfig, *, te_available: bool,
     ``rollout.decode_steps_per_sync: 0``) takes TE. FP8 needs TE whatever the decode path."""
     if precision.transformer_impl != "auto":
         return precision.transformer_impl, f"precision.transformer_impl={precision.transformer_impl!r}"
+    if precision.batch_invariant:
+        return "local", "auto: precision.batch_invariant runs this project's kernels"
     if not te_available:
         return "local", "auto: Transformer Engine with CUDA not available"
     if precision.fp8:

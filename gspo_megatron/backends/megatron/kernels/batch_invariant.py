@@ -95,14 +95,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     # [B, ng, r Lq, Lk]: folded row j Lq + l (head j of the group, query l) carries query l's row
     mask = allowed.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, r * Lq, Lk)
     qf = q.float().reshape(B, ng, r * Lq, 1, hn)  # query heads folded by key head
-    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [B, ng, 1, Lk, hn]
+    # (operands laid out so that each broadcast product is born contiguous: the reductions
+    # below then read it in the one layout, and no copy of the product is made)
+    kf = k.float().permute(0, 2, 1, 3).contiguous().unsqueeze(2)  # [B, ng, 1, Lk, hn]
     s = (qf * kf).contiguous().sum(-1) * scale  # [B, ng, r Lq, Lk]
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query with no key: output 0
     p = torch.exp(s - m)  # [B, ng, r Lq, Lk]
     sums = p.view(B, ng, r * Lq, chunks, KEY_CHUNK).sum(-1)  # [B, ng, r Lq, chunks]
-    vf = v.float().permute(0, 2, 3, 1).unsqueeze(2)  # [B, ng, 1, hn, Lk]
+    vf = v.float().permute(0, 2, 3, 1).contiguous().unsqueeze(2)  # [B, ng, 1, hn, Lk]
     pv = (p.unsqueeze(3) * vf).contiguous()  # [B, ng, r Lq, hn, Lk]
     pv = pv.view(B, ng, r * Lq, hn, chunks, KEY_CHUNK).sum(-1)  # [B, ng, r Lq, hn, chunks]
     total, out = sums[..., 0], pv[..., 0]
