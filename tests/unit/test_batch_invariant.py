@@ -239,3 +239,31 @@ def test_tokens_differ_counts_the_stale_prefix_apart():
     assert stale.tolist() == [[False, True, True, False, False], [False] * 5]
     assert tokens_differ(train, rollout, mask, stale) == {
         "mismatch/tokens_differ": 3.0, "mismatch/tokens_differ_stale": 1.0}
+
+
+def test_gradients_are_the_functions_gradients():
+    """The training forward differentiates through :func:`bi.linear` and :func:`bi.attention`
+    (their backward: ``F.linear``'s and SDPA's on the same inputs): gradients equal a float64
+    autograd reference's."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(37, 24, generator=g, requires_grad=True)
+    w = torch.randn(40, 24, generator=g, requires_grad=True)
+    up = torch.randn(37, 40, generator=g)
+    gx, gw = torch.autograd.grad((bi.linear(x, w) * up).sum(), (x, w))
+    rx, rw = torch.autograd.grad((F.linear(x.double(), w.double()) * up.double()).sum(),
+                                 (x, w))
+    assert torch.allclose(gx, rx, atol=1e-4) and torch.allclose(gw, rw, atol=1e-4)
+
+    B, np_, ng, L, hn = 3, 4, 2, 20, 8
+    q = torch.randn(B, np_, L, hn, generator=g, requires_grad=True)
+    k = torch.randn(B, L, ng, hn, generator=g, requires_grad=True)
+    v = torch.randn(B, L, ng, hn, generator=g, requires_grad=True)
+    causal = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L)
+    up = torch.randn(B, np_, L, hn, generator=g)
+    got = torch.autograd.grad((bi.attention(q, k, v, causal, 0.3) * up).sum(), (q, k, v))
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    kk, vv = (t.repeat_interleave(np_ // ng, 2).transpose(1, 2) for t in (kd, vd))
+    s = (qd @ kk.transpose(-1, -2) * 0.3).masked_fill(~causal[:, None], float("-inf"))
+    ref = torch.autograd.grad((torch.softmax(s, -1) @ vv * up.double()).sum(), (q, k, v))
+    for a, b in zip(got, ref):  # (gradients of float leaves: float, from a float64 graph)
+        assert torch.allclose(a, b, atol=1e-5)

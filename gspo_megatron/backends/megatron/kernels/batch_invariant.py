@@ -57,7 +57,33 @@ def enabled(config) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``), computed as
     one ``bmm`` over tiles of :data:`ROW_TILE` rows: the same GEMM shape whatever the row count.
-    Differentiable (the backward is not batch-invariant: only the forward's values must be)."""
+    Differentiable: the backward is ``F.linear``'s (the same two matmuls; only the forward's
+    values must be invariant, a gradient is a gradient of the same function)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Linear.apply(x, weight)
+    return _linear(x, weight)
+
+
+class _Linear(torch.autograd.Function):
+    """:func:`_linear` forward, ``F.linear``'s backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = (g @ weight.to(g.dtype)).view(x.shape).to(x.dtype) \
+            if ctx.needs_input_grad[0] else None
+        grad_w = (g.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype) \
+            if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     n = rows.shape[0]
@@ -72,6 +98,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
               scale: float) -> torch.Tensor:
+    """:func:`_attention` (see there); differentiable, the backward SDPA's on the same inputs
+    (the same function: only the forward's values must be invariant)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, allowed, scale)
+    return _attention(q, k, v, allowed, scale)
+
+
+class _Attention(torch.autograd.Function):
+    """:func:`_attention` forward; backward through ``F.scaled_dot_product_attention``
+    recomputed on the saved inputs (a query without any key, whose output is 0, is given every
+    key there: none occurs in a causal row)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, allowed, scale):
+        ctx.save_for_backward(q, k, v, allowed)
+        ctx.scale = scale
+        return _attention(q, k, v, allowed, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, allowed = ctx.saved_tensors
+        mask = allowed | ~allowed.any(-1, keepdim=True)
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need)
+                      for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+            out = F.scaled_dot_product_attention(
+                inputs[0], inputs[1].transpose(1, 2), inputs[2].transpose(1, 2),
+                attn_mask=mask.unsqueeze(1), scale=ctx.scale,
+                enable_gqa=q.shape[1] != k.shape[2])
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+               scale: float) -> torch.Tensor:
     """``[B, np, Lq, hn]``: queries ``q [B, np, Lq, hn]`` over keys and values ``k, v [B, Lk, ng,
     hn]`` (key ``j`` of row ``b`` at position ``j`` of its sequence; masked slots must hold
     finite values) under ``allowed [B, Lq | 1, Lk]`` (True: attend); query head ``i`` reads key
@@ -193,19 +255,22 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
     wants a grouped kernel with fixed tiles). Differentiable."""
     n, k = x.shape
     device = x.device
-    counts_t = torch.tensor(counts, device=device)
-    tiles = (counts_t + ROW_TILE - 1) // ROW_TILE  # [E]
-    n_tiles = int(tiles.sum())
+    # per tile (host ints: a handful of experts' tiles): its expert, first row and row limit
+    experts_of, starts, limits, first = [], [], [], 0
+    for e, c in enumerate(counts):
+        for t in range(0, c, ROW_TILE):
+            experts_of.append(e)
+            starts.append(first + t)
+            limits.append(first + c)
+        first += c
+    n_tiles = len(experts_of)
     if n_tiles == 0:
         return x.new_zeros(0, weights.shape[1]) + 0 * weights.sum()  # (a graph to the weights)
-    expert_of_tile = torch.repeat_interleave(torch.arange(len(counts), device=device), tiles)
-    slot = torch.arange(n_tiles * ROW_TILE, device=device)
-    e = expert_of_tile.repeat_interleave(ROW_TILE)  # [slots]
-    first_slot = (torch.cumsum(tiles, 0) - tiles) * ROW_TILE  # [E]
-    first_row = torch.cumsum(counts_t, 0) - counts_t
-    offset = slot - first_slot[e]
-    real = offset < counts_t[e]
-    index = torch.where(real, first_row[e] + offset, n)  # pads read the zero row n
+    expert_of_tile = torch.tensor(experts_of, device=device)
+    slot = (torch.tensor(starts, device=device)[:, None]
+            + torch.arange(ROW_TILE, device=device)[None, :])  # [tiles, T]: the row of a slot
+    real = (slot < torch.tensor(limits, device=device)[:, None]).view(-1)
+    index = torch.where(real, slot.view(-1), n)  # pads read the zero row n
     rows = torch.cat((x, x.new_zeros(1, k))).index_select(0, index)
     w = weights.index_select(0, expert_of_tile).to(x.dtype)  # [tiles, O, K]
     out = torch.bmm(rows.view(n_tiles, ROW_TILE, k), w.transpose(1, 2))
