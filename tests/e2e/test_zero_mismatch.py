@@ -31,12 +31,19 @@ def assert_zero_mismatch(metrics):
         assert rates and all(v == 0.0 for v in rates.values()), rates
 
 
+@pytest.fixture(scope="module")
+def fp32_on(tmp_path_factory):
+    """The fp32 run with the mode on (packed training, free routing): shared by two tests."""
+    return run_metrics(tmp_path_factory.mktemp("zero") / "on", *ON)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero_mismatch_every_step(tmp_path, precision):
+def test_zero_mismatch_every_step(tmp_path, precision, request):
     """Packed training, then padded rows (fp32); the mode off beside it: its tokens differ."""
     cli = BF16_CLI if precision == "bf16" else CLI
     extra = ["--precision.bf16=true"] if precision == "bf16" else []
-    on = run_metrics(tmp_path / "on", *ON, *extra, cli=cli)
+    on = (request.getfixturevalue("fp32_on") if precision == "fp32"
+          else run_metrics(tmp_path / "on", *ON, *extra, cli=cli))
     assert_zero_mismatch(on)
     off = run_metrics(tmp_path / "off", "--trainer.eval_interval=0", *extra, cli=cli)
     print(f"MEASURED {precision} mode off: tokens_differ "
@@ -47,10 +54,10 @@ def test_zero_mismatch_every_step(tmp_path, precision):
         assert_zero_mismatch(run_metrics(tmp_path / "padded", *ON, *PADDED))
 
 
-def test_r3_changes_nothing_at_the_first_update(tmp_path):
+def test_r3_changes_nothing_at_the_first_update(tmp_path, fp32_on):
     """With zero mismatch the rollout's routes are the ones the trainer's forward takes anyway,
     so replaying them (R3) leaves the first update bitwise unchanged."""
-    free = run_metrics(tmp_path / "free", *ON)
+    free = fp32_on
     r3 = run_metrics(tmp_path / "r3", *ON, "--routing.replay=r3")
     for key in ("loss/policy", "optim/grad_norm", "clip/fraction", "kl/rollout_vs_train"):
         assert free[0][key] == r3[0][key], key

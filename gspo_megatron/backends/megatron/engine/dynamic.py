@@ -171,6 +171,12 @@ class DynamicRollout:
                                   decode_steps_per_sync, decode_cuda_graphs, decode_experts,
                                   self.coupled, decode_round_cost_rows)
         """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
+        if self.fast is None and bi.enabled(getattr(self.wrapper.model, "config", None)):
+            # (the config refuses the layouts it knows, sharded decoding experts included;
+            # this is the model-level rest)
+            raise RuntimeError(
+                "precision.batch_invariant: this rollout would decode through Megatron's "
+                "forward (its kernels are not the invariant ones); see the WARNING above")
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
         self.kv_bytes = self._kv_bytes()

@@ -44,6 +44,8 @@ ROW_TILE = 32
 """Rows per matmul tile (:func:`linear`): every GEMM is ``[ROW_TILE, K] x [K, N]``."""
 KEY_CHUNK = 16
 """Key positions per attention chunk (:func:`attention`)."""
+QUERY_TILE = 4
+"""Query rows (of one key head) per attention tile (:func:`attention`)."""
 VOCAB_CHUNK = 256
 """Vocabulary columns per log-sum-exp chunk (:func:`token_logprobs`)."""
 
@@ -138,11 +140,13 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     hn]`` (key ``j`` of row ``b`` at position ``j`` of its sequence; masked slots must hold
     finite values) under ``allowed [B, Lq | 1, Lk]`` (True: attend); query head ``i`` reads key
     head ``i // (np / ng)`` (Megatron's order). Each query's value depends only on its own
-    vector, its keys and values by position and the constants: in fp32 (the output in ``q``'s
-    dtype), the scores ``s_j = (q . k_j) scale`` (a product and a reduction over ``hn``), ``m`` =
-    their max (exact), ``p = exp(s - m)`` (exact zeros where masked), and per chunk of
-    :data:`KEY_CHUNK` positions the sums of ``p`` and of ``p v`` as fixed-length reductions,
-    added chunk after chunk (the chunks past a query's keys add exact zeros)."""
+    vector, its keys and values by position and the constants. In fp32 (the output in ``q``'s
+    dtype), with each key head's query rows in tiles of :data:`QUERY_TILE` and its keys in chunks
+    of :data:`KEY_CHUNK` (both zero-padded): the scores of a (tile, chunk) as one fixed
+    ``[QUERY_TILE, hn] x [hn, KEY_CHUNK]`` GEMM, ``m`` = a query's max score (exact), ``p =
+    exp(s - m)`` (exact zeros where masked), a chunk's sum of ``p`` a fixed-length reduction and
+    its ``p v`` a fixed ``[QUERY_TILE, KEY_CHUNK] x [KEY_CHUNK, hn]`` GEMM, the chunks added one
+    after the other (those past a query's keys add exact zeros)."""
     B, np_, Lq, hn = q.shape
     Lk, ng = k.shape[1], k.shape[2]
     r = np_ // ng
@@ -152,27 +156,38 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
         v = torch.cat((v, v.new_zeros(B, pad, ng, hn)), dim=1)
         allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], pad)), dim=2)
     Lk = k.shape[1]
-    chunks = Lk // KEY_CHUNK
+    nc = Lk // KEY_CHUNK
+    rows = r * Lq  # each key head's query rows: head j of its group, query l at j Lq + l
+    qpad = (-rows) % QUERY_TILE
+    nq = (rows + qpad) // QUERY_TILE
     allowed = allowed.expand(B, Lq, Lk)
-    # [B, ng, r Lq, Lk]: folded row j Lq + l (head j of the group, query l) carries query l's row
-    mask = allowed.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, r * Lq, Lk)
-    qf = q.float().reshape(B, ng, r * Lq, 1, hn)  # query heads folded by key head
-    # (operands laid out so that each broadcast product is born contiguous: the reductions
-    # below then read it in the one layout, and no copy of the product is made)
-    kf = k.float().permute(0, 2, 1, 3).contiguous().unsqueeze(2)  # [B, ng, 1, Lk, hn]
-    s = (qf * kf).contiguous().sum(-1) * scale  # [B, ng, r Lq, Lk]
+    mask = allowed.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, rows, Lk)
+    qf = q.float().reshape(B, ng, rows, hn)
+    if qpad:  # pad rows: zero queries that attend every slot (finite; dropped at the end)
+        qf = torch.cat((qf, qf.new_zeros(B, ng, qpad, hn)), dim=2)
+        mask = torch.cat((mask, mask.new_ones(B, 1, qpad, Lk)), dim=2)
+    kf = k.float().permute(0, 2, 1, 3)  # [B, ng, Lk, hn]
+    vf = v.float().permute(0, 2, 1, 3)
+    # [B ng nq nc] fixed GEMMs: each (query tile, key chunk) pair
+    qt = qf.reshape(B, ng, nq, 1, QUERY_TILE, hn).expand(B, ng, nq, nc, QUERY_TILE, hn)
+    kt = kf.reshape(B, ng, 1, nc, KEY_CHUNK, hn).expand(B, ng, nq, nc, KEY_CHUNK, hn)
+    s = torch.bmm(qt.reshape(-1, QUERY_TILE, hn), kt.reshape(-1, KEY_CHUNK, hn).transpose(1, 2))
+    s = s.view(B, ng, nq, nc, QUERY_TILE, KEY_CHUNK).permute(0, 1, 2, 4, 3, 5)
+    s = s.reshape(B, ng, nq * QUERY_TILE, Lk) * scale  # [B, ng, rows', Lk], key order
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a query with no key: output 0
-    p = torch.exp(s - m)  # [B, ng, r Lq, Lk]
-    sums = p.view(B, ng, r * Lq, chunks, KEY_CHUNK).sum(-1)  # [B, ng, r Lq, chunks]
-    vf = v.float().permute(0, 2, 3, 1).contiguous().unsqueeze(2)  # [B, ng, 1, hn, Lk]
-    pv = (p.unsqueeze(3) * vf).contiguous()  # [B, ng, r Lq, hn, Lk]
-    pv = pv.view(B, ng, r * Lq, hn, chunks, KEY_CHUNK).sum(-1)  # [B, ng, r Lq, hn, chunks]
-    total, out = sums[..., 0], pv[..., 0]
-    for c in range(1, chunks):  # fixed order: chunk after chunk
-        total, out = total + sums[..., c], out + pv[..., c]
-    total = total.unsqueeze(-1)
+    p = torch.exp(s - m)  # [B, ng, rows', Lk]
+    sums = p.view(B, ng, nq * QUERY_TILE, nc, KEY_CHUNK).sum(-1)  # [B, ng, rows', nc]
+    pt = p.view(B, ng, nq, QUERY_TILE, nc, KEY_CHUNK).permute(0, 1, 2, 4, 3, 5)
+    vt = vf.reshape(B, ng, 1, nc, KEY_CHUNK, hn).expand(B, ng, nq, nc, KEY_CHUNK, hn)
+    pv = torch.bmm(pt.reshape(-1, QUERY_TILE, KEY_CHUNK), vt.reshape(-1, KEY_CHUNK, hn))
+    pv = pv.view(B, ng, nq, nc, QUERY_TILE, hn)
+    total, out = sums[..., 0], pv[:, :, :, 0]
+    for c in range(1, nc):  # fixed order: chunk after chunk
+        total, out = total + sums[..., c], out + pv[:, :, :, c]
+    out = out.reshape(B, ng, nq * QUERY_TILE, hn)[:, :, :rows]
+    total = total[:, :, :rows].unsqueeze(-1)
     out = out / torch.where(total > 0, total, torch.ones_like(total))
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
 
