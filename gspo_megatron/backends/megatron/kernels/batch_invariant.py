@@ -16,8 +16,8 @@ Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py --pr
 * **attention**: SDPA over a KV cache (one query) and over a packed row (a causal block) reduce
   the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks of
   ``KEY_CHUNK`` positions (the chunks' partial sums added left to right; chunks past the query's
-  keys add exact zeros), with the scores and the value sums as elementwise products and
-  fixed-length reductions over contiguous memory.
+  keys add exact zeros), the scores and the value sums of a (``QUERY_TILE`` queries,
+  ``KEY_CHUNK`` keys) pair as GEMMs of one fixed shape.
 * **log-softmax**: the engine's ``torch.log_softmax`` and the trainer's chunked log-sum-exp are
   different formulas. :func:`token_logprobs` is both: max (exact), ``exp`` and the sum in fixed
   vocabulary chunks of ``VOCAB_CHUNK`` added left to right.
