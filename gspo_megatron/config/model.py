@@ -281,8 +281,8 @@ class PrecisionConfig(Section, name="precision"):
     (:mod:`gspo_megatron.backends.megatron.kernels.batch_invariant`): the rollout's log-probs
     and routes are bitwise the trainer's (``mismatch/tokens_differ`` 0, ``kl/rollout_vs_train``
     0.0) while the weights are the rollout's. Needs the local spec with this project's kernels,
-    TP = CP = PP = 1 and the dynamic engine's step function; costs ~1.1-1.5x a step on CPU
-    (docs/routing.md)."""
+    TP = CP = PP = 1 and the dynamic engine's step function; costs ~1.7x a rollout and ~1.4x a
+    training phase on the tiny model on CPU (docs/routing.md)."""
 
     def _problems(self) -> Iterator[Problem]:
         if self.fp8 is not None and self.transformer_impl == "local":
