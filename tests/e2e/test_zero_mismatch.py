@@ -68,3 +68,14 @@ def test_zero_mismatch_expert_and_data_parallel(tmp_path):
     """EP = 2 on two ranks (so DP = 2 too), packed, the experts replicated for decoding."""
     assert_zero_mismatch(run_metrics(tmp_path / "ep2", *ON, "--parallel.expert_model_parallel_size=2",
                                      "--rollout.decode_experts=replicated", nproc=2))
+
+
+def test_partial_rollouts_count_the_older_weights_tokens_apart(tmp_path):
+    """Partial rollouts: the tokens the step's own weights sampled differ in none; the carried
+    prefixes, sampled by older weights, are counted apart (and are where the KL comes from)."""
+    metrics = run_metrics(tmp_path / "partial", *ON, "--rollout.partial_rollouts=true",
+                          "--trainer.steps=4")
+    assert all(m["mismatch/tokens_differ"] == 0.0 for m in metrics)
+    carried = [m for m in metrics if m["rollout/partial_carried_share"] > 0]
+    assert carried and all(m["mismatch/tokens_differ_stale"] > 0 for m in carried)
+    assert all(m["kl/rollout_vs_train"] == 0.0 for m in metrics if m not in carried)
