@@ -48,7 +48,8 @@ def test_zero_mismatch_every_step(tmp_path, precision, request):
     off = run_metrics(tmp_path / "off", "--trainer.eval_interval=0", *extra, cli=cli)
     print(f"MEASURED {precision} mode off: tokens_differ "
           f"{[m['mismatch/tokens_differ'] for m in off]} of "
-          f"{[m['response/num_tokens'] for m in off]}, kl {[m['kl/rollout_vs_train'] for m in off]}")
+          f"{[m['response/num_tokens'] for m in off]}, "
+          f"kl {[m['kl/rollout_vs_train'] for m in off]}")
     assert sum(m["mismatch/tokens_differ"] for m in off) > 0
     if precision == "fp32":
         assert_zero_mismatch(run_metrics(tmp_path / "padded", *ON, *PADDED))
@@ -66,7 +67,8 @@ def test_r3_changes_nothing_at_the_first_update(tmp_path, fp32_on):
 @pytest.mark.distributed
 def test_zero_mismatch_expert_and_data_parallel(tmp_path):
     """EP = 2 on two ranks (so DP = 2 too), packed, the experts replicated for decoding."""
-    assert_zero_mismatch(run_metrics(tmp_path / "ep2", *ON, "--parallel.expert_model_parallel_size=2",
+    assert_zero_mismatch(run_metrics(tmp_path / "ep2", *ON,
+                                     "--parallel.expert_model_parallel_size=2",
                                      "--rollout.decode_experts=replicated", nproc=2))
 
 

@@ -171,12 +171,11 @@ class DynamicRollout:
                                   decode_steps_per_sync, decode_cuda_graphs, decode_experts,
                                   self.coupled, decode_round_cost_rows)
         """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
-        if self.fast is None and bi.enabled(getattr(self.wrapper.model, "config", None)):
-            # (the config refuses the layouts it knows, sharded decoding experts included;
-            # this is the model-level rest)
-            raise RuntimeError(
-                "precision.batch_invariant: this rollout would decode through Megatron's "
-                "forward (its kernels are not the invariant ones); see the WARNING above")
+        self.invariant = bi.enabled(getattr(self.wrapper.model, "config", None))
+        """``precision.batch_invariant``: the sampler's log-probs by the trainer's function."""
+        if self.fast is None and self.invariant:
+            raise RuntimeError("precision.batch_invariant: this rollout would decode through "
+                               "Megatron's forward, not the invariant kernels (WARNING above)")
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
         self.kv_bytes = self._kv_bytes()
@@ -313,8 +312,7 @@ class DynamicRollout:
             # data-dependent kernel; the same distribution as Megatron's multinomial)
             graphs = self.fast is not None and self.fast.graphs is not None
             call = self.call = _Call(sp, self.controller.sampling_rng,
-                                     "gumbel" if graphs else "multinomial",
-                                     invariant=bi.enabled(getattr(self.wrapper.model, "config", None)))
+                                     "gumbel" if graphs else "multinomial", self.invariant)
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
                     call.join(held[i], prompt, budget)
