@@ -249,6 +249,8 @@ def invariant_errors(cfg: TrainConfig) -> list[str]:
         f"rollout.precision={ro.precision!r}": ro.precision not in (
             "auto", "bf16" if pr.bf16 else "fp32"),
         f"rollout.router_noise_std={ro.router_noise_std}": ro.router_noise_std > 0,
+        # (the invariant experts read their tile counts on the host: no graph can hold them)
+        "rollout.decode_cuda_graphs=true": ro.decode_cuda_graphs,
         f"parallel.expert_model_parallel_size={par.expert_model_parallel_size} with "
         f"rollout.decode_experts={ro.decode_experts!r}": par.expert_model_parallel_size > 1
         and ro.decode_experts != "replicated",
