@@ -17,7 +17,8 @@ Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py --pr
   the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks of
   ``KEY_CHUNK`` positions (the chunks' partial sums added left to right; chunks past the query's
   keys add exact zeros), the scores and the value sums of a (``QUERY_TILE`` queries,
-  ``KEY_CHUNK`` keys) pair as GEMMs of one fixed shape.
+  ``KEY_CHUNK`` keys) pair as GEMMs of one fixed shape (2 queries: the GQA groups of the tiny
+  model exactly, no padded row in its decoding step).
 * **log-softmax**: the engine's ``torch.log_softmax`` and the trainer's chunked log-sum-exp are
   different formulas. :func:`token_logprobs` is both: max (exact), ``exp`` and the sum in fixed
   vocabulary chunks of ``VOCAB_CHUNK`` added left to right.
@@ -44,7 +45,7 @@ ROW_TILE = 32
 """Rows per matmul tile (:func:`linear`): every GEMM is ``[ROW_TILE, K] x [K, N]``."""
 KEY_CHUNK = 16
 """Key positions per attention chunk (:func:`attention`)."""
-QUERY_TILE = 4
+QUERY_TILE = 2
 """Query rows (of one key head) per attention tile (:func:`attention`)."""
 VOCAB_CHUNK = 256
 """Vocabulary columns per log-sum-exp chunk (:func:`token_logprobs`)."""
