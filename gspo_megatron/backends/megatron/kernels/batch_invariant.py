@@ -23,8 +23,9 @@ Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py --pr
   different formulas. :func:`token_logprobs` is both: max (exact), ``exp`` and the sum in fixed
   vocabulary chunks of ``VOCAB_CHUNK`` added left to right.
 * **experts**: a grouped GEMM's (or a dense ``bmm``'s) blocking follows the tokens per expert.
-  :func:`experts` runs each expert's rows through :func:`linear` and adds a token's ``k`` expert
-  outputs in ascending expert index.
+  :func:`expert_linear` runs each expert's rows in whole ``ROW_TILE`` tiles (one ``bmm`` of one
+  shape for all experts), and :func:`experts` adds a token's ``k`` expert outputs in ascending
+  expert index.
 * **router**: its gating GEMM through :func:`linear`; the softmax and ``torch.topk`` that follow
   are per row (the same function of a row in Megatron's router and the decoding step: ties
   go the same way in both; that they go to the lower expert index is ``torch.topk``'s behaviour,
