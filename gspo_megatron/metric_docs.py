@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 #: The namespaces of step metrics (the part before the first ``/``), in the reference's order.
 NAMESPACES: tuple[str, ...] = (
-    "reward", "response", "loss", "clip", "gate", "ratio", "kl", "entropy", "correction", "optim",
-    "moe", "sampling", "rollout", "env", "eval", "routing", "perf", "faults",
+    "reward", "response", "loss", "clip", "gate", "ratio", "kl", "mismatch", "entropy", "correction",
+    "optim", "moe", "sampling", "rollout", "env", "eval", "routing", "perf", "faults",
 )
 
 
@@ -109,6 +109,13 @@ METRICS: tuple[MetricDoc, ...] = (
     MetricDoc("kl/rollout_vs_train", "k3 KL between the rollout engine's log-probs and the trainer's "
               "old-policy pass on the step's batch: the rollout/training mismatch (below 2e-12 on "
               "CPU in fp32)."),
+    MetricDoc("mismatch/tokens_differ", "Response tokens of the step whose rollout and training "
+              "(old-policy pass) log-probs differ at all, bitwise: 0 on every step under "
+              "`precision.batch_invariant` (zero mismatch); with partial rollouts, over the tokens "
+              "the step's own weights sampled."),
+    MetricDoc("mismatch/tokens_differ_stale", "The same count over the tokens a partial rollout "
+              "sampled by older weights (off-policy by design: counted apart).",
+              "`rollout.partial_rollouts`"),
     MetricDoc("entropy/mean", "Token-mean entropy of the policy over the scored tokens."),
     # correction/*: algorithms/rollout_correction.py.
     MetricDoc("correction/weight_mean", "Mean mismatch-correction weight `w = pi_old / pi_rollout` "

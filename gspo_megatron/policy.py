@@ -154,6 +154,10 @@ HELD_REQUEST_KEY = "held_request"
 """``RolloutSample.extra`` of an aborted response the engine holds (``GroupStop.hold_cut``): its
 request id there, for :attr:`GroupStop.continue_ids`."""
 
+STALE_TOKENS_KEY = "stale_tokens"
+"""``RolloutSample.extra`` of a partial rollout's response: how many of its first tokens were
+sampled by older weights than the step's (``mismatch/tokens_differ_stale`` counts them apart)."""
+
 
 @dataclass
 class RolloutSample:

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from gspo_megatron.algorithms import rollout_mismatch
+from gspo_megatron.algorithms.objectives import stale_mask, tokens_differ
 from gspo_megatron.algorithms.pass_at_k import pass_at_k_ladder, sampled_eval_metrics
 from gspo_megatron.config import TrainConfig, token_budget
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
@@ -316,6 +317,8 @@ class Trainer:
         if train_lp is not None:
             extra["kl/rollout_vs_train"] = rollout_mismatch(train_lp, batch.rollout_logprobs,
                                                             batch.response_mask)
+            extra.update(tokens_differ(train_lp, batch.rollout_logprobs, batch.response_mask,
+                                       stale_mask(samples, batch.response_mask)))
             batch.old_logprobs = (batch.rollout_logprobs if cfg.trainer.old_logprobs == "rollout"
                                   else train_lp)
         if self.reference is not None:

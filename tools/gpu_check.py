@@ -28,6 +28,11 @@ GPU; the first H200 run took 115 s for all of them at N = 8), then the timed one
                    scales; Hopper), with every GEMM dequantized to bf16, and bf16's; greedy tokens
                    against bf16's; the GEMMs alone at the slice's shapes. ``tiny_fp8_rollout``: the
                    tiny fp32 trainer sampling from FP8 weights with R3.
+``tiny_zero_mismatch`` ``precision.batch_invariant`` on the tiny bf16 run (free routing, the
+                   rollout's routes compared with the trainer's): every step's
+                   ``mismatch/tokens_differ``, ``kl/rollout_vs_train`` and
+                   ``routing/rollout/change_rate``, then the same run with the mode off; the
+                   verdict and the cost on / off in ``zero_mismatch``.
 ``slice_rl``       examples/configs/gpu_qwen3_slice_rl.yaml: a 1.87B-parameter Qwen3-30B-A3B-shaped
                    slice, bf16, dynamic engine, R2, 2 RL steps + checkpoint, then resumed for one
                    more; step breakdown and peak memory per phase. ``slice_rl_megatron_modules``:
@@ -115,6 +120,35 @@ class Stage:
     """Commands (by index) that are killed on purpose (``GSPO_FAULT``): any exit code goes on."""
 
 
+ZERO_MISMATCH = ("--routing.replay=none", "--routing.diagnostics=true",
+                 "--routing.replay_gap=false")
+"""``tiny_zero_mismatch``'s settings beside the mode: free routing, the rollout's routes compared
+with the trainer's (``routing/rollout/*``)."""
+
+
+def zero_mismatch_summary(on: dict, off: dict) -> dict:
+    """``tiny_zero_mismatch``'s verdict from the two runs' :func:`run_figures`: tokens differing
+    and ``kl/rollout_vs_train`` per step with the mode on and off, whether every step of the mode
+    is 0 / 0.0 / routes equal, and the cost (median step, rollout and update seconds on / off)."""
+    import statistics
+
+    def med(figs, key):
+        vals = figs.get(key) or []
+        return statistics.median(vals) if vals else None
+
+    out = {side: {k: figs.get(k) for k in ("mismatch/tokens_differ", "kl/rollout_vs_train",
+                                            "routing/rollout/change_rate")}
+           for side, figs in (("on", on), ("off", off))}
+    differ = on.get("mismatch/tokens_differ") or [None]
+    out["zero"] = (all(v == 0 for v in differ)
+                   and all(v == 0.0 for v in on.get("kl/rollout_vs_train") or [None])
+                   and all(v == 0.0 for v in on.get("routing/rollout/change_rate") or [0.0]))
+    for key in ("perf/step_s", "perf/rollout_s", "perf/update_s"):
+        a, b = med(on, key), med(off, key)
+        out[f"{key}_on_vs_off"] = a / b if a is not None and b else None
+    return out
+
+
 def _tiny(run_dir: str, *extra: str, size: str = "full") -> list[str]:
     """The demo recipe on the GPU: bf16, dynamic engine, R2, short (``smoke``: 2 RL steps)."""
     steps = (["--sft.steps=5", "--trainer.steps=2", "--trainer.eval_interval=2",
@@ -192,6 +226,12 @@ def stages(work: str, size: str = "full") -> list[Stage]:
               timed=True),
         Stage("tiny_fp8_rollout", [tiny("tiny_fp8_rollout", "--precision.bf16=false",
                                         "--rollout.precision=fp8", "--routing.replay=r3")], 300),
+        # Zero mismatch (precision.batch_invariant) in bf16: every step's mismatch/tokens_differ
+        # (0 on CPU), kl/rollout_vs_train and routing/rollout/change_rate, then the same run with
+        # the mode off (its figures beside: the cost, perf/*, and the mismatch it removes).
+        Stage("tiny_zero_mismatch", [
+            tiny("tiny_zero_mismatch", *ZERO_MISMATCH, "--precision.batch_invariant=true"),
+            tiny("tiny_zero_mismatch_off", *ZERO_MISMATCH)], 400, timed=True),
         # The slice's RL steps with Megatron's own local-spec modules (the local kernels, SDPA
         # attention and grouped expert GEMMs, are the default: 7.8x in a training pass and 8.4x
         # in a decoding step on the H200, 2026-11-27): the comparison.
@@ -334,7 +374,8 @@ def run_figures(run_dir: str) -> dict:
             "perf/train_peak_mem_gib", "response/mean_length", "ratio/first_minibatch_max_abs_log",
             "clip/first_minibatch_fraction",
             "routing/drift/after_1_updates", "routing/drift/after_3_updates",
-            "routing/rollout/change_rate", "routing/rollout/token_change_rate")
+            "routing/rollout/change_rate", "routing/rollout/token_change_rate",
+            "mismatch/tokens_differ")
     out: dict = {"steps": [r.get("step") for r in rows]}
     for k in keys:
         vals = [r[k] for r in rows if k in r]
@@ -552,6 +593,10 @@ def main(argv: list[str] | None = None) -> int:
             if recs.get(name, {}).get("rc") == 0 and recs.get("tiny_dynamic", {}).get("rc") == 0:
                 recs[name]["vs_tiny_dynamic"] = compare_metrics(
                     os.path.join(work, "tiny_dynamic"), os.path.join(work, name))
+        if recs.get("tiny_zero_mismatch", {}).get("figures"):
+            recs["tiny_zero_mismatch"]["zero_mismatch"] = zero_mismatch_summary(
+                recs["tiny_zero_mismatch"]["figures"],
+                run_figures(os.path.join(work, "tiny_zero_mismatch_off")))
         if (recs.get("tiny_separate_buckets", {}).get("rc") == 0
                 and recs.get("tiny_dynamic", {}).get("rc") == 0):
             recs["tiny_separate_buckets"]["k0_vs_tiny_dynamic"] = compare_metrics(

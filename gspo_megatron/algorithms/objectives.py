@@ -149,6 +149,30 @@ class NLLObjective:
         return loss, {"loss/sft_nll": loss.detach()}
 
 
+def tokens_differ(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor,
+                  stale: torch.Tensor | None = None) -> dict[str, float]:
+    """``mismatch/tokens_differ``: the response tokens (``mask [B, T]`` bool) whose rollout and
+    training log-probs (``[B, T]``) differ at all (bitwise), and ``mismatch/tokens_differ_stale``
+    the same count over the tokens of ``stale [B, T]`` (sampled by older weights: a partial
+    rollout's carried prefix), which the first excludes."""
+    differ = (train_lp != rollout_lp) & mask
+    if stale is None:
+        return {"mismatch/tokens_differ": float(differ.sum())}
+    return {"mismatch/tokens_differ": float((differ & ~stale).sum()),
+            "mismatch/tokens_differ_stale": float((differ & stale).sum())}
+
+
+def stale_mask(samples, response_mask: torch.Tensor) -> torch.Tensor | None:
+    """``[B, T]`` bool: the first ``extra["stale_tokens"]`` response tokens of each sample
+    (row ``i`` of ``response_mask`` is ``samples[i]``'s), the ones a partial rollout sampled by
+    older weights; None when no sample carries the count (no partial rollouts)."""
+    counts = [s.extra.get("stale_tokens") for s in samples]
+    if all(c is None for c in counts):
+        return None
+    counts = torch.tensor([c or 0 for c in counts], device=response_mask.device)
+    return response_mask & (response_mask.long().cumsum(1) <= counts[:, None])
+
+
 def rollout_mismatch(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> float:
     """k3 KL estimate between the rollout engine's and the trainer's log-probs on response tokens,
     ``E[exp(d) - d - 1]`` with ``d = log p_train - log p_rollout`` (0 when they agree), in

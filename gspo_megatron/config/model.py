@@ -272,6 +272,18 @@ class PrecisionConfig(Section, name="precision"):
     true = on; false = Megatron's own modules, for comparison or debugging (packed training
     without TE needs them)."""
 
+    batch_invariant: bool = False
+    """Zero mismatch: every per-token value of the forward (matmuls in fixed row tiles, attention
+    over keys in fixed chunks, the router, the experts added in expert order, the log-softmax in
+    fixed vocabulary chunks) is computed in an order independent of the batch, the packing and of
+    whether it runs in the rollout's decoding step or the training forward, with one
+    implementation of each op shared by both
+    (:mod:`gspo_megatron.backends.megatron.kernels.batch_invariant`): the rollout's log-probs
+    and routes are bitwise the trainer's (``mismatch/tokens_differ`` 0, ``kl/rollout_vs_train``
+    0.0) while the weights are the rollout's. Needs the local spec with this project's kernels,
+    TP = CP = PP = 1 and the dynamic engine's step function; costs ~1.7x a rollout and ~1.4x a
+    training phase on the tiny model on CPU (docs/routing.md)."""
+
     def _problems(self) -> Iterator[Problem]:
         if self.fp8 is not None and self.transformer_impl == "local":
             yield self._problem(("fp8", "transformer_impl"), (

@@ -153,7 +153,8 @@ def layout_errors(cfg: TrainConfig, world_size: int) -> tuple[int, list[str]]:
     dp, errors = parallel_layout_errors(cfg.parallel, cfg.model, trainer_world,
                                         rollout_engine=cfg.rollout.engine)
     errors += _placement_errors(cfg, world_size, dp)
-    errors += _batch_errors(cfg, dp, world_size) + _engine_errors(cfg) + _packing_errors(cfg)
+    errors += (_batch_errors(cfg, dp, world_size) + _engine_errors(cfg) + _packing_errors(cfg)
+               + invariant_errors(cfg))
     return dp, errors
 
 
@@ -216,6 +217,48 @@ def _engine_errors(cfg: TrainConfig) -> list[str]:
                 f"request of model.seq_length={m.seq_length} tokens: it needs "
                 f"{need / 1024 ** 3:.3g} GB of paged KV cache per rank")
     return errors
+
+
+def invariant_errors(cfg: TrainConfig) -> list[str]:
+    """``precision.batch_invariant`` against the layouts whose rollout and training forward
+    cannot share one order of reduction: one line per blocking field. Tensor and context
+    parallelism split a token's sums (vocabulary, heads, keys) over ranks, reduced by a
+    collective whose order is the library's; pipeline parallelism and the engine paths through
+    Megatron's forward (static engine, ``decode_steps_per_sync: 0``, sharded decoding experts)
+    decode with kernels other than the step function's; Transformer Engine and Megatron's own
+    modules are not the invariant kernels; other rollout numerics differ by design."""
+    pr, par, ro = cfg.precision, cfg.parallel, cfg.rollout
+    if not pr.batch_invariant:
+        return []
+    head = "precision.batch_invariant needs"
+    blocked = {
+        "precision.transformer_impl='transformer_engine'": pr.transformer_impl
+        == "transformer_engine",
+        f"precision.fp8={pr.fp8!r}": pr.fp8 is not None,
+        "precision.local_kernels=false": pr.local_kernels is False,
+        f"parallel.tensor_model_parallel_size={par.tensor_model_parallel_size}":
+            par.tensor_model_parallel_size > 1,
+        f"parallel.context_parallel_size={par.context_parallel_size}":
+            par.context_parallel_size > 1,
+        f"parallel.pipeline_model_parallel_size={par.pipeline_model_parallel_size}":
+            par.pipeline_model_parallel_size > 1,
+        f"parallel.expert_tensor_parallel_size={par.expert_tensor_parallel_size}":
+            (par.expert_tensor_parallel_size or 1) > 1,
+        "rollout.engine='static'": ro.engine == "static",
+        "rollout.decode_steps_per_sync=0": ro.decode_steps_per_sync == 0,
+        f"rollout.precision={ro.precision!r}": ro.precision not in (
+            "auto", "bf16" if pr.bf16 else "fp32"),
+        f"rollout.router_noise_std={ro.router_noise_std}": ro.router_noise_std > 0,
+        # (the invariant experts read their tile counts on the host: no graph can hold them)
+        "rollout.decode_cuda_graphs=true": ro.decode_cuda_graphs,
+        f"parallel.expert_model_parallel_size={par.expert_model_parallel_size} with "
+        f"rollout.decode_experts={ro.decode_experts!r}": par.expert_model_parallel_size > 1
+        and ro.decode_experts != "replicated",
+    }
+    return [f"{head} the local kernels, TP = CP = PP = 1 (expert TP 1), the dynamic engine's "
+            f"step function for prefill and decoding (rollout.decode_experts='replicated' under "
+            f"EP) and the trainer's numerics in the rollout; got {name}"
+            for name, bad in blocked.items() if bad]
 
 
 def _packing_blocker(cfg: TrainConfig) -> str | None:
@@ -394,7 +437,10 @@ def _multi_turn_errors(cfg: TrainConfig, search_dirs: Sequence[str]) -> list[str
     for field_name, value, bad in (("rollout.engine", ro.engine, ro.engine == "static"),
                                    ("rollout.placement", ro.placement, ro.placement != "colocated"),
                                    ("rollout.partial_rollouts", ro.partial_rollouts,
-                                    ro.partial_rollouts)):
+                                    ro.partial_rollouts),
+                                   # (turns decode through Megatron's forward, per step)
+                                   ("precision.batch_invariant", cfg.precision.batch_invariant,
+                                    cfg.precision.batch_invariant)):
         if bad:
             errors.append(f"multi_turn.env is set: {field_name}={value!r} is not supported with "
                           "multi-turn rollouts yet (the dynamic engine, colocated, without "

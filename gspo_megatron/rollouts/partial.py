@@ -33,10 +33,12 @@ same requests. Nothing here imports Megatron.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gspo_megatron.policy import HELD_REQUEST_KEY, Generator, GroupStop, RolloutSample
+from gspo_megatron.policy import (HELD_REQUEST_KEY, STALE_TOKENS_KEY, Generator, GroupStop,
+                                  RolloutSample)
 
 
 @dataclass
@@ -134,6 +136,7 @@ class PartialRollouts:
                                  budgets=[self.max_new_tokens - len(r.tokens)
                                           for _, r in running], stop=stop)
         for (g, r), sample in zip(running, out, strict=True):
+            prior = len(r.tokens)  # written by older weights
             generated += len(sample.response_ids)
             if sample.response_ids and r.first_step is None:
                 r.first_step = step
@@ -143,14 +146,18 @@ class PartialRollouts:
             if sample.finish_reason != "aborted":
                 r.last_step = step
                 r.done = RolloutSample(list(g.prompt_ids), list(r.tokens), list(r.logprobs),
-                                       sample.finish_reason, sample.extra)
+                                       sample.finish_reason,
+                                       {**sample.extra, STALE_TOKENS_KEY: prior})
         ready = [g for g in self.groups if g.complete][:self.need]
         if len(ready) < self.need:
             raise RuntimeError(f"partial rollouts: {len(ready)} groups complete after the "
                                f"rollout, {self.need} needed")
         taken = {id(g) for g in ready}
         self.groups = [g for g in self.groups if id(g) not in taken]
-        samples = [r.done for g in ready for r in g.responses]
+        # a response finished at an earlier step: every token is the older weights'
+        samples = [r.done if r.last_step == step else dataclasses.replace(
+            r.done, extra={**r.done.extra, STALE_TOKENS_KEY: len(r.done.response_ids)})
+            for g in ready for r in g.responses]
         carried = sum(len(r.done.response_ids) for g in ready for r in g.responses
                       if r.first_step is not None and r.first_step < step)
         total = sum(len(s.response_ids) for s in samples)

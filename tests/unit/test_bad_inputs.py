@@ -81,6 +81,11 @@ CONFIG_CASES = [
     ("", ["--trainer.max_tokens_per_microbatch=16", "--trainer.logprob_micro_batch_size=8"], 1, r"trainer.logprob_micro_batch_size=8 scales trainer.max_tokens_per_microbatch=16 to 8 tokens for the log-prob passes, which cannot hold the longest sequence \(\d+\); raise it to at least trainer.micro_batch_size=16$"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--precision.transformer_impl=local", "--precision.local_kernels=false"], 1, r"trainer.max_tokens_per_microbatch=256 needs an attention kernel that packs: precision.local_kernels=false"),
     ("", ["--trainer.max_tokens_per_microbatch=256", "--routing.replay=r2", "--parallel.tensor_model_parallel_size=2"], 2, r"trainer.max_tokens_per_microbatch=256 with routing replay/diagnostics needs parallel.tensor_model_parallel_size=1, got 2"),
+    # zero mismatch: layouts whose rollout and training forward cannot share one order of sums
+    ("", ["--precision.batch_invariant=true", "--parallel.tensor_model_parallel_size=2"], 2, r"precision.batch_invariant needs the local kernels, TP = CP = PP = 1 .*; got parallel.tensor_model_parallel_size=2$"),
+    ("", ["--precision.batch_invariant=true", "--rollout.decode_steps_per_sync=0"], 1, r"precision.batch_invariant needs .*; got rollout.decode_steps_per_sync=0$"),
+    ("", ["--precision.batch_invariant=true", "--rollout.precision=bf16"], 1, r"precision.batch_invariant needs .*; got rollout.precision='bf16'$"),
+    ("", ["--precision.batch_invariant=true", "--parallel.expert_model_parallel_size=2"], 2, r"precision.batch_invariant needs .*; got parallel.expert_model_parallel_size=2 with rollout.decode_experts='auto'$"),
     # YaRN: a factor below 1 would shrink the context
     ("", ["--model.position_embedding_type=yarn", "--model.yarn_rotary_scaling_factor=0.5"], 1, r"model.yarn_rotary_scaling_factor: must be >= 1 \(YaRN extends the context\), got 0.5"),
     # chat template arguments: a mapping, for an HF tokenizer's template

@@ -91,6 +91,8 @@ def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
     assert gpu["met"] is None
     if "CPU code-path check" in gpu["rows"][-1]["metric"]:  # no CUDA: the slice code ran on CPU
         assert gpu["rows"][-1]["value"] > 0
+    zero = {r["metric"]: r["value"] for r in by_name["zero_mismatch"]["rows"]}
+    assert zero["mismatch/tokens_differ, mode on (last round)"] == 0
     table = format_table(report)
     for name in BENCHMARKS:
         assert name in table

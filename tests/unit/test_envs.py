@@ -207,6 +207,7 @@ def test_config_checks_of_multi_turn_and_reward_mixes(tmp_path):
     assert validate_config(load_config(recipe)) == 1
     for override, words in (("--rollout.partial_rollouts=true", "rollout.partial_rollouts=True"),
                             ("--rollout.engine=static", "rollout.engine='static'"),
+                            ("--precision.batch_invariant=true", "precision.batch_invariant=True"),
                             ("--multi_turn.env=nothing", "neither a built-in"),
                             ("--reward.fns={arithmetic_exact: 1.0}", "reward.fns with multi_turn")):
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):

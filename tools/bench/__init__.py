@@ -6,5 +6,6 @@ process by default), prints one table and writes one JSON file.
 """
 
 BENCHMARKS = ("logprobs", "update_step", "rollout", "long_tail", "long_tail_run", "packing", "routing", "r3_cost",
+              "zero_mismatch",
               "reward", "rl_step", "overlap", "checkpoint", "trl_peer", "scaling", "gpu_qwen3_slice")
 """Run order; ``gpu_qwen3_slice`` reports "not run" without CUDA."""

@@ -38,9 +38,10 @@ def distributed(model_cfg, seed: int = 0):
 
 
 def policy(model_cfg, groups, with_optimizer: bool = True, seed: int = 0, lr: float = 1e-5,
-           local_kernels: bool = True):
+           local_kernels: bool = True, batch_invariant: bool = False):
     """A Megatron-DDP-wrapped policy (local spec, fp32) with Adam; weights from ``seed``.
-    ``local_kernels=False``: Megatron's own modules instead of ours (``precision.local_kernels``)."""
+    ``local_kernels=False``: Megatron's own modules instead of ours (``precision.local_kernels``);
+    ``batch_invariant``: ``precision.batch_invariant``."""
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig
     from gspo_megatron.config import OptimConfig
     from gspo_megatron.backends.megatron.policy import build_policy
@@ -50,7 +51,8 @@ def policy(model_cfg, groups, with_optimizer: bool = True, seed: int = 0, lr: fl
 
     tensor_parallel.model_parallel_cuda_manual_seed(seed) if torch.cuda.is_available() else None
     return build_policy(model_cfg, ParallelConfig(),
-                        PrecisionConfig(transformer_impl="local", local_kernels=local_kernels),
+                        PrecisionConfig(transformer_impl="local", local_kernels=local_kernels,
+                                        batch_invariant=batch_invariant),
                         OptimConfig(lr=lr), groups, total_steps=10_000,
                         with_optimizer=with_optimizer)
 

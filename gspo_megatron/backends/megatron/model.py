@@ -84,6 +84,8 @@ def choose_transformer_impl(precision: PrecisionConfig, *, te_available: bool,
     ``rollout.decode_steps_per_sync: 0``) takes TE. FP8 needs TE whatever the decode path."""
     if precision.transformer_impl != "auto":
         return precision.transformer_impl, f"precision.transformer_impl={precision.transformer_impl!r}"
+    if precision.batch_invariant:
+        return "local", "auto: precision.batch_invariant runs this project's kernels"
     if not te_available:
         return "local", "auto: Transformer Engine with CUDA not available"
     if precision.fp8:
@@ -192,6 +194,8 @@ def build_transformer_config(
     )
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
+    # Read by this project's kernels (kernels.batch_invariant.enabled); Megatron ignores it.
+    config.batch_invariant = bool(precision.batch_invariant)
     if model.position_embedding_type == "yarn":
         # Megatron-Core reads YaRN's knobs off the config by name (GPTModel's
         # YarnRotaryEmbedding, the attention's cos/sin scale) but declares them only on the MLA

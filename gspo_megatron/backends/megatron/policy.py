@@ -63,7 +63,9 @@ class MegatronPolicy:
         sequences per padded microbatch, or, packed, the training budget scaled by
         ``logprob_micro_batch_size / micro_batch_size`` (verl's
         ``log_prob_max_token_len_per_gpu``; unchanged when it is unset)."""
-        self.scoring = ScoringConfig(vocab_size=vocab_size)
+        self.scoring = ScoringConfig(vocab_size=vocab_size,
+                                     batch_invariant=bool(getattr(transformer_config,
+                                                                  "batch_invariant", False)))
         """The tokenizer's real vocabulary: padded entries are excluded from every softmax."""
         self.routing = (PolicyRouting(self, routing_cfg)
                         if routing_cfg is not None and routing_cfg.enabled else None)

@@ -32,6 +32,9 @@ class ScoringConfig:
     """The tokenizer's real vocabulary; padded vocabulary entries are excluded."""
     logprob_chunk_size: int = 1024
     """Tokens per fp32 chunk in the log-prob kernel (bounds its memory)."""
+    batch_invariant: bool = False
+    """``precision.batch_invariant``: the log-probs by
+    :func:`~.kernels.batch_invariant.token_logprobs` (the rollout sampler's function; TP = 1)."""
 
 
 @dataclass(frozen=True)
@@ -142,21 +145,35 @@ def _model_inputs(mb: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
                                "padding_mask": pads}
 
 
-def _labels_logprobs(mb: PolicyBatch, logits: torch.Tensor, **kwargs):
+def _labels_logprobs(mb: PolicyBatch, logits: torch.Tensor, invariant: bool = False, **kwargs):
     """``vocab_parallel_logprobs`` of the microbatch's labels, as ``[b, T]`` (a packed
     microbatch's ``[1, S]`` values unpacked into its rows; under context parallelism this rank's
-    positions, zeros at the others')."""
+    positions, zeros at the others'); ``invariant``: :func:`_invariant_logprobs`."""
+    scorer = _invariant_logprobs if invariant else vocab_parallel_logprobs
     p = mb.packing
     if p is None:
-        return vocab_parallel_logprobs(logits, mb.labels, **kwargs)
+        return scorer(logits, mb.labels, **kwargs)
     labels = p.pack(mb.labels)
     if mb.context is not None:
         labels = labels[:, p.context_index(mb.context).to(labels.device)]
-    lp, ent = vocab_parallel_logprobs(logits, labels, **kwargs)
+    lp, ent = scorer(logits, labels, **kwargs)
     t = mb.seq_length
     unpack = (partial(p.unpack, seq_length=t) if mb.context is None
               else partial(p.unpack_context, shard=mb.context, seq_length=t))
     return unpack(lp), (unpack(ent) if ent is not None else None)
+
+
+def _invariant_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float,
+                        tp_group, vocab_size: int | None, compute_entropy: bool, chunk_size: int):
+    """``vocab_parallel_logprobs``' result at TP = 1 by
+    :func:`~.kernels.batch_invariant.token_logprobs` (``precision.batch_invariant``):
+    ``logits [..., V]``, ``target [...]`` -> ``(logprobs [...], entropy [...] or None)``."""
+    del tp_group, chunk_size  # (TP = 1: the config refuses the mode otherwise)
+    from gspo_megatron.backends.megatron.kernels.batch_invariant import token_logprobs
+
+    lp, ent = token_logprobs(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                             vocab_size, temperature, compute_entropy)
+    return lp.view(target.shape), (ent.view(target.shape) if ent is not None else None)
 
 
 def _run_schedule(policy_model: list, microbatches: list[PolicyBatch], forward_only: bool,
@@ -263,8 +280,8 @@ def compute_logprobs(
 
     def score(mb: PolicyBatch, logits: torch.Tensor):
         lp, ent = _labels_logprobs(
-            mb, logits, temperature=scoring.temperature, tp_group=groups.tp_group,
-            vocab_size=scoring.vocab_size, compute_entropy=with_entropy,
+            mb, logits, scoring.batch_invariant, temperature=scoring.temperature,
+            tp_group=groups.tp_group, vocab_size=scoring.vocab_size, compute_entropy=with_entropy,
             chunk_size=scoring.logprob_chunk_size)
         return torch.zeros((), device=logits.device), {"logprobs": lp, "entropy": ent}
 
@@ -335,8 +352,9 @@ def run_objective(
 
     def loss_fn(mb: PolicyBatch, logits: torch.Tensor):
         lp, ent = _labels_logprobs(
-            mb, logits, temperature=objective.temperature, tp_group=groups.tp_group,
-            vocab_size=scoring.vocab_size, compute_entropy=objective.needs_entropy,
+            mb, logits, scoring.batch_invariant, temperature=objective.temperature,
+            tp_group=groups.tp_group, vocab_size=scoring.vocab_size,
+            compute_entropy=objective.needs_entropy,
             chunk_size=scoring.logprob_chunk_size)
         loss, metrics = objective(lp, ent, mb, normalizer, cp_group=cp_group)
         return loss * scale, metrics

@@ -71,6 +71,7 @@ import itertools
 
 import torch
 
+from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.backends.megatron.engine.lockstep import StepKind, coupled_group, next_step
@@ -170,6 +171,11 @@ class DynamicRollout:
                                   decode_steps_per_sync, decode_cuda_graphs, decode_experts,
                                   self.coupled, decode_round_cost_rows)
         """Multi-step decoding (:mod:`.rounds`), or None: Megatron's forward at every step."""
+        self.invariant = bi.enabled(getattr(self.wrapper.model, "config", None))
+        """``precision.batch_invariant``: the sampler's log-probs by the trainer's function."""
+        if self.fast is None and self.invariant:
+            raise RuntimeError("precision.batch_invariant: this rollout would decode through "
+                               "Megatron's forward, not the invariant kernels (WARNING above)")
         self.call: _Call | None = None
         """The requests of the current (or last) generate."""
         self.kv_bytes = self._kv_bytes()
@@ -309,7 +315,7 @@ class DynamicRollout:
             # data-dependent kernel; the same distribution as Megatron's multinomial)
             graphs = self.fast is not None and self.fast.graphs is not None
             call = self.call = _Call(sp, self.controller.sampling_rng,
-                                     "gumbel" if graphs else "multinomial")
+                                     "gumbel" if graphs else "multinomial", self.invariant)
             call.turns = turns
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
                 if i in held:
@@ -527,9 +533,9 @@ class _Call:
     queue waiting for a slot, and every step's ``(ids, tokens, log-probs)`` (joined per request
     once, at the end, instead of a Python append per request and step)."""
 
-    def __init__(self, sp, generator=None, method: str = "multinomial"):
+    def __init__(self, sp, generator=None, method: str = "multinomial", invariant: bool = False):
         self.sp = sp
-        self.sampler = Sampler(int(sp.top_k), float(sp.top_p), generator, method)
+        self.sampler = Sampler(int(sp.top_k), float(sp.top_p), generator, method, invariant)
         """The call's one sampling rule (every decoding path's: :mod:`.sampler`)."""
         self.finish_rule = FinishRule()
         self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}

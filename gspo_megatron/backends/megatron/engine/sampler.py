@@ -58,6 +58,10 @@ class Sampler:
     generator: torch.Generator | None = None
     method: str = "multinomial"
     """``multinomial`` (Megatron's draws, bitwise) or ``gumbel`` (Gumbel-max): see the module."""
+    invariant: bool = False
+    """``precision.batch_invariant``: the log-probs by
+    :func:`~..kernels.batch_invariant.token_logprobs`, the trainer's function (the draws are
+    unchanged)."""
 
     def __post_init__(self):
         if self.top_k > 0 and self.top_p > 0.0:
@@ -78,6 +82,10 @@ class Sampler:
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``[n]``: ``tokens [n]``'s log-probabilities under ``logits [n, V]`` (unfiltered)."""
+        if self.invariant:
+            from gspo_megatron.backends.megatron.kernels.batch_invariant import token_logprobs
+
+            return token_logprobs(logits, tokens)[0]
         if self.method == "gumbel":
             return (logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
                     - torch.logsumexp(logits, dim=-1))

@@ -46,6 +46,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 from gspo_megatron.backends.megatron.kernels.adapters import read_layer, unsupported  # noqa: F401
 from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
                                                          permute_without_host_reads)
@@ -136,6 +137,9 @@ class DecodeWeights:
     """The first vocabulary id of this TP rank's ``embedding`` rows."""
     vocab: int | None = None
     """Under TP: the logits' columns kept after the gather (the tokenizer's ids)."""
+    invariant: bool = False
+    """``precision.batch_invariant``: every op through :mod:`.batch_invariant`, as the training
+    forward's modules run them (the QK-norm by its modules, not fused)."""
 
     @classmethod
     def of(cls, model, vocab: int | None = None) -> "DecodeWeights":
@@ -154,12 +158,15 @@ class DecodeWeights:
         # is torch._scaled_mm: ..rollout_numerics.Fp8Weights); else the tensors themselves
         fp8 = getattr(model, "fp8_gemm_weights", None) or {}
         layers = []
+        invariant = bi.enabled(c)
         for layer in model.decoder.layers:
             read = read_layer(layer, c, heads, groups)
             router = getattr(layer.mlp, "router", None)
             layers.append(dataclasses.replace(
                 read, qkv=fp8.get(id(read.qkv), read.qkv), proj=fp8.get(id(read.proj), read.proj),
-                logit_noise=getattr(router, "logit_noise", None)))
+                logit_noise=getattr(router, "logit_noise", None),
+                # the invariant mode norms queries and keys with the training forward's modules
+                qk_weight=None if invariant else read.qk_weight))
         head_dim = c.kv_channels
         rot = model.rotary_pos_emb
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(c.moe_router_dtype)
@@ -183,7 +190,8 @@ class DecodeWeights:
                    grouped_mm_runs_on(layers[0].w1) if layers else True, ep_group, local,
                    tp_group=tp_group, expert_tp_group=expert_tp,
                    vocab_start=int(getattr(embedding, "vocab_start_index", 0)),
-                   vocab=vocab if vocab is not None else output.shape[0] * tp)
+                   vocab=vocab if vocab is not None else output.shape[0] * tp,
+                   invariant=invariant)
 
 
 def replica_bytes(w: DecodeWeights) -> int:
@@ -294,7 +302,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
     routes = []
     for i, layer in enumerate(w.layers):
         y = _norm(layer.input_norm, x)
-        qkv = F.linear(y, layer.qkv).view(B, 1, ng, (np_ // ng + 2) * hn)
+        qkv = _mm(w, y, layer.qkv).view(B, 1, ng, (np_ // ng + 2) * hn)
         q, k, v = torch.split(qkv, [np_ // ng * hn, hn, hn], dim=3)
         q = q.reshape(B, 1, np_, hn)  # [B, 1, np, hn]
         if layer.qk_weight is not None:  # QK-norm and RoPE of queries and keys at once
@@ -324,7 +332,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
                     padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))
                 out.index_copy_(0, g.queries.reshape(-1), _attend_queries(w, kv, i, padded, g))
             out = out[:B]
-        x = x + _reduce(F.linear(out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj),
+        x = x + _reduce(_mm(w, out.transpose(1, 2).reshape(B, 1, np_ * hn), layer.proj),
                         w.tp_group)
         y = _norm(layer.mlp_norm, x)
         if layer.router is None:
@@ -336,11 +344,16 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             routes.append(top)
     if batch.last is not None:
         x = x.index_select(0, batch.last)
-    logits = F.linear(_norm(w.final_norm, x), w.output).squeeze(1)  # [B or n, V / tp]
+    logits = _mm(w, _norm(w.final_norm, x), w.output).squeeze(1)  # [B or n, V / tp]
     if w.tp_group is not None:  # every rank's columns, the padded ones dropped
         logits = _gather_columns(logits, w.tp_group)[:, :w.vocab]
     logits = logits.float()  # [B or n, V]
     return logits, (torch.stack(routes) if record_routes and routes else None)
+
+
+def _mm(w: DecodeWeights, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)``; :func:`.batch_invariant.linear` in the invariant mode."""
+    return bi.linear(x, weight) if w.invariant else F.linear(x, weight)
 
 
 def _embed(w: DecodeWeights, tokens: torch.Tensor) -> torch.Tensor:
@@ -424,6 +437,8 @@ def _grouped_sdpa(w: DecodeWeights, q: torch.Tensor, k: torch.Tensor, v: torch.T
     ``np / ng`` times); the mask stays ``[B, 1, Lq, Lk]`` at ``Lq = 1`` (broadcast over the
     folded heads). Each query's dot products and softmax are the unfolded ones' (on CPU the
     kernel's blocking differs: logits within 1e-6, ``tests/unit/test_fast_decode.py``)."""
+    if w.invariant:
+        return bi.attention(q, k, v, mask, w.softmax_scale)
     B, np_, Lq, hn = q.shape
     ng = w.groups
     r = np_ // ng
@@ -458,7 +473,7 @@ def _act(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor) -> torch.Tensor:
-    return _reduce(F.linear(_act(w, F.linear(y, layer.w1)), layer.w2), w.tp_group)
+    return _reduce(_mm(w, _act(w, _mm(w, y, layer.w1)), layer.w2), w.tp_group)
 
 
 def moe_only_step(w: DecodeWeights) -> None:
@@ -488,11 +503,12 @@ def _moe_ep(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     parts = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(parts, mine, group=group)
     tokens = torch.cat(parts)  # [ep rows, H]
-    routing_probs, _, top = _route(w, layer, tokens)
+    routing_probs, probs, top = _route(w, layer, tokens)
     first, count = w.local_experts
     weights = routing_probs[:, first:first + count]  # [T, E_l]
     # [ep rows, H]: this rank's experts' part (their F-shards summed over the expert TP group)
-    out = _reduce(_dense_experts(w, layer, tokens, weights), w.expert_tp_group)
+    out = _reduce(_invariant_experts(w, layer, tokens, top, probs, first) if w.invariant
+                  else _dense_experts(w, layer, tokens, weights), w.expert_tp_group)
     # each rank's rows of every rank's part (an all-to-all: ~0.34 ms on gloo where an all-reduce
     # of the whole takes ~0.61 ms), added here
     parts = torch.empty_like(out)
@@ -519,7 +535,8 @@ def _route(w: DecodeWeights, layer: DecodeLayer, tokens: torch.Tensor):
     router, gating in its router dtype, then ``topk_routing_with_score_function``'s softmax
     branch (its top-k indices kept: what R3 records)."""
     dtype = w.router_dtype or tokens.dtype
-    logits = torch.mm(tokens.to(dtype), layer.router.to(dtype).t())  # [T, E]
+    logits = (bi.linear(tokens.to(dtype), layer.router.to(dtype)) if w.invariant
+              else torch.mm(tokens.to(dtype), layer.router.to(dtype).t()))  # [T, E]
     if layer.logit_noise is not None:  # rollout.router_noise_std (a research control)
         logits = layer.logit_noise(logits)
     if w.pre_softmax:
@@ -541,6 +558,9 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     B, _, H = y.shape
     tokens = y.view(-1, H)  # [T, H]
     routing_probs, probs, top = _route(w, layer, tokens)
+    if w.invariant:
+        return _reduce(_invariant_experts(w, layer, tokens, top, probs),
+                       w.expert_tp_group).view(B, 1, H), top
     if routing_probs.shape[1] <= 2 * w.topk:  # at most twice the routed FLOPs: every expert
         out = _dense_experts(w, layer, tokens, routing_probs)
         return _reduce(out, w.expert_tp_group).view(B, 1, H), top
@@ -563,3 +583,12 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     h = torch._grouped_mm(h, layer.w2, offs=offs)  # [T k, H]
     out = torch.zeros_like(tokens).scatter_add_(0, mapping.unsqueeze(1).expand(-1, H), h)
     return _reduce(out, w.expert_tp_group).view(B, 1, H), top
+
+
+def _invariant_experts(w: DecodeWeights, layer: DecodeLayer, tokens: torch.Tensor,
+                       top: torch.Tensor, probs: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """``[T, H]``: :func:`.batch_invariant.experts` over this rank's experts (from ``first``),
+    each expert's weights as ``F.linear`` takes them (``layer.w1 / w2`` hold transposed views)."""
+    return bi.experts(tokens, top, probs, layer.w1.transpose(1, 2), layer.w2.transpose(1, 2),
+                      lambda h, p: bi.scaled_activation(h, p, w.activation, w.gated, w.glu_offset,
+                                                        tokens.dtype), first)

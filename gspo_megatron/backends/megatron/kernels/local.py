@@ -38,6 +38,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 from gspo_megatron.backends.megatron.kernels.row_attention import (context_parallel_sdpa,
                                                            packed_context_parallel_sdpa,
                                                            packed_sdpa)
@@ -51,7 +52,10 @@ def single_rank(group) -> bool:
 
 
 def _linear(module, x: torch.Tensor):
-    """A Megatron linear layer's ``(output, output_bias)`` at TP=1: ``[s, b, in] -> [s, b, out]``."""
+    """A Megatron linear layer's ``(output, output_bias)`` at TP=1: ``[s, b, in] -> [s, b, out]``
+    (:func:`.batch_invariant.linear` under ``precision.batch_invariant``: no bias there)."""
+    if bi.enabled(module.config):
+        return bi.linear(x, module.weight), module.bias
     if module.skip_bias_add:
         return F.linear(x, module.weight), module.bias
     return F.linear(x, module.weight, module.bias), None
@@ -336,6 +340,9 @@ class SDPADotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        if bi.enabled(self.config):
+            return self._invariant(query, key, value, attention_mask, attn_mask_type,
+                                   packed_seq_params)
         if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
                 and attention_bias is None and attention_mask is None
                 and self.config.softmax_type == "vanilla" and self.config.window_size is None
@@ -395,6 +402,36 @@ class SDPADotProductAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
 
+    def _invariant(self, query, key, value, attention_mask, attn_mask_type, packed_seq_params):
+        """Causal attention through :func:`.batch_invariant.attention` (``precision.
+        batch_invariant``): a packed row ``[S, (1,) heads, hn]`` per sequence, or padded rows
+        ``query [sq, b, np, hn]``, ``key/value [sk, b, ng, hn]`` (the queries the last ``sq``
+        positions; ``attention_mask`` True = masked, as Megatron's) -> Megatron's output shape."""
+        if (attention_mask is None and (attn_mask_type or self.attn_mask_type)
+                != AttnMaskType.causal):
+            raise NotImplementedError("precision.batch_invariant: non-causal attention")
+        if packed_seq_params is not None:
+            squeeze = query.dim() == 4
+            q, k, v = ((x.squeeze(1) if squeeze else x) for x in (query, key, value))
+            starts = [int(i) for i in packed_seq_params.cu_seqlens_q_padded.tolist()] \
+                if packed_seq_params.cu_seqlens_q_padded is not None \
+                else [int(i) for i in packed_seq_params.cu_seqlens_q.tolist()]
+            if starts[-1] < q.shape[0]:  # the row's tail padding: a segment of its own
+                starts.append(q.shape[0])
+            out = bi.packed_attention(q, k, v, starts, self.softmax_scale)
+            out = out.reshape(out.shape[0], -1)
+            return out.unsqueeze(1) if squeeze else out
+        sq, b, np_, hn = query.shape
+        sk = key.shape[0]
+        if attention_mask is not None:
+            allowed = ~attention_mask.bool().reshape(-1, *attention_mask.shape[-2:])
+        else:
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)[None]
+        out = bi.attention(query.permute(1, 2, 0, 3), key.transpose(0, 1), value.transpose(0, 1),
+                           allowed.expand(b, sq, sk), self.softmax_scale)  # [b, np, sq, hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
 class DirectColumnParallelLinear(ColumnParallelLinear):
     """``ColumnParallelLinear`` that is one ``F.linear`` at tensor-parallel size 1."""
 
@@ -405,6 +442,8 @@ class DirectColumnParallelLinear(ColumnParallelLinear):
                 and self.config._cpu_offloading_context is None)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
+        if weight is not None and self._direct and bi.enabled(self.config):  # tied output layer
+            return bi.linear(input_, weight), None
         if weight is not None or not self._direct:
             return super().forward(input_, weight, runtime_gather_output)
         return _linear(self, input_)

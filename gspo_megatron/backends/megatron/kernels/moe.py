@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 from gspo_megatron.backends.megatron.kernels.local import single_rank
 from gspo_megatron.backends.megatron.schedule import module_list
 
@@ -59,6 +60,9 @@ class LoopedSequentialMLP(SequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self._direct:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        if bi.enabled(self.config):  # each expert's rows through the fixed-tile GEMM
+            return self._invariant(permuted_local_hidden_states, tokens_per_expert,
+                                   permuted_probs), None
         if self.stacked is not None and not torch.is_grad_enabled():
             return self._grouped(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                                  self.stacked)
@@ -90,12 +94,19 @@ class LoopedSequentialMLP(SequentialMLP):
     def _activate(self, h: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``p_e * act(h)`` (SwiGLU when gated): ``[n, (2)F] -> [n, F]``."""
         c = self.config
-        if c.gated_linear_unit:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            h = c.activation_func(gate) * (up + c.glu_linear_offset)
-        else:
-            h = c.activation_func(h)
-        return (h * probs.unsqueeze(-1)).to(dtype)
+        return bi.scaled_activation(h, probs, c.activation_func, c.gated_linear_unit,
+                                    c.glu_linear_offset, dtype)
+
+    def _invariant(self, x: torch.Tensor, tokens_per_expert, probs) -> torch.Tensor:
+        """``[N, H]``: the rows ``x [N, H]`` (expert-major) through their expert by
+        :func:`.batch_invariant.expert_linear` (``precision.batch_invariant``); Megatron's
+        ``unpermute`` then adds each token's outputs in this (ascending expert) order, as
+        :func:`.batch_invariant.experts` does in the decoding step."""
+        counts = tokens_per_expert.tolist()
+        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, (2)F, H]
+        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
+        h = self._activate(bi.expert_linear(x, counts, fc1), probs, x.dtype)
+        return bi.expert_linear(h, counts, fc2)
 
     @functools.cached_property  # layout and device are fixed once built: decided on first call
     def _grouped_training(self) -> bool:
@@ -192,6 +203,16 @@ class EagerBiasTopKRouter(TopKRouter):
     eager stance each call passes dynamo's wrapper (~20 us; twice per decoding step and per
     forward on the tiny model) to do nothing unless ``moe_router_enable_expert_bias``. With it on,
     Megatron's method runs as before."""
+
+    def gating(self, input: torch.Tensor):
+        """Router logits ``[T, E]`` in the router dtype; under ``precision.batch_invariant``
+        through :func:`.batch_invariant.linear` (the decoding step's :func:`..decode._route`
+        too), else Megatron's."""
+        if not bi.enabled(self.config) or self.bias is not None:
+            return super().gating(input)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+            self.config.moe_router_dtype, input.dtype)
+        return bi.linear(input.to(dtype), self.weight.to(dtype))
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
         if self.enable_expert_bias:
