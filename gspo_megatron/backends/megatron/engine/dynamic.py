@@ -14,7 +14,7 @@ appends per request per token (``post_process_requests``), per-step bucketing of
 parameters and a log-softmax over every prompt token. Here the requests of a call share one
 sampling rule (one draw for the whole batch from the controller's generator, over the real
 vocabulary's columns only), each step's ``(request ids, tokens, log-probs)`` are kept as three
-tensors and joined per request once at the end (:class:`_Call`), and only the sampled tokens'
+tensors and joined per request once at the end (:class:`.call.GenerateCall`), and only the sampled tokens'
 log-probs are taken. On TRL's workload (128 requests x 16 tokens, CPU) a rollout went from 70
 to 50 ms (``docs/benchmarks.md``, section 10; the static engine: 41 ms). The loop alone kept
 Megatron's engine's tokens and log-probs bitwise (the demo's metrics did not move); drawing over
@@ -64,7 +64,6 @@ stop words, top-n log-probs, Megatron's own CUDA graphs, the data-parallel coord
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import itertools
@@ -75,7 +74,7 @@ from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 from gspo_megatron.backends.megatron.schedule import set_training
 from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.backends.megatron.engine.lockstep import StepKind, coupled_group, next_step
-from gspo_megatron.backends.megatron.engine.sampler import FinishRule, Sampler
+from gspo_megatron.backends.megatron.engine.call import GenerateCall
 from gspo_megatron.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
                                     kv_bytes_per_token)
 
@@ -176,7 +175,7 @@ class DynamicRollout:
         if self.fast is None and self.invariant:
             raise RuntimeError("precision.batch_invariant: this rollout would decode through "
                                "Megatron's forward, not the invariant kernels (WARNING above)")
-        self.call: _Call | None = None
+        self.call: GenerateCall | None = None
         """The requests of the current (or last) generate."""
         self.kv_bytes = self._kv_bytes()
         """Bytes the paged KV cache holds now (0 while suspended)."""
@@ -314,7 +313,7 @@ class DynamicRollout:
             # (under CUDA graphs the rounds sample inside the graph: Gumbel-max, no
             # data-dependent kernel; the same distribution as Megatron's multinomial)
             graphs = self.fast is not None and self.fast.graphs is not None
-            call = self.call = _Call(sp, self.controller.sampling_rng,
+            call = self.call = GenerateCall(sp, self.controller.sampling_rng,
                                      "gumbel" if graphs else "multinomial", self.invariant)
             call.turns = turns
             for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
@@ -379,7 +378,7 @@ class DynamicRollout:
                 self.suspend()
             self.kv_bytes = self._kv_bytes()
 
-    def _round(self, call: "_Call", stop, plan, steps: int, rows: int) -> list[list[int]]:
+    def _round(self, call: "GenerateCall", stop, plan, steps: int, rows: int) -> list[list[int]]:
         """Decoding steps of one round (:class:`~.rounds.FastDecoder`): per step, the ids of the
         requests that finished at it, ``stop`` told of each in order. A partial rollout's stop
         lands at the round's end: the steps after the one that made it done are kept (their
@@ -395,7 +394,7 @@ class DynamicRollout:
         self.tokens_forwarded += pending.forwarded
         return per_step
 
-    def _requeue(self, call: "_Call", result) -> None:
+    def _requeue(self, call: "GenerateCall", result) -> None:
         """Requests Megatron's ``update_requests`` evicted, prefilled again later: prompt +
         written so far."""
         evicted = None if result is None else result.get("evict_request_ids")
@@ -406,7 +405,7 @@ class DynamicRollout:
             for request_id in reversed(evicted):
                 call.requeue(request_id)
 
-    def _step(self, call: "_Call") -> list[int]:
+    def _step(self, call: "GenerateCall") -> list[int]:
         """One forward of the packed buffer (the waiting requests that fit admitted first: a
         prefill of their prompts beside one decoding token per running request), a token
         sampled per request, Megatron's bookkeeping (finished requests leave, their blocks
@@ -515,102 +514,3 @@ def _load_plain_state(obj, state: dict) -> None:
         else:
             setattr(obj, name, value.to(mine.device) if torch.is_tensor(value) and
                     torch.is_tensor(mine) else value)
-
-
-class Generated:
-    """What one request wrote in one call: ``tokens`` and their ``logprobs`` (a continued held
-    request: only this call's, after its ``prompt``), ``finished`` (False: aborted)."""
-
-    __slots__ = ("request_id", "prompt", "tokens", "logprobs", "finished")
-
-    def __init__(self, request_id, prompt, tokens, logprobs, finished):
-        self.request_id, self.prompt = request_id, prompt
-        self.tokens, self.logprobs, self.finished = tokens, logprobs, finished
-
-
-class _Call:
-    """The requests of one :meth:`DynamicRollout.generate`: their prompts and budgets, the
-    queue waiting for a slot, and every step's ``(ids, tokens, log-probs)`` (joined per request
-    once, at the end, instead of a Python append per request and step)."""
-
-    def __init__(self, sp, generator=None, method: str = "multinomial", invariant: bool = False):
-        self.sp = sp
-        self.sampler = Sampler(int(sp.top_k), float(sp.top_p), generator, method, invariant)
-        """The call's one sampling rule (every decoding path's: :mod:`.sampler`)."""
-        self.finish_rule = FinishRule()
-        self._sp_of_budget = {int(sp.num_tokens_to_generate): sp}
-        """One ``SamplingParams`` per budget, shared by the requests of that budget."""
-        self.row: dict[int, int] = {}
-        """Request id -> its place in the call."""
-        self.prompts: list[list[int]] = []
-        self.budgets: list[int] = []
-        self.done: list[bool] = []
-        self.running = 0
-        """Requests of the call not finished."""
-        self.turns = None  # a multi-turn rollout's :class:`~gspo_megatron.envs.turns.TurnDriver`
-        self.waiting: collections.deque = collections.deque()
-        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def _enter(self, request_id: int, prompt: list[int], budget: int) -> None:
-        self.row[request_id] = len(self.prompts)
-        self.prompts.append(prompt)
-        self.budgets.append(budget)
-        self.done.append(False)
-        self.running += 1
-
-    def add(self, request_id: int, prompt: list[int], budget: int) -> None:
-        """A new request, queued for a slot."""
-        self._enter(request_id, prompt, budget)
-        self.waiting.append(self._request(request_id, prompt, budget))
-
-    def join(self, request_id: int, prompt: list[int], budget: int) -> None:
-        """A held request the context already runs (``budget``: what is left of its own)."""
-        self._enter(request_id, prompt, budget)
-
-    def _request(self, request_id: int, prompt: list[int], budget: int):
-        from gspo_megatron.backends.megatron.engine.admission import RolloutRequest
-
-        sp = self._sp_of_budget.get(budget)
-        if sp is None:
-            sp = self._sp_of_budget[budget] = copy.copy(self.sp)
-            sp.num_tokens_to_generate = budget
-        return RolloutRequest(request_id, sp, prompt)
-
-    def record(self, ids: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """One step: request ``ids[i]`` sampled ``tokens[i]`` with ``logprobs[i]``."""
-        self._steps.append((ids, tokens, logprobs))
-
-    def finish(self, request_ids: list[int]) -> None:
-        for request_id in request_ids:
-            self.done[self.row[request_id]] = True
-        self.running -= len(request_ids)
-
-    def _written(self) -> tuple[list[list[int]], list[list[float]]]:
-        """Per request: the tokens and log-probs of every step, in step order."""
-        n = len(self.prompts)
-        if not self._steps:
-            return [[] for _ in range(n)], [[] for _ in range(n)]
-        ids, tokens, logprobs = (torch.cat(x) for x in zip(*self._steps))
-        base = min(self.row)  # ids are unique for the engine's life: index from the call's least
-        lookup = torch.full((max(self.row) + 1 - base,), -1, dtype=torch.long)
-        lookup[torch.tensor(list(self.row)) - base] = torch.tensor(list(self.row.values()))
-        rows = lookup[ids.cpu().long() - base]
-        order = torch.argsort(rows, stable=True)
-        counts = torch.bincount(rows, minlength=n).tolist()
-        tokens, logprobs = tokens.cpu()[order].tolist(), logprobs.cpu()[order].tolist()
-        starts = list(itertools.accumulate(counts, initial=0))
-        return ([tokens[a:b] for a, b in zip(starts, starts[1:])],
-                [logprobs[a:b] for a, b in zip(starts, starts[1:])])
-
-    def requeue(self, request_id: int) -> None:
-        """An evicted request (Megatron freed its blocks) waits at the head of the queue,
-        its prompt + what it wrote as the prompt of a fresh prefill, the rest of its budget."""
-        row = self.row[request_id]
-        written = self._written()[0][row]
-        self.waiting.appendleft(self._request(
-            request_id, self.prompts[row] + written, self.budgets[row] - len(written)))
-
-    def results(self) -> list[Generated]:
-        tokens, logprobs = self._written()
-        return [Generated(request_id, self.prompts[row], tokens[row], logprobs[row],
-                          self.done[row]) for request_id, row in self.row.items()]
