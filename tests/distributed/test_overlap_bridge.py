@@ -21,10 +21,10 @@ import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from gspo_megatron.faults import FaultInjector
 from gspo_megatron.metrics import Stopwatch
+from tests.helpers import warm
 from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.distributed
@@ -161,10 +161,7 @@ def _side(rank: int, port: int, k: int, die: str, queue) -> None:
 
 
 def _run(k: int, die: str = "") -> dict[int, tuple[str, object]]:
-    # spawn, not fork: a forked child inherits the parent's default process group when an
-    # earlier test of this pytest process initialised one ("initialize the default process
-    # group twice")
-    ctx = mp.get_context("spawn")
+    ctx = warm.gloo_context()  # (not fork: tests.helpers.warm.gloo_context says why)
     queue, port = ctx.SimpleQueue(), free_port()
     procs = [ctx.Process(target=_side, args=(r, port, k, die, queue)) for r in range(WORLD)]
     for p in procs:

@@ -1,13 +1,14 @@
-"""Run a function on N gloo processes (spawned: ``fn`` must be a module-level function)."""
+"""Run a function on N gloo processes (forked from the warm server of :mod:`tests.helpers.warm`:
+``fn`` must be a module-level function)."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -22,7 +23,9 @@ def _entry(rank, world_size, port, fn, args, queue):
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # pickled here, whole: the queue's own pickler would pass tensors as file descriptors
+        # that the parent must fetch from this process, which may have exited by then
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report any failure to the parent with its traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -32,9 +35,9 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 def run_gloo(fn, world_size: int, *args, timeout: float = 120.0):
     """Call ``fn(rank, world_size, *args)`` on each rank; return the per-rank results in rank order."""
-    # spawn, not fork: a forked child inherits the parent's default process group when an
-    # earlier test of this pytest process initialised one, and cannot initialise its own
-    ctx = mp.get_context("spawn")
+    from tests.helpers import warm
+
+    ctx = warm.gloo_context()
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
@@ -48,7 +51,7 @@ def run_gloo(fn, world_size: int, *args, timeout: float = 120.0):
             for p in procs:
                 p.kill()
             raise AssertionError(f"rank {rank} failed:\n{value}")
-        results[rank] = value
+        results[rank] = pickle.loads(value)
     for p in procs:
         p.join(timeout)
     return [results[r] for r in range(world_size)]

@@ -79,6 +79,16 @@ def _context():
     return ctx
 
 
+def gloo_context():
+    """The multiprocessing context for a test's gloo ranks: the forkserver above.
+
+    Not this process's ``fork``: a child forked from pytest inherits the default process group
+    an earlier test initialised here, and cannot initialise its own. Not ``spawn``: every rank
+    of every case would import torch and megatron-core again (~8 s a rank on 2 cores). The
+    server imported them once and initialised nothing."""
+    return _context()
+
+
 class WarmProcess:
     """The parent's handle on a launched process: the part of ``subprocess.Popen`` tests use."""
 

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.helpers.dist import free_port
+from tests.helpers.dist import run_gloo
 from gspo_megatron.algorithms import (PolicyGradientObjective, PolicyLossConfig,
                                       RolloutCorrectionConfig, correction_weights, policy_loss)
 from gspo_megatron.sections import FieldError
@@ -494,54 +493,46 @@ def test_config_errors_name_the_field(kwargs, message):
 WORLD = 2
 
 
-def _cp_worker(rank: int, port: int) -> None:
+def _cp_worker(rank: int, world: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    group = dist.new_group(list(range(WORLD)))
+    logp, old, rollout, adv, mask = _loss_inputs(0, 0.01, False)
+    T = mask.shape[1] - 1  # even T; row 1 gets all its tokens on rank 1
+    logp, old, rollout, mask = logp[:, :T], old[:, :T], rollout[:, :T], mask[:, :T].clone()
+    mask[1] = False
+    mask[1, T - 1] = True
+    rollout = torch.where(torch.isfinite(rollout), rollout, old - 0.1)
+    sl = slice(rank * T // WORLD, (rank + 1) * T // WORLD)
+    cfg = PolicyLossConfig(variant="gspo", clip_low=0.004, clip_high=0.006)
+    for mode in MODES:
+        for level in LEVELS:
+            corr = _config(mode, level)
+            full = correction_weights(old, rollout, mask, corr)
+            shard = correction_weights(old[:, sl], rollout[:, sl], mask[:, sl], corr, cp_group=group)
+            torch.testing.assert_close(shard.weights, full.weights[:, sl], rtol=1e-12, atol=0)
+            for key, value in full.metrics.items():
+                torch.testing.assert_close(shard.metrics[key], value, rtol=1e-12, atol=1e-15)
+            for fw, sw in ((full.weights, shard.weights), (full.seq_weights, shard.seq_weights)):
+                if fw is None:
+                    continue
+                f_loss, f_grad, _ = _run(cfg, logp, old, adv, mask, correction_weights=fw)
+                s_loss, s_grad, _ = _run(cfg, logp[:, sl], old[:, sl], adv, mask[:, sl],
+                                         cp_group=group, correction_weights=sw)
+                torch.testing.assert_close(s_loss, f_loss, rtol=1e-12, atol=1e-15)
+                torch.testing.assert_close(s_grad, f_grad[:, sl], rtol=1e-12, atol=1e-15)
+    bad = rollout[:, sl].clone()
+    if rank == 0:
+        bad[0, 0] = float("nan")  # NaN on one rank: both raise, nobody deadlocks
     try:
-        group = dist.new_group(list(range(WORLD)))
-        logp, old, rollout, adv, mask = _loss_inputs(0, 0.01, False)
-        T = mask.shape[1] - 1  # even T; row 1 gets all its tokens on rank 1
-        logp, old, rollout, mask = logp[:, :T], old[:, :T], rollout[:, :T], mask[:, :T].clone()
-        mask[1] = False
-        mask[1, T - 1] = True
-        rollout = torch.where(torch.isfinite(rollout), rollout, old - 0.1)
-        sl = slice(rank * T // WORLD, (rank + 1) * T // WORLD)
-        cfg = PolicyLossConfig(variant="gspo", clip_low=0.004, clip_high=0.006)
-        for mode in MODES:
-            for level in LEVELS:
-                corr = _config(mode, level)
-                full = correction_weights(old, rollout, mask, corr)
-                shard = correction_weights(old[:, sl], rollout[:, sl], mask[:, sl], corr, cp_group=group)
-                torch.testing.assert_close(shard.weights, full.weights[:, sl], rtol=1e-12, atol=0)
-                for key, value in full.metrics.items():
-                    torch.testing.assert_close(shard.metrics[key], value, rtol=1e-12, atol=1e-15)
-                for fw, sw in ((full.weights, shard.weights), (full.seq_weights, shard.seq_weights)):
-                    if fw is None:
-                        continue
-                    f_loss, f_grad, _ = _run(cfg, logp, old, adv, mask, correction_weights=fw)
-                    s_loss, s_grad, _ = _run(cfg, logp[:, sl], old[:, sl], adv, mask[:, sl],
-                                             cp_group=group, correction_weights=sw)
-                    torch.testing.assert_close(s_loss, f_loss, rtol=1e-12, atol=1e-15)
-                    torch.testing.assert_close(s_grad, f_grad[:, sl], rtol=1e-12, atol=1e-15)
-        bad = rollout[:, sl].clone()
-        if rank == 0:
-            bad[0, 0] = float("nan")  # NaN on one rank: both raise, nobody deadlocks
-        try:
-            correction_weights(old[:, sl], bad, mask[:, sl], _config("truncate", "sequence"), cp_group=group)
-        except ValueError as e:
-            assert "rollout_logprobs contains NaN" in str(e)
-        else:
-            raise AssertionError(f"rank {rank}: NaN on rank 0 did not raise")
-    finally:
-        dist.destroy_process_group()
-
+        correction_weights(old[:, sl], bad, mask[:, sl], _config("truncate", "sequence"), cp_group=group)
+    except ValueError as e:
+        assert "rollout_logprobs contains NaN" in str(e)
+    else:
+        raise AssertionError(f"rank {rank}: NaN on rank 0 did not raise")
 
 
 @pytest.mark.distributed
 def test_context_parallel_weights_metrics_and_loss_match_single_process():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo backend not available")
-    # spawn, not fork: a forked child would inherit a default process group that an earlier test
-    # in this pytest process left initialised ("trying to initialize ... twice").
-    mp.start_processes(_cp_worker, args=(free_port(),), nprocs=WORLD, join=True,
-                       start_method="spawn")
+    run_gloo(_cp_worker, WORLD)
