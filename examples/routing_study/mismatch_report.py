@@ -80,9 +80,9 @@ def _fmt(values, fmt: str) -> str:
 
 def plot_map(cells: dict, sources, arms, out: str, plt) -> str:
     fig, ax = plt.subplots(figsize=(1.1 * len(arms) + 2, 0.6 * len(sources) + 1.5))
-    share = [[mean(r["verdict"].stable for r in cells.get((s, a), [])) for a in arms]
+    share = [[mean(float(r["verdict"].stable) for r in cells.get((s, a), [])) for a in arms]
              for s in sources]
-    ax.imshow(share, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.imshow(share, cmap="RdYlGn", vmin=-0.4, vmax=1.4, aspect="auto")  # light: text reads
     for i, s in enumerate(sources):
         for j, a in enumerate(arms):
             rs = cells.get((s, a), [])
@@ -101,9 +101,16 @@ def plot_mismatch(by_source: dict, sources, out: str, plt) -> str:
     for ax, (stat, what, paper) in zip(axes, (
             ("disagreement", "rollout vs trainer routes differing", PAPER["disagreement"]),
             ("kl", "k3 KL rollout vs trainer", PAPER["kl"]))):
-        vals = [max(by_source[s][stat], 1e-16) if math.isfinite(by_source[s][stat]) else 1e-16
-                for s in sources]
-        ax.bar(range(len(sources)), vals, color="tab:blue")
+        vals = [by_source[s][stat] for s in sources]
+        floor = min([v for v in vals if math.isfinite(v) and v > 0] + [paper]) / 10
+        ax.bar(range(len(sources)), [v if math.isfinite(v) and v > 0 else 0 for v in vals],
+               color="tab:blue")
+        for i, v in enumerate(vals):
+            if not (math.isfinite(v) and v > 0):  # a log axis has no 0: say it
+                ax.text(i, floor * 1.5, "0 (bitwise)" if v == 0 else "n/a", ha="center",
+                        fontsize=8)
+        top = max([v for v in vals if math.isfinite(v)] + [paper]) * 2
+        ax.set_ylim(floor, top)
         ax.axhline(paper, color="tab:red", ls="--", label="R3 paper, Qwen3-30B-A3B")
         ax.set_yscale("log")
         ax.set_xticks(range(len(sources)), sources, rotation=30, ha="right")
