@@ -52,6 +52,7 @@ from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
                                                          permute_without_host_reads)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
 from gspo_megatron.backends.megatron.model import RMSNorm
+from gspo_megatron.rollouts import kv_fp8
 
 
 @dataclasses.dataclass
@@ -286,6 +287,10 @@ class DecodeBatch:
     last: torch.Tensor | None = None
     """``[n]`` long: the rows whose logits are computed (a prefill's last token per request);
     None: every row."""
+    kv_error: list | None = None
+    """With an FP8 cache (``rollout.kv_cache_dtype: fp8``): where the step appends, per layer,
+    ``[2]`` sums of the squared error its written keys and values make and of their squares
+    (:func:`~gspo_megatron.rollouts.kv_fp8.error_sums`, on the device); None: not measured."""
 
 
 def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
@@ -294,7 +299,10 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
     keys and values are written into ``kv [2, L, blocks, block_size, Hk, D]`` (Megatron's paged
     buffer, whose every slot must hold finite values: zeroed once when allocated) at
     ``batch.slots``. ``routes``: each MoE layer's top-k experts in ``torch.topk``'s
-    order (what R3 records)."""
+    order (what R3 records). A ``uint8`` ``kv`` of last dimension ``D + 4`` is the FP8 cache
+    (``rollout.kv_cache_dtype: fp8``, :mod:`gspo_megatron.rollouts.kv_fp8`): keys and values
+    are written as e4m3 codes with a scale per token and head, and read back dequantized to
+    the activations' dtype."""
     B = batch.tokens.shape[0]
     np_, ng, hn = w.heads, w.groups, w.head_dim
     x = _embed(w, batch.tokens).unsqueeze(1)  # [B, 1, H] (sequence-major, b = 1)
@@ -315,9 +323,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             if layer.k_norm is not None:
                 k = layer.k_norm(k)
             q, k = rotate(q, cos, sin, w.rot_dim), rotate(k, cos, sin, w.rot_dim)
-        keys, values = kv[0, i].view(-1, ng, hn), kv[1, i].view(-1, ng, hn)
-        keys.index_copy_(0, batch.slots, k.squeeze(1))
-        values.index_copy_(0, batch.slots, v.squeeze(1))
+        _append(kv, i, batch, k.squeeze(1), v.squeeze(1))
         if len(batch.groups) == 1 and batch.groups[0].rows is None \
                 and batch.groups[0].queries is None:
             out = _attend(w, kv, i, q, batch.groups[0])  # [B, np, 1, hn]
@@ -396,19 +402,40 @@ def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
 
 
+def _append(kv: torch.Tensor, layer: int, batch: DecodeBatch, k: torch.Tensor,
+            v: torch.Tensor) -> None:
+    """Keys and values ``[B, ng, hn]`` of the step into ``kv``'s ``layer`` at ``batch.slots``
+    (packed as FP8 rows in a ``uint8`` cache, their error summed into ``batch.kv_error``)."""
+    width = kv.shape[-1]
+    for t, x in enumerate((k, v)):
+        if kv.dtype == kv_fp8.STORAGE:
+            rows = kv_fp8.pack(x)
+            if batch.kv_error is not None:
+                batch.kv_error.append(kv_fp8.error_sums(x, rows))
+            x = rows
+        kv[t, layer].view(-1, x.shape[1], width).index_copy_(0, batch.slots, x)
+
+
+def _read(kv: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows ``[..., D]`` in ``dtype`` (FP8 rows ``[..., D + 4]`` dequantized);
+    the rows themselves for a cache in the activations' dtype."""
+    return kv_fp8.unpack(rows, dtype) if kv.dtype == kv_fp8.STORAGE else rows
+
+
 def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
             g: KeyGroup) -> torch.Tensor:
     """``[B_g, np, 1, hn]``: queries ``q [B_g, 1, np, hn]`` over their group's keys of ``layer``
     (``[B_g, Lk, ng, hn]`` gathered from the paged buffer; masked slots hold finite values)."""
     B, Lk = g.key_rows.shape
-    ng, hn = w.groups, w.head_dim
+    ng, width = w.groups, kv.shape[-1]
     if g.key_blocks is not None:  # one contiguous run per request
         k_all = kv[0, layer][:, :Lk].index_select(0, g.key_blocks)
         v_all = kv[1, layer][:, :Lk].index_select(0, g.key_blocks)
     else:
         rows = g.key_rows.reshape(-1)  # [B_g Lk]
-        k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
-        v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
+        k_all = kv[0, layer].view(-1, ng, width).index_select(0, rows).view(B, Lk, ng, width)
+        v_all = kv[1, layer].view(-1, ng, width).index_select(0, rows).view(B, Lk, ng, width)
+    k_all, v_all = _read(kv, k_all, q.dtype), _read(kv, v_all, q.dtype)
     return _grouped_sdpa(w, q.transpose(1, 2), k_all, v_all, g.key_mask[:, None, :])
 
 
@@ -418,10 +445,10 @@ def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Ten
     ``g.queries``) over its keys (``g.key_rows``, causal by ``g.key_mask [B_g, Lq, Lk]``)."""
     B, Lq = g.queries.shape
     Lk = g.key_rows.shape[1]
-    np_, ng, hn = w.heads, w.groups, w.head_dim
+    np_, ng, hn, width = w.heads, w.groups, w.head_dim, kv.shape[-1]
     rows = g.key_rows.reshape(-1)
-    k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
-    v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
+    k_all, v_all = (_read(kv, kv[t, layer].view(-1, ng, width).index_select(0, rows)
+                          .view(B, Lk, ng, width), q.dtype) for t in (0, 1))
     qg = q.index_select(0, g.queries.reshape(-1)).view(B, Lq, np_, hn)
     out = _grouped_sdpa(w, qg.transpose(1, 2), k_all, v_all, g.key_mask)  # [B_g, np, Lq, hn]
     return out.transpose(1, 2).reshape(B * Lq, np_, 1, hn)
