@@ -86,6 +86,11 @@ class DecodeLayer:
     logit_noise: object = None
     """``logits [T, E] -> logits``: the router's ``rollout.router_noise_std`` noise
     (:class:`~..rollout_numerics.RouterNoise`, also in its Megatron forward); None: none."""
+    fp8_w1: object = None
+    """``rollout.precision: fp8`` on Hopper: ``w1`` as FP8 experts for the grouped GEMM
+    (:class:`~gspo_megatron.rollouts.fp8.Fp8Experts`, ``(rows, offs) -> [T k, (2) F]``: one
+    ``torch._scaled_grouped_mm``); None: ``torch._grouped_mm`` over ``w1``. Likewise ``fp8_w2``."""
+    fp8_w2: object = None
 
 
 @dataclasses.dataclass
@@ -605,9 +610,11 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     permuted, permuted_probs, mapping = permute_without_host_reads(
         tokens, routing_map, routing_probs, tokens.shape[0] * w.topk)
     offs = routing_map.sum(dim=0).cumsum(0).to(torch.int32)
-    h = torch._grouped_mm(permuted, layer.w1, offs=offs)  # [T k, (2) F]
+    h = (layer.fp8_w1(permuted, offs) if layer.fp8_w1 is not None  # [T k, (2) F]
+         else torch._grouped_mm(permuted, layer.w1, offs=offs))
     h = (_act(w, h) * permuted_probs.unsqueeze(-1)).to(permuted.dtype)
-    h = torch._grouped_mm(h, layer.w2, offs=offs)  # [T k, H]
+    h = (layer.fp8_w2(h, offs) if layer.fp8_w2 is not None  # [T k, H]
+         else torch._grouped_mm(h, layer.w2, offs=offs))
     out = torch.zeros_like(tokens).scatter_add_(0, mapping.unsqueeze(1).expand(-1, H), h)
     return _reduce(out, w.expert_tp_group).view(B, 1, H), top
 
