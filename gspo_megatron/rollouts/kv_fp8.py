@@ -85,3 +85,25 @@ def error_sums(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     steps and layers, then divided: ``rollout/kv_fp8_rel_err``); no host read."""
     x32 = x.float()
     return torch.stack(((x32 - unpack(rows, torch.float32)).square().sum(), x32.square().sum()))
+
+
+def write(cache: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          errors: list | None = None) -> None:
+    """Keys and values ``[T, heads, D]`` into ``cache [2, L, blocks, block_size, heads, W]``'s
+    ``layer`` at the flat slots ``slots [T]`` (``block * block_size + offset``): packed rows
+    (:func:`pack`) in the FP8 layout (a ``uint8`` cache, ``W = D + 4``), with their
+    :func:`error_sums` appended to ``errors`` (None: not measured); as they are otherwise."""
+    width = cache.shape[-1]
+    for t, x in enumerate((k, v)):
+        if cache.dtype == STORAGE:
+            rows = pack(x)
+            if errors is not None:
+                errors.append(error_sums(x, rows))
+            x = rows
+        cache[t, layer].view(-1, x.shape[1], width).index_copy_(0, slots, x)
+
+
+def read(cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows gathered from ``cache`` as values ``[..., D]`` in ``dtype``: FP8 rows
+    ``[..., D + 4]`` dequantized (:func:`unpack`); the rows themselves otherwise."""
+    return unpack(rows, dtype) if cache.dtype == STORAGE else rows

@@ -328,7 +328,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             if layer.k_norm is not None:
                 k = layer.k_norm(k)
             q, k = rotate(q, cos, sin, w.rot_dim), rotate(k, cos, sin, w.rot_dim)
-        _append(kv, i, batch, k.squeeze(1), v.squeeze(1))
+        kv_fp8.write(kv, i, batch.slots, k.squeeze(1), v.squeeze(1), batch.kv_error)
         if len(batch.groups) == 1 and batch.groups[0].rows is None \
                 and batch.groups[0].queries is None:
             out = _attend(w, kv, i, q, batch.groups[0])  # [B, np, 1, hn]
@@ -407,26 +407,6 @@ def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
 
 
-def _append(kv: torch.Tensor, layer: int, batch: DecodeBatch, k: torch.Tensor,
-            v: torch.Tensor) -> None:
-    """Keys and values ``[B, ng, hn]`` of the step into ``kv``'s ``layer`` at ``batch.slots``
-    (packed as FP8 rows in a ``uint8`` cache, their error summed into ``batch.kv_error``)."""
-    width = kv.shape[-1]
-    for t, x in enumerate((k, v)):
-        if kv.dtype == kv_fp8.STORAGE:
-            rows = kv_fp8.pack(x)
-            if batch.kv_error is not None:
-                batch.kv_error.append(kv_fp8.error_sums(x, rows))
-            x = rows
-        kv[t, layer].view(-1, x.shape[1], width).index_copy_(0, batch.slots, x)
-
-
-def _read(kv: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache rows ``[..., D]`` in ``dtype`` (FP8 rows ``[..., D + 4]`` dequantized);
-    the rows themselves for a cache in the activations' dtype."""
-    return kv_fp8.unpack(rows, dtype) if kv.dtype == kv_fp8.STORAGE else rows
-
-
 def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
             g: KeyGroup) -> torch.Tensor:
     """``[B_g, np, 1, hn]``: queries ``q [B_g, 1, np, hn]`` over their group's keys of ``layer``
@@ -440,7 +420,7 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
         rows = g.key_rows.reshape(-1)  # [B_g Lk]
         k_all = kv[0, layer].view(-1, ng, width).index_select(0, rows).view(B, Lk, ng, width)
         v_all = kv[1, layer].view(-1, ng, width).index_select(0, rows).view(B, Lk, ng, width)
-    k_all, v_all = _read(kv, k_all, q.dtype), _read(kv, v_all, q.dtype)
+    k_all, v_all = kv_fp8.read(kv, k_all, q.dtype), kv_fp8.read(kv, v_all, q.dtype)
     return _grouped_sdpa(w, q.transpose(1, 2), k_all, v_all, g.key_mask[:, None, :])
 
 
@@ -452,7 +432,7 @@ def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Ten
     Lk = g.key_rows.shape[1]
     np_, ng, hn, width = w.heads, w.groups, w.head_dim, kv.shape[-1]
     rows = g.key_rows.reshape(-1)
-    k_all, v_all = (_read(kv, kv[t, layer].view(-1, ng, width).index_select(0, rows)
+    k_all, v_all = (kv_fp8.read(kv, kv[t, layer].view(-1, ng, width).index_select(0, rows)
                           .view(B, Lk, ng, width), q.dtype) for t in (0, 1))
     qg = q.index_select(0, g.queries.reshape(-1)).view(B, Lq, np_, hn)
     out = _grouped_sdpa(w, qg.transpose(1, 2), k_all, v_all, g.key_mask)  # [B_g, np, Lq, hn]
