@@ -128,3 +128,31 @@ def test_fp8_kv_refused_where_the_rollout_would_run_megatrons_forward(setup, mon
     with pytest.raises(RuntimeError, match=re.escape("rollout.kv_cache_dtype='fp8': this "
                                                      "rollout would decode through Megatron's")):
         fp8_engine(setup, kv_cache_dtype="fp8")
+
+
+@pytest.mark.slow
+def test_held_fp8_cache_continues_as_uninterrupted_after_a_checkpoint(setup):  # noqa: F811
+    """Requests a stop cuts keep their FP8 rows (codes and scales in one row), through a
+    checkpoint's ``held_state`` into a fresh engine too: continued without prefill, greedy,
+    they give the uninterrupted FP8-cache responses."""
+    from gspo_megatron.policy import HELD_REQUEST_KEY, GroupStop
+
+    prompts = make_prompts(12, seed=6)
+    cfg = dict(top_k=1, max_new_tokens=12, kv_cache_dtype="fp8")
+    eng = fp8_engine(setup, **cfg)
+    whole = eng.generate(prompts, seed=0)
+    first = eng.generate(prompts, seed=0, stop=GroupStop([i // 2 for i in range(12)], need=1,
+                                                         hold_cut=True))
+    cut = [i for i, s in enumerate(first) if s.finish_reason == "aborted"]
+    state = eng.held_state()
+    fresh = fp8_engine(setup, **cfg)
+    fresh.restore_held(state)
+    assert cut and fresh.dynamic.held_ids() == eng.dynamic.held_ids()
+    stop = GroupStop([i // 2 for i in cut], need=len({i // 2 for i in cut}), hold_cut=True,
+                     continue_ids={
+        k: first[i].extra[HELD_REQUEST_KEY] for k, i in enumerate(cut)})
+    rest = fresh.generate([prompts[i] + first[i].response_ids for i in cut], seed=0,
+                          budgets=[12 - len(first[i].response_ids) for i in cut], stop=stop)
+    assert fresh.dynamic.tokens_forwarded == sum(len(s.response_ids) for s in rest)  # no prefill
+    for i, s in zip(cut, rest):
+        assert first[i].response_ids + s.response_ids == whole[i].response_ids
