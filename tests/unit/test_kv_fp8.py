@@ -66,6 +66,14 @@ def test_kv_budget_counts_one_byte_an_element_and_the_scales():
     fp8 = kv_bytes_per_token(48, 4, 128, 1, 1, *kv_element_bytes("fp8", 2))
     assert bf16 == 2 * 48 * 4 * 128 * 2 and fp8 == 2 * 48 * 4 * (128 + 4)
     assert fp8 / bf16 == pytest.approx(0.515625)
+    # the planner (gspo-plan) counts the same bytes
+    from gspo_megatron.config.model import model_config_from_preset
+    from gspo_megatron.planner import Layout, plan_memory
+
+    tiny = model_config_from_preset("tiny")
+    plans = {c: plan_memory(tiny, Layout(), 1, rollout_requests=4, kv_cache_dtype=c)
+             for c in ("auto", "fp8")}
+    assert plans["fp8"].kv_cache / plans["auto"].kv_cache == pytest.approx((16 + 4) / (16 * 2))
 
 
 def test_fp8_kv_settings_are_refused_where_no_decoding_step_reads_them():
