@@ -164,3 +164,26 @@ def test_held_fp8_cache_continues_as_uninterrupted_after_a_checkpoint(setup):  #
     assert fresh.dynamic.tokens_forwarded == sum(len(s.response_ids) for s in rest)  # no prefill
     for i, s in zip(cut, rest):
         assert first[i].response_ids + s.response_ids == whole[i].response_ids
+
+
+def test_decode_plan_counts_fp8_experts_and_the_fp8_key_window():
+    """gspo-plan's decoder memory: ``rollout.precision: fp8`` adds the call's experts in FP8
+    (one byte a weight, a float32 scale a row; all of them when replicated), printed as its own
+    line; the FP8 cache's key window holds the packed rows, their float32 dequantization and the
+    compute-dtype result."""
+    from gspo_megatron.config.model import model_config_from_preset
+    from gspo_megatron.decode_plan import decode_lines, decode_peak
+
+    m = model_config_from_preset("qwen3-30b-a3b")
+    kw = dict(tp=2, ep=8, etp=1, pp=1, max_batch_size=64, seq_length=m.seq_length,
+              cuda_graphs=False)
+    base = decode_peak(m, replicated=False, **kw)
+    fp8 = decode_peak(m, replicated=False, fp8_experts=True, **kw)
+    assert base.fp8_experts == 0 and not any("FP8" in line for line in decode_lines(base))
+    assert fp8.fp8_experts == 48 * 16 * (3 * 2048 * 768 + 4 * (2 * 768 + 2048))
+    assert fp8.rollout_begin == base.rollout_begin + fp8.fp8_experts
+    assert any("decode: FP8 experts" in line for line in decode_lines(fp8))
+    assert decode_peak(m, replicated=True, fp8_experts=True, **kw).fp8_experts == 8 * fp8.fp8_experts
+    kv = decode_peak(m, replicated=False, kv_fp8=True, **kw)
+    window = 2 * 64 * m.seq_length * 2  # requests x keys x this TP rank's 2 KV heads
+    assert kv.step_activations - base.step_activations == window * ((128 + 4) + 4 * 128)
