@@ -214,9 +214,12 @@ def fp8_grouped_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, of
     one scale each (``[T]``), the experts one per output row, float32 accumulation. The
     arguments (torch 2.13's checks, ``_meta_registrations.py``): ``mat_a`` e4m3 row-major,
     ``mat_b`` e4m3 column-major in its last two dimensions (``Q^T`` as a view), ``scale_a``
-    float32 ``[T]`` contiguous, ``scale_b`` float32 ``[E, N]``, ``offs`` int32. Elsewhere
-    :func:`fp8_grouped_reference`. GPU-only: checked by ``tools/gpu_check.py``'s ``fp8_decode``
-    stage."""
+    float32 ``[T]`` contiguous, ``scale_b`` float32 ``[E, N]``, ``offs`` int32. Verified on a
+    CPU build: the signature (``torch/_C/_VariableFunctions.pyi``) and these checks, by running
+    this function on meta tensors (``tests/unit/test_fp8_experts.py``); not verifiable there:
+    limits of the CUDA kernel beyond them (what :func:`fp8_grouped_gemm_works` probes at build).
+    Elsewhere :func:`fp8_grouped_reference`. GPU-only: checked by ``tools/gpu_check.py``'s
+    ``fp8_decode`` stage."""
     xq, xs = quantize_blockwise(x, (1, x.shape[-1]))
     return torch._scaled_grouped_mm(xq, q.transpose(-2, -1), xs.view(-1), scale, offs=offs,
                                     out_dtype=out_dtype)
