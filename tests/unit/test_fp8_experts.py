@@ -18,6 +18,7 @@ from gspo_megatron.backends.megatron.kernels import decode
 from gspo_megatron.rollouts.fp8 import (E4M3, Fp8Experts, fp8_grouped_gemm_works,
                                         fp8_grouped_linear, fp8_grouped_reference,
                                         fp8_grouped_unfit, quantize_rowwise)
+from tests.unit.test_rollout import setup  # noqa: F401
 
 
 def test_grouped_gemm_arguments_pass_torchs_checks():
@@ -119,3 +120,50 @@ def test_decoding_step_runs_the_experts_as_fp8_grouped_gemms():
     small = dataclasses.replace(fw, topk=4)
     decode._moe(small, fl, y)
     assert len(calls) == 2
+
+
+@pytest.mark.slow
+def test_fp8_copy_hands_its_experts_to_the_decoding_step(setup):  # noqa: F811
+    """The tiny model's FP8 copy: the weights provider reads the copy's ``fp8_expert_gemm``
+    (None on CPU: no FP8 experts) and, given one, hands the decoding step FP8 experts of every
+    MoE layer; a decoding step over the real weights (top-1 routing, so that 4 experts take the
+    grouped branch) calls the twin twice per MoE layer and its logits stay within FP8's error of
+    the bf16 grouped GEMM's."""
+    from gspo_megatron.backends.megatron.engine.decode_weights import WeightsProvider
+    from gspo_megatron.backends.megatron.kernels.rotary import cos_sin
+    from tests.unit.test_fp8_rollout import fp8_engine
+    from tests.unit.test_rollout import VOCAB
+
+    eng = fp8_engine(setup, precision="fp8")
+    model = eng.sampling_model
+    assert model.fp8_expert_gemm is None  # CPU: the probe finds no kernel
+    assert all(layer.fp8_w1 is None for layer in WeightsProvider(model, VOCAB).acquire().layers)
+    calls = []
+
+    def twin(x, q, scale, offs):
+        calls.append(offs.clone())
+        return fp8_grouped_reference(x, q, scale, offs)
+
+    model.fp8_expert_gemm = twin
+    w = WeightsProvider(model, VOCAB).acquire()
+    moe = [layer for layer in w.layers if layer.router is not None]
+    assert moe and all(isinstance(layer.fp8_w1, Fp8Experts) for layer in moe)
+    w = dataclasses.replace(w, topk=1)
+    plain = dataclasses.replace(w, layers=[dataclasses.replace(layer, fp8_w1=None, fp8_w2=None)
+                                           for layer in w.layers])
+    B, Lk, bs, blocks = 4, 8, 16, 4
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(2, len(w.layers), blocks, bs, w.groups, w.head_dim, dtype=torch.bfloat16)
+    j = torch.arange(Lk)
+    key_rows = torch.arange(B)[:, None] * bs + j
+    pos = torch.tensor([3, 7, 0, 5])
+    pair = cos_sin(model.rotary_pos_emb(64), 1.0, torch.bfloat16)
+    batch = decode.DecodeBatch(torch.randint(3, VOCAB, (B,), generator=g), pos,
+                               key_rows.gather(1, pos[:, None])[:, 0], pair.cos, pair.sin,
+                               [decode.KeyGroup(None, key_rows, j[None, :] <= pos[:, None], j)])
+    with torch.no_grad():
+        want, _ = decode.decode_forward(plain, kv.clone(), batch)
+        got, _ = decode.decode_forward(w, kv.clone(), batch)
+    assert len(calls) == 2 * len(moe) and all(int(o[-1]) == B for o in calls)
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < 0.1, rel
