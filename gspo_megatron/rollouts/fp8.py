@@ -266,11 +266,24 @@ def fp8_grouped_gemm_works(device: torch.device, experts: int = 4, n: int = 256,
 class Fp8Experts:
     """One MoE layer's expert weight in FP8 for the decoding step's grouped GEMM: ``q [E, N, K]``
     e4m3 and ``scale [E, N]`` (:func:`quantize_rowwise` of the experts the step would multiply,
-    ``F.linear``'s ``[N, K]`` per expert), run by ``gemm`` (:func:`fp8_grouped_linear` on
-    Hopper, :func:`fp8_grouped_reference` in CPU tests) as ``gemm(rows, q, scale, offs)``."""
+    ``weight_nk``, ``F.linear``'s ``[N, K]`` per expert), run by ``gemm``
+    (:func:`fp8_grouped_linear` on Hopper, :func:`fp8_grouped_reference` in CPU tests) as
+    ``gemm(rows, q, scale, offs)``. Quantized ``chunk`` experts at a time, so the float32
+    temporaries stay a few experts' size (all 128 of a Qwen3-30B-A3B layer at once: ~5 GB);
+    :attr:`error_sums` ``[2]`` float32 on the device: ``(||W - Q s||^2, ||W||^2)``."""
 
-    def __init__(self, weight_nk: torch.Tensor, gemm=None):
-        self.q, self.scale = quantize_rowwise(weight_nk)
+    def __init__(self, weight_nk: torch.Tensor, gemm=None, chunk: int = 8):
+        e, n, k = weight_nk.shape
+        self.q = torch.empty(e, n, k, dtype=E4M3, device=weight_nk.device)
+        self.scale = torch.empty(e, n, dtype=torch.float32, device=weight_nk.device)
+        self.error_sums = torch.zeros(2, dtype=torch.float32, device=weight_nk.device)
+        for first in range(0, e, chunk):
+            part = weight_nk[first:first + chunk]
+            q, scale = quantize_rowwise(part)
+            self.q[first:first + chunk], self.scale[first:first + chunk] = q, scale
+            w32 = part.float()
+            self.error_sums += torch.stack(((w32 - q.float() * scale.unsqueeze(-1)).square().sum(),
+                                            w32.square().sum()))
         self.gemm = gemm or fp8_grouped_linear
 
     def __call__(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,14 @@ def test_fp8_copy_hands_its_experts_to_the_decoding_step(setup):  # noqa: F811
     w = WeightsProvider(model, VOCAB).acquire()
     moe = [layer for layer in w.layers if layer.router is not None]
     assert moe and all(isinstance(layer.fp8_w1, Fp8Experts) for layer in moe)
+    layer = moe[0]  # the chunked quantization is the whole stack's
+    q, s = quantize_rowwise(layer.w1.transpose(1, 2))
+    assert torch.equal(Fp8Experts(layer.w1.transpose(1, 2), twin, chunk=3).q.view(torch.uint8),
+                       q.view(torch.uint8)) and torch.equal(layer.fp8_w1.scale, s)
+    provider = WeightsProvider(model, VOCAB)
+    provider.acquire()
+    rel = provider.fp8_metrics()["rollout/fp8_expert_requant_rel_err"]
+    assert 0.005 < rel < 0.06, rel
     w = dataclasses.replace(w, topk=1)
     plain = dataclasses.replace(w, layers=[dataclasses.replace(layer, fp8_w1=None, fp8_w2=None)
                                            for layer in w.layers])

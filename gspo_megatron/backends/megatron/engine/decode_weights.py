@@ -45,6 +45,8 @@ class WeightsProvider:
         """The current call's (None between calls)."""
         self.replicated = False
         """Whether the current (or last) call gathered every EP rank's experts here."""
+        self.fp8_error_sums: list[torch.Tensor] = []
+        """The last call's FP8 experts' ``[2]`` error sums (:meth:`fp8_metrics`)."""
 
     def acquire(self) -> DecodeWeights:
         """The weights for a call: the model's tensors, the experts stacked (and gathered from
@@ -54,8 +56,19 @@ class WeightsProvider:
         if self.replicated:
             w = replicate_experts(w)
         w = fp8_experts(w, getattr(self.model, "fp8_expert_gemm", None))
+        self.fp8_error_sums = [x.error_sums for layer in w.layers
+                               for x in (layer.fp8_w1, layer.fp8_w2) if x is not None]
         self.weights = w
         return w
+
+    def fp8_metrics(self) -> dict[str, float]:
+        """``rollout/fp8_expert_requant_rel_err``: ``||W - Q s|| / ||W||`` of the last call's
+        FP8 experts (:func:`fp8_experts`) against the experts they requantized, every MoE layer;
+        empty where the experts stayed bf16 (CPU, or the probe failed). One host read."""
+        if not self.fp8_error_sums:
+            return {}
+        err, norm = torch.stack(self.fp8_error_sums).sum(dim=0).tolist()
+        return {"rollout/fp8_expert_requant_rel_err": (err / norm) ** 0.5 if norm > 0 else 0.0}
 
     def release(self) -> None:
         """The call ended: every tensor made for it (stacks, replicas) is let go."""

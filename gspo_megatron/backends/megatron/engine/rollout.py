@@ -238,11 +238,13 @@ class RolloutEngine:
 
     def weight_metrics(self) -> dict[str, float]:
         """``rollout/fp8_weight_rel_err*`` of the latest refresh (empty without FP8 weights),
-        and ``rollout/kv_fp8_rel_err`` of the latest call's prefills with an FP8 KV cache."""
+        ``rollout/fp8_expert_requant_rel_err`` where the experts ran as FP8 grouped GEMMs, and
+        ``rollout/kv_fp8_rel_err`` of the latest call's prefills with an FP8 KV cache."""
         out = dict(self.fp8.metrics) if self.fp8 is not None else {}
         fast = self.dynamic.fast if self.dynamic is not None else None
-        if fast is not None and fast.kv_error is not None:
+        if fast is not None:
             out.update(fast.kv_metrics())
+            out.update(fast.provider.fp8_metrics())
         return out
 
     @property
