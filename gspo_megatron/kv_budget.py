@@ -13,12 +13,25 @@ BLOCK_SIZE_TOKENS = 256
 """Tokens per paged-KV block (Megatron's default; flash-attn's paged kernels take 64 or 256)."""
 
 
+KV_FP8_SCALE_BYTES = 4
+"""``rollout.kv_cache_dtype: fp8``: the float32 scale each token and key/value head stores
+beside its ``kv_channels`` one-byte codes (:mod:`gspo_megatron.rollouts.kv_fp8`)."""
+
+
+def kv_element_bytes(kv_cache_dtype: str, compute_bytes: int) -> tuple[int, int]:
+    """``(bytes per element, scale bytes per token and head)`` of a KV cache of
+    ``rollout.kv_cache_dtype`` (``auto``: the rollout's compute dtype, ``compute_bytes``)."""
+    return (1, KV_FP8_SCALE_BYTES) if kv_cache_dtype == "fp8" else (int(compute_bytes), 0)
+
+
 def kv_bytes_per_token(num_layers: int, num_query_groups: int, kv_channels: int,
-                       tp_size: int = 1, pp_size: int = 1, dtype_bytes: int = 4) -> int:
+                       tp_size: int = 1, pp_size: int = 1, dtype_bytes: int = 4,
+                       scale_bytes: int = 0) -> int:
     """Bytes of KV cache one token holds on one rank: keys and values of this pipeline stage's
-    layers, this TP rank's KV heads."""
+    layers, this TP rank's KV heads, ``kv_channels`` elements of ``dtype_bytes`` each plus
+    ``scale_bytes`` per head (:func:`kv_element_bytes`)."""
     heads = max(num_query_groups // tp_size, 1)
-    return 2 * (num_layers // pp_size) * heads * kv_channels * dtype_bytes
+    return 2 * (num_layers // pp_size) * heads * (kv_channels * dtype_bytes + scale_bytes)
 
 
 def blocks_per_request(tokens: int, block_size: int = BLOCK_SIZE_TOKENS) -> int:

@@ -176,6 +176,14 @@ METRICS: tuple[MetricDoc, ...] = (
               "the live weights), at the step's weight refresh.", "`rollout.precision: fp8`"),
     MetricDoc("rollout/fp8_weight_rel_err/layer_{i}", "The same over decoder layer i's weights.",
               "`rollout.precision: fp8`"),
+    MetricDoc("rollout/fp8_expert_requant_rel_err", "Relative error of the experts requantized "
+              "with one scale per row for Hopper's FP8 grouped GEMM, against the experts they "
+              "requantize (the block-wise FP8 ones), every MoE layer, at the step's first rollout "
+              "call.", "`rollout.precision: fp8` where `torch._scaled_grouped_mm` runs (Hopper)"),
+    # rollout/kv_fp8_rel_err: backends/megatron/engine/rounds.py (FastDecoder.kv_metrics).
+    MetricDoc("rollout/kv_fp8_rel_err", "Relative error of the FP8 KV cache, `||K - Q s|| / ||K||` "
+              "(Frobenius, over the keys and values the step's first rollout call prefilled, every "
+              "layer, against the compute dtype's values).", "`rollout.kv_cache_dtype: fp8`"),
     # rollout/decode_*: backends/megatron/engine/rounds.py, kernels/graphs.py (the fast decoder).
     MetricDoc("rollout/decode_graphs", "1 while the decoding step replays from CUDA graphs, 0 when "
               "it runs eagerly (graphs off, or a capture raised: one WARNING says why).",

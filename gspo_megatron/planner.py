@@ -41,7 +41,7 @@ from typing import Callable
 from gspo_megatron.config.model import ModelConfig, ParallelConfig
 from gspo_megatron.config.schema import OFFLOAD_PARTS
 from gspo_megatron.config.validation import parallel_layout_errors
-from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token
+from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token, kv_element_bytes
 from gspo_megatron.params import count_parameters
 
 GIB = 1024 ** 3
@@ -206,7 +206,7 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
                 routing_replay: bool = False, kv_cache_bytes: int | None = None,
                 rollout_requests: int = 0, keep_kv: bool = False,
                 max_tokens_per_microbatch: int | None = None,
-                offload: str = "none") -> MemoryPlan:
+                offload: str = "none", kv_cache_dtype: str = "auto") -> MemoryPlan:
     """Memory of the busiest rank. Raises ``ValueError`` naming the field if the layout breaks
     the trainer's rule (:func:`~gspo_megatron.config.validation.parallel_layout_errors`: the
     same message) or ``max_tokens_per_microbatch`` is below 1.
@@ -216,7 +216,9 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
 
     The rollout's KV cache: ``kv_cache_bytes`` if given, else ``rollout_requests`` requests of
     ``seq_length`` tokens in paged blocks (0 requests: none); ``keep_kv``: it stays allocated
-    through training too (``rollout.partial_keep_kv``).
+    through training too (``rollout.partial_keep_kv``); ``kv_cache_dtype``
+    (``rollout.kv_cache_dtype``): ``fp8`` counts 1 byte an element and a 4-byte scale per token
+    and head.
 
     One microbatch's activations and logits, with ``s = seq_length``, ``b = micro_batch_size``,
     ``h`` the hidden size, ``a`` the attention heads, ``k`` the router's top-k, ``f`` the expert FFN
@@ -294,7 +296,7 @@ def plan_memory(model: ModelConfig, layout: Layout, num_gpus: int, *, micro_batc
     if kv_cache_bytes is None:
         kv_cache_bytes = kv_budget_bytes(rollout_requests, s, kv_bytes_per_token(
             model.num_layers, model.num_query_groups, model.kv_channels, layout.tp, layout.pp,
-            wbytes)) if rollout_requests else 0
+            *kv_element_bytes(kv_cache_dtype, wbytes))) if rollout_requests else 0
     vocab_shard = model.padded_vocab_size() // layout.tp
     logits = n / layout.cp * vocab_shard * 2 + min(1024, n) * vocab_shard * 4
     # The optimizer's 12 bytes a parameter: Adam's m and v (8), the fp32 main copy (4), which
@@ -333,11 +335,12 @@ class ReplicaPlan:
 
 def plan_rollout_replica(model: ModelConfig, *, bf16: bool = True, seq_length: int | None = None,
                          kv_cache_bytes: int | None = None,
-                         rollout_requests: int = 0) -> ReplicaPlan:
+                         rollout_requests: int = 0, kv_cache_dtype: str = "auto") -> ReplicaPlan:
     """Memory of a rollout rank (``rollout.placement: separate``): one full replica per rank
     (Qwen3-30B-A3B in bf16: 57 GiB of weights), its KV cache as :func:`plan_memory` sizes it."""
     plan = plan_memory(model, Layout(), 1, bf16=bf16, seq_length=seq_length,
-                       kv_cache_bytes=kv_cache_bytes, rollout_requests=rollout_requests)
+                       kv_cache_bytes=kv_cache_bytes, rollout_requests=rollout_requests,
+                       kv_cache_dtype=kv_cache_dtype)
     return ReplicaPlan(weights=plan.weights, kv_cache=plan.kv_cache)
 
 
@@ -494,7 +497,9 @@ def longest_response(model: ModelConfig, layout: Layout, num_gpus: int, gpu_memo
         if phase == "rollout" and plan_kwargs.get("kv_cache_bytes") is not None:
             per_token = kv_bytes_per_token(model.num_layers, model.num_query_groups,
                                            model.kv_channels, layout.tp, layout.pp,
-                                           2 if plan_kwargs.get("bf16", True) else 4)
+                                           *kv_element_bytes(
+                                               plan_kwargs.get("kv_cache_dtype", "auto"),
+                                               2 if plan_kwargs.get("bf16", True) else 4))
             one = kv_budget_bytes(1, prompt_length + response, per_token)
             return one <= plan.kv_cache and plan.rollout_peak <= gpu_memory_bytes
         peak = plan.training_peak if phase == "training" else plan.rollout_peak

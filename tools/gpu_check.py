@@ -25,9 +25,13 @@ GPU; the first H200 run took 115 s for all of them at N = 8), then the timed one
                    the tiny model (fp32).
 ``fp8_decode``     tools.bench.gpu_fp8: ``rollout.precision: fp8`` on the slice: ms per decoding
                    step with the attention GEMMs in FP8 (``torch._scaled_mm``, 128 x 128 block
-                   scales; Hopper), with every GEMM dequantized to bf16, and bf16's; greedy tokens
-                   against bf16's; the GEMMs alone at the slice's shapes. ``tiny_fp8_rollout``: the
-                   tiny fp32 trainer sampling from FP8 weights with R3.
+                   scales; Hopper) and the experts' grouped GEMMs in FP8
+                   (``torch._scaled_grouped_mm``, row-wise scales), with every GEMM dequantized to
+                   bf16, with the FP8 KV cache too (``rollout.kv_cache_dtype: fp8``), and bf16's;
+                   greedy tokens against bf16's; the GEMMs and grouped GEMMs alone at the slice's
+                   shapes (ms, agreement with their float32 twins and bf16). ``tiny_fp8_rollout``:
+                   the tiny fp32 trainer sampling from FP8 weights with R3;
+                   ``tiny_fp8_kv_rollout``: the same with the FP8 KV cache.
 ``tiny_zero_mismatch`` ``precision.batch_invariant`` on the tiny bf16 run (free routing, the
                    rollout's routes compared with the trainer's): every step's
                    ``mismatch/tokens_differ``, ``kl/rollout_vs_train`` and
@@ -203,6 +207,9 @@ def stages(work: str, size: str = "full") -> list[Stage]:
               timed=True),
         Stage("tiny_fp8_rollout", [tiny("tiny_fp8_rollout", "--precision.bf16=false",
                                         "--rollout.precision=fp8", "--routing.replay=r3")], 300),
+        Stage("tiny_fp8_kv_rollout", [tiny("tiny_fp8_kv_rollout", "--precision.bf16=false",
+                                           "--rollout.precision=fp8", "--routing.replay=r3",
+                                           "--rollout.kv_cache_dtype=fp8")], 300),
         # Zero mismatch (precision.batch_invariant) in bf16: every step's mismatch/tokens_differ
         # (0 on CPU), kl/rollout_vs_train and routing/rollout/change_rate, then the same run with
         # the mode off (its figures beside: the cost, perf/*, and the mismatch it removes).

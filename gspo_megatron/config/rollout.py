@@ -108,6 +108,16 @@ class RolloutConfig(Section, name="rollout"):
     Qwen's and DeepSeek's FP8 checkpoints and the only size Hopper's block-scaled GEMM takes;
     other powers of two >= 16 are for study on CPU). A dimension it does not divide ends in a
     smaller block."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """What the dynamic engine's paged KV cache stores keys and values in (vLLM's knob of the
+    same name). ``auto`` (default): the rollout's compute dtype (``precision``'s). ``fp8``: e4m3
+    with one float32 scale per token and key/value head, computed from the vector written (no
+    calibration, no saturation; only e4m3's rounding: 2.2 % relative on the tiny model),
+    dequantized to the compute dtype when read: about half the KV memory of bf16 (a quarter of
+    fp32), so more requests fit the same budget (no faster step: no FP8 attention kernel). Written and read by the multi-step decoding step only, so it
+    needs ``engine: dynamic``, ``decode_steps_per_sync > 0``, no pipeline parallelism, and under
+    expert parallelism ``decode_experts: replicated``; refused with
+    ``precision.batch_invariant``. Logs ``rollout/kv_fp8_rel_err``. Training is unchanged."""
     router_noise_std: float = 0.0
     """A research control, off (0) by default: the rollout's MoE router logits get Gaussian noise
     of this standard deviation (fresh draws per token and layer, seeded from the rollout seed),

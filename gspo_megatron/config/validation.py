@@ -18,7 +18,7 @@ from gspo_megatron.sections import FieldError, Section
 from gspo_megatron.config.model import (ModelConfig, ModelFileError, ParallelConfig, architecture_differences,
                                         find_converted_dir, model_config_file,
                                         read_model_config_file, show_value)
-from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token
+from gspo_megatron.kv_budget import kv_budget_bytes, kv_bytes_per_token, kv_element_bytes
 from gspo_megatron.config.schema import TrainConfig
 
 
@@ -206,11 +206,24 @@ def _engine_errors(cfg: TrainConfig) -> list[str]:
     if ro.partial_keep_kv and not ro.partial_rollouts:
         errors.append("rollout.partial_keep_kv needs rollout.partial_rollouts: it keeps the KV "
                       "cache of the responses a partial rollout carries")
+    if ro.kv_cache_dtype == "fp8":
+        why = {"rollout.engine='static'": ro.engine == "static",
+               "rollout.decode_steps_per_sync=0": ro.decode_steps_per_sync == 0,
+               f"parallel.pipeline_model_parallel_size={par.pipeline_model_parallel_size}":
+                   par.pipeline_model_parallel_size > 1,
+               f"parallel.expert_model_parallel_size={par.expert_model_parallel_size} with "
+               f"rollout.decode_experts={ro.decode_experts!r}":
+                   par.expert_model_parallel_size > 1 and ro.decode_experts != "replicated"}
+        errors += [f"rollout.kv_cache_dtype='fp8' with {name}: the FP8 cache is written and read "
+                   "by the dynamic engine's multi-step decoding step only (engine 'dynamic', "
+                   "decode_steps_per_sync > 0, PP 1, decode_experts 'replicated' under EP), "
+                   "never by Megatron's own attention" for name, bad in why.items() if bad]
     if ro.engine != "static" and ro.dynamic_buffer_size_gb is not None:
         bf16 = ro.precision in ("bf16", "fp8") or (ro.precision == "auto" and cfg.precision.bf16)
         need = kv_budget_bytes(1, m.seq_length, kv_bytes_per_token(
             m.num_layers, m.num_query_groups, m.kv_channels, par.tensor_model_parallel_size,
-            par.pipeline_model_parallel_size, 2 if bf16 else 4))
+            par.pipeline_model_parallel_size,
+            *kv_element_bytes(ro.kv_cache_dtype, 2 if bf16 else 4)))
         if ro.dynamic_buffer_size_gb * 1024 ** 3 < need:
             errors.append(
                 f"rollout.dynamic_buffer_size_gb={ro.dynamic_buffer_size_gb} cannot hold one "
@@ -249,6 +262,7 @@ def invariant_errors(cfg: TrainConfig) -> list[str]:
         f"rollout.precision={ro.precision!r}": ro.precision not in (
             "auto", "bf16" if pr.bf16 else "fp32"),
         f"rollout.router_noise_std={ro.router_noise_std}": ro.router_noise_std > 0,
+        "rollout.kv_cache_dtype='fp8'": ro.kv_cache_dtype != "auto",
         # (the invariant experts read their tile counts on the host: no graph can hold them)
         "rollout.decode_cuda_graphs=true": ro.decode_cuda_graphs,
         f"parallel.expert_model_parallel_size={par.expert_model_parallel_size} with "

@@ -185,3 +185,110 @@ class Fp8Linear:
             out = w.gemm(x.reshape(-1, x.shape[-1]), w.q, w.scale_inv, w.block)
             return out.to(x.dtype).view(*x.shape[:-1], w.q.shape[0])
         raise TypeError(f"Fp8Linear supports F.linear(x, weight) only, not {func}")
+
+
+# ------------------------------------------------------------ the experts' grouped GEMM (Hopper)
+def quantize_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Q [..., N, K] e4m3, scale [..., N] float32)``: one scale per output row of
+    ``w [..., N, K]`` (``amax / 448`` over the row): the only weight scaling
+    ``torch._scaled_grouped_mm`` takes (float32 scales per row of each expert)."""
+    q, scale = quantize_blockwise(w, (1, w.shape[-1]))
+    return q, scale.squeeze(-1)
+
+
+def fp8_grouped_unfit(k: int) -> str | None:
+    """None where :func:`fp8_grouped_linear` takes experts ``[E, N, K]``, else why not: the
+    kernel reads one-byte operands whose leading dimension ``K`` (the rows' and the
+    column-major experts') must be a multiple of 16 bytes (torch's check; the output's rows are
+    padded by torch itself, so ``N`` is free)."""
+    if k % 16:
+        return f"experts [E, N, {k}]: the FP8 grouped GEMM needs K % 16 == 0"
+    return None
+
+
+def fp8_grouped_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``[T, N]`` in ``out_dtype``: rows ``x [T, K]`` in expert-major order (expert ``e``'s rows
+    end at ``offs[e]``, int32 ``[E]``) times their expert's FP8 weight ``(Q [E, N, K],
+    scale [E, N])`` transposed, as one ``torch._scaled_grouped_mm``: the rows quantized with
+    one scale each (``[T]``), the experts one per output row, float32 accumulation. The
+    arguments (torch 2.13's checks, ``_meta_registrations.py``): ``mat_a`` e4m3 row-major,
+    ``mat_b`` e4m3 column-major in its last two dimensions (``Q^T`` as a view), ``scale_a``
+    float32 ``[T]`` contiguous, ``scale_b`` float32 ``[E, N]``, ``offs`` int32. Verified on a
+    CPU build: the signature (``torch/_C/_VariableFunctions.pyi``) and these checks, by running
+    this function on meta tensors (``tests/unit/test_fp8_experts.py``); not verifiable there:
+    limits of the CUDA kernel beyond them (what :func:`fp8_grouped_gemm_works` probes at build).
+    Elsewhere :func:`fp8_grouped_reference`. GPU-only: checked by ``tools/gpu_check.py``'s
+    ``fp8_decode`` stage."""
+    xq, xs = quantize_blockwise(x, (1, x.shape[-1]))
+    return torch._scaled_grouped_mm(xq, q.transpose(-2, -1), xs.view(-1), scale, offs=offs,
+                                    out_dtype=out_dtype)
+
+
+def fp8_grouped_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                          offs: torch.Tensor) -> torch.Tensor:
+    """``[T, N]`` float32: what :func:`fp8_grouped_linear` computes, on any device: each row of
+    ``x`` quantized with its own scale, times its expert's ``(Q * scale)^T``, in float32. Rows
+    past ``offs[-1]`` are 0."""
+    xq, xs = quantize_blockwise(x, (1, x.shape[-1]))
+    a = xq.float() * xs
+    w = q.float() * scale.float().unsqueeze(-1)  # [E, N, K]
+    out = a.new_zeros(x.shape[0], q.shape[-2])
+    ends = offs.tolist()
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end > start:
+            out[start:end] = a[start:end] @ w[e].t()
+    return out
+
+
+def fp8_grouped_gemm_works(device: torch.device, experts: int = 4, n: int = 256,
+                           k: int = 512) -> str | None:
+    """None where :func:`fp8_grouped_linear` runs on ``device`` (one call, 21 rows over
+    ``experts`` groups of uneven size, one empty, against :func:`fp8_grouped_reference`), else
+    why not, in a line."""
+    if not fp8_gemm_runs_on(device):
+        return f"no FP8 grouped GEMM on {device} (Hopper only)"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(21, k, device=device, generator=g).to(torch.bfloat16)
+    q, s = quantize_rowwise(torch.randn(experts, n, k, device=device, generator=g) * 0.02)
+    offs = torch.tensor([5, 5, 16, 21][:experts], device=device, dtype=torch.int32)
+    try:
+        got = fp8_grouped_linear(x, q, s, offs).float()
+    except RuntimeError as exc:
+        return f"torch._scaled_grouped_mm refused: {str(exc).splitlines()[0][:160]}"
+    want = fp8_grouped_reference(x.float(), q, s, offs)
+    rel = float((got - want).norm() / want.norm())
+    return None if rel < 2e-2 else f"torch._scaled_grouped_mm differs from its reference by {rel:.2e}"
+
+
+class Fp8Experts:
+    """One MoE layer's expert weight in FP8 for the decoding step's grouped GEMM: ``q [E, N, K]``
+    e4m3 and ``scale [E, N]`` (:func:`quantize_rowwise` of the experts the step would multiply,
+    ``weight_nk``, ``F.linear``'s ``[N, K]`` per expert), run by ``gemm``
+    (:func:`fp8_grouped_linear` on Hopper, :func:`fp8_grouped_reference` in CPU tests) as
+    ``gemm(rows, q, scale, offs)``. Quantized ``chunk`` experts at a time, so the float32
+    temporaries stay a few experts' size (all 128 of a Qwen3-30B-A3B layer at once: ~5 GB);
+    :attr:`error_sums` ``[2]`` float32 on the device: ``(||W - Q s||^2, ||W||^2)``."""
+
+    def __init__(self, weight_nk: torch.Tensor, gemm=None, chunk: int = 8):
+        e, n, k = weight_nk.shape
+        self.q = torch.empty(e, n, k, dtype=E4M3, device=weight_nk.device)
+        self.scale = torch.empty(e, n, dtype=torch.float32, device=weight_nk.device)
+        self.error_sums = torch.zeros(2, dtype=torch.float32, device=weight_nk.device)
+        for first in range(0, e, chunk):
+            part = weight_nk[first:first + chunk]
+            q, scale = quantize_rowwise(part)
+            self.q[first:first + chunk], self.scale[first:first + chunk] = q, scale
+            w32 = part.float()
+            self.error_sums += torch.stack(((w32 - q.float() * scale.unsqueeze(-1)).square().sum(),
+                                            w32.square().sum()))
+        self.gemm = gemm or fp8_grouped_linear
+
+    def __call__(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``[T, N]`` in ``x``'s dtype."""
+        return self.gemm(x, self.q, self.scale, offs).to(x.dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q, self.scale

@@ -183,6 +183,7 @@ def from_recipe(args, overrides: list[str]):
                            and r.placement != "separate"),
                   prompt_length=cfg.data.max_prompt_length,
                   offload=cfg.trainer.offload,
+                  kv_cache_dtype=r.kv_cache_dtype,
                   rollout_ranks=r.ranks if r.placement == "separate" else 0,
                   transfer=(r.max_staleness, r.weight_bucket_bytes()),
                   decode=r,
@@ -387,7 +388,8 @@ def _rollout_ranks_report(model, plan, rollout_ranks: int, args, kwargs, out,
     transfer on each side."""
     replica = plan_rollout_replica(model, bf16=kwargs["bf16"], seq_length=kwargs["seq_length"],
                                    kv_cache_bytes=kwargs.get("kv_cache_bytes"),
-                                   rollout_requests=kwargs["rollout_requests"])
+                                   rollout_requests=kwargs["rollout_requests"],
+                                   kv_cache_dtype=kwargs.get("kv_cache_dtype", "auto"))
     print(f"rollout rank (x{rollout_ranks}, one full replica on 1 GPU, frozen: no gradients, no "
           f"optimizer)", file=out)
     for label, value in (("weights", replica.weights), ("rollout KV cache (paged)", replica.kv_cache),

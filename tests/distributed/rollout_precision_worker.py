@@ -25,6 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--kv", default="auto", help="rollout.kv_cache_dtype")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp,
@@ -37,7 +38,10 @@ def main():
         live.output_layer.weight.mul_(20.0)
     engine = RolloutEngine(policy.model, groups, eos_id=EOS, pad_id=0, vocab_size=VOCAB,
                            config=RolloutConfig(max_new_tokens=8, temperature=0.9,
-                                                max_batch_size=8, precision="bf16"))
+                                                max_batch_size=8, precision="bf16",
+                                                kv_cache_dtype=args.kv,
+                                                decode_experts="replicated"
+                                                if args.kv == "fp8" else "auto"))
     samples = engine.generate(prompts(7, 16, 2, 7), seed=11)
     batch = make_policy_batch([s.prompt_ids + s.response_ids for s in samples],
                               [len(s.prompt_ids) for s in samples], pad_id=0)
@@ -57,6 +61,8 @@ def main():
                                                                for p in live.parameters()],
         bf16=all(p.dtype == torch.bfloat16 for p in copy_params),
         sequence_parallel_restored=bool(live.config.sequence_parallel) == (args.tp > 1),
+        kv_fp8_rel_err=engine.weight_metrics().get("rollout/kv_fp8_rel_err"),
+        kv_dtype=str(engine.dynamic.context.params_dtype),
     )
     write_rank_json(args.out, groups.rank, result)
     destroy_distributed()

@@ -318,10 +318,14 @@ def test_gpu_fp8_bench_runs_its_gpu_code_on_cpu(tmp_path):
 
     res = run("smoke", tiny=True)
     assert res["fp8_gemm"] is False and res["gemms"] == {"skipped": "needs a Hopper GPU"}
+    assert res["fp8_expert_gemm"] is False
+    assert res["grouped_gemms"] == {"skipped": "needs a Hopper GPU"}
+    assert 0 < res["kv_fp8_rel_err"] < 0.05
     assert set(res["paths"]) == set(PATHS)
     for name, rec in res["paths"].items():
         assert "error" not in rec and rec["tokens"] > 0, (name, rec)
         assert (rec["refresh_s"] > 0) == (name != "bf16")
     assert 0 < res["fp8_weight_rel_err"]["rollout/fp8_weight_rel_err"] < 0.06
     assert all(0 <= n <= res["batch"] for n in res["greedy_requests_differing_from_bf16"].values())
-    assert {"fp8_decode", "tiny_fp8_rollout"} <= {s.name for s in stages(str(tmp_path), "quick")}
+    assert {"fp8_decode", "tiny_fp8_rollout", "tiny_fp8_kv_rollout"} <= {
+        s.name for s in stages(str(tmp_path), "quick")}

@@ -27,8 +27,9 @@ from typing import Iterable
 import torch
 
 from gspo_megatron.rollouts.fp8 import (Fp8Linear, dequantize_blockwise, fp8_gemm_runs_on,
-                                        fp8_gemm_unfit, fp8_gemm_works, fp8_linear,
-                                        quantize_blockwise, relative_error)
+                                        fp8_gemm_unfit, fp8_gemm_works, fp8_grouped_gemm_works,
+                                        fp8_grouped_linear, fp8_linear, quantize_blockwise,
+                                        relative_error)
 
 FP8_WEIGHT = re.compile(
     r"(linear_qkv|linear_proj|linear_q_proj|linear_q_down_proj|linear_q_up_proj"
@@ -57,8 +58,10 @@ class Fp8Weights:
             ``scale_inv [ceil(N/b), ceil(K/b)]``), also set as the copy model's
             ``fp8_gemm_weights`` (by parameter id), which the multi-step decoding step runs as
             FP8 GEMMs (``torch._scaled_mm``); empty elsewhere (the copy's dequantized weights are
-            all that is used). The experts stay dequantized in the decoding step (their FP8
-            grouped GEMM, ``torch._scaled_grouped_mm``, is not wired yet).
+            all that is used). The experts' FP8 grouped GEMM (``torch._scaled_grouped_mm``,
+            row-wise scales) is made per rollout call from the copy's experts where its probe
+            passes (the copy model's ``fp8_expert_gemm``:
+            :func:`~.engine.decode_weights.fp8_experts`).
         metrics: the latest ``rollout/fp8_weight_rel_err`` (Frobenius ``||W - Q s|| / ||W||``
             over every quantized weight, against the live weights) and
             ``rollout/fp8_weight_rel_err/layer_{i}`` (per decoder layer).
@@ -87,6 +90,12 @@ class Fp8Weights:
                 logger.warning("rollout.precision=fp8: the FP8 GEMM is off (%s); the decoding "
                                "step multiplies the dequantized bf16 weights", why)
             gemm = fp8_linear if why is None else None
+            why = fp8_grouped_gemm_works(device)
+            if why is not None and fp8_gemm_runs_on(device):
+                logger.warning("rollout.precision=fp8: the experts' FP8 grouped GEMM is off (%s); "
+                               "the decoding step multiplies the dequantized bf16 experts", why)
+            # what the decoding step's weights provider reads (engine/decode_weights.fp8_experts)
+            copy_model.fp8_expert_gemm = fp8_grouped_linear if why is None else None
         return cls(((n, p, live[n]) for n, p in copy_model.named_parameters()
                     if FP8_WEIGHT.search(n)), block, gemm, copy_model)
 

@@ -13,6 +13,7 @@ passes run without it (``gspo-plan`` counts it in the rollout phase:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -44,6 +45,8 @@ class WeightsProvider:
         """The current call's (None between calls)."""
         self.replicated = False
         """Whether the current (or last) call gathered every EP rank's experts here."""
+        self.fp8_error_sums: list[torch.Tensor] = []
+        """The last call's FP8 experts' ``[2]`` error sums (:meth:`fp8_metrics`)."""
 
     def acquire(self) -> DecodeWeights:
         """The weights for a call: the model's tensors, the experts stacked (and gathered from
@@ -52,8 +55,20 @@ class WeightsProvider:
         self.replicated = w.ep_group is not None and self._replicate(w)
         if self.replicated:
             w = replicate_experts(w)
+        w = fp8_experts(w, getattr(self.model, "fp8_expert_gemm", None))
+        self.fp8_error_sums = [x.error_sums for layer in w.layers
+                               for x in (layer.fp8_w1, layer.fp8_w2) if x is not None]
         self.weights = w
         return w
+
+    def fp8_metrics(self) -> dict[str, float]:
+        """``rollout/fp8_expert_requant_rel_err``: ``||W - Q s|| / ||W||`` of the last call's
+        FP8 experts (:func:`fp8_experts`) against the experts they requantized, every MoE layer;
+        empty where the experts stayed bf16 (CPU, or the probe failed). One host read."""
+        if not self.fp8_error_sums:
+            return {}
+        err, norm = torch.stack(self.fp8_error_sums).sum(dim=0).tolist()
+        return {"rollout/fp8_expert_requant_rel_err": (err / norm) ** 0.5 if norm > 0 else 0.0}
 
     def release(self) -> None:
         """The call ended: every tensor made for it (stacks, replicas) is let go."""
@@ -67,7 +82,8 @@ class WeightsProvider:
         own = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         seen: dict[int, int] = {}
         for layer in self.weights.layers:
-            for t in vars(layer).values():
+            for t in (x for v in vars(layer).values()
+                      for x in (v.tensors() if hasattr(v, "tensors") else (v,))):
                 if torch.is_tensor(t):
                     storage = t.untyped_storage()
                     if storage.data_ptr() not in own:
@@ -84,3 +100,29 @@ class WeightsProvider:
         else:
             want = 4 * replica_bytes(w) <= free_bytes(w.embedding.device)
         return agree_all(want, self.coupled)
+
+
+def fp8_experts(w: DecodeWeights, gemm) -> DecodeWeights:
+    """``w`` with each MoE layer's experts also in FP8 for the decoding step's grouped GEMM
+    (``rollout.precision: fp8`` where :func:`~gspo_megatron.rollouts.fp8.fp8_grouped_gemm_works`:
+    ``gemm``, the copy model's ``fp8_expert_gemm``; None: ``w`` itself). Hopper's
+    ``torch._scaled_grouped_mm`` takes one scale per row of each expert, not the 128 x 128
+    blocks the copy's weights were quantized in, so the experts the step would multiply (the
+    block-wise FP8 weights, dequantized: the CPU path's numerics) are quantized once more, per
+    expert and output row, for the call (a second rounding, within e4m3's step of the first:
+    ``tools/gpu_check``'s ``fp8_decode`` stage measures its agreement). Made per call, after
+    any EP replication, and let go with the call's other tensors. Layers whose ``K`` the kernel
+    does not take (:func:`~gspo_megatron.rollouts.fp8.fp8_grouped_unfit`) keep bf16."""
+    if gemm is None:
+        return w
+    from gspo_megatron.rollouts.fp8 import Fp8Experts, fp8_grouped_unfit
+
+    layers = []
+    for layer in w.layers:
+        if layer.router is not None:  # w1 [E, H, (2) F], w2 [E, F, H]: F.linear's [N, K] per expert
+            w1, w2 = layer.w1.transpose(1, 2), layer.w2.transpose(1, 2)
+            if fp8_grouped_unfit(w1.shape[-1]) is None and fp8_grouped_unfit(w2.shape[-1]) is None:
+                layer = dataclasses.replace(layer, fp8_w1=Fp8Experts(w1, gemm),
+                                            fp8_w2=Fp8Experts(w2, gemm))
+        layers.append(layer)
+    return dataclasses.replace(w, layers=layers)

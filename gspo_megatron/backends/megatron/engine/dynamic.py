@@ -76,7 +76,8 @@ from gspo_megatron.distributed import ParallelGroups
 from gspo_megatron.backends.megatron.engine.lockstep import StepKind, coupled_group, next_step
 from gspo_megatron.backends.megatron.engine.call import GenerateCall
 from gspo_megatron.kv_budget import (BLOCK_SIZE_TOKENS, blocks_per_request, kv_budget_bytes,
-                                    kv_bytes_per_token)
+                                    kv_bytes_per_token, kv_element_bytes)
+from gspo_megatron.rollouts import kv_fp8
 
 
 class DynamicRollout:
@@ -89,7 +90,8 @@ class DynamicRollout:
     def __init__(self, *, model, runner, wrapper_config, groups: ParallelGroups, tokenizer,
                  max_batch_size: int, max_sequence_length: int, buffer_size_gb: float | None,
                  decode_steps_per_sync: int = 0, decode_cuda_graphs: bool = False,
-                 decode_experts: str = "auto", decode_round_cost_rows: int = 64):
+                 decode_experts: str = "auto", decode_round_cost_rows: int = 64,
+                 kv_cache_dtype: str = "auto"):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         from gspo_megatron.backends.megatron.engine.admission import AdmittingContext
@@ -113,17 +115,24 @@ class DynamicRollout:
         max_requests = int(max_batch_size)
         if groups.tp_size > 1:  # Megatron splits the request table over TP ranks
             max_requests = -(-max_requests // groups.tp_size) * groups.tp_size
+        self.kv_fp8 = kv_cache_dtype == "fp8"
+        """``rollout.kv_cache_dtype: fp8``: Megatron's buffer holds packed e4m3 rows (``uint8``,
+        ``kv_channels + 4`` bytes per token and head: :mod:`gspo_megatron.rollouts.kv_fp8`),
+        which only the step function reads and writes."""
         if buffer_size_gb is None:  # every slot can hold a request of the full length
             per_token = kv_bytes_per_token(
                 cfg.num_layers, cfg.num_query_groups, cfg.kv_channels, groups.tp_size,
-                groups.pp_size, torch.tensor([], dtype=wrapper_config.params_dtype).element_size())
+                groups.pp_size, *kv_element_bytes(kv_cache_dtype, torch.tensor(
+                    [], dtype=wrapper_config.params_dtype).element_size()))
             budget = kv_budget_bytes(max_requests, max_sequence_length, per_token)
             # + half a block: Megatron floors buffer bytes / block bytes
             buffer_size_gb = (budget + BLOCK_SIZE_TOKENS * per_token // 2) / 1024 ** 3
         self.context = rollout_context(AdmittingContext)(
-            params_dtype=wrapper_config.params_dtype,
+            # FP8: one byte an element, the scale's 4 bytes as 4 more "channels" of each head
+            # (Megatron sizes its blocks from these two, so its block count is exact)
+            params_dtype=kv_fp8.STORAGE if self.kv_fp8 else wrapper_config.params_dtype,
             num_layers=cfg.num_layers // groups.pp_size,
-            kv_channels=cfg.kv_channels,
+            kv_channels=kv_fp8.packed_width(cfg.kv_channels) if self.kv_fp8 else cfg.kv_channels,
             num_attention_heads=cfg.num_query_groups,
             tensor_model_parallel_size=groups.tp_size,
             pipeline_model_parallel_size=groups.pp_size,
@@ -175,6 +184,10 @@ class DynamicRollout:
         if self.fast is None and self.invariant:
             raise RuntimeError("precision.batch_invariant: this rollout would decode through "
                                "Megatron's forward, not the invariant kernels (WARNING above)")
+        if self.fast is None and self.kv_fp8:
+            raise RuntimeError("rollout.kv_cache_dtype='fp8': this rollout would decode through "
+                               "Megatron's forward, which cannot read the FP8 cache (WARNING "
+                               "above); use kv_cache_dtype 'auto'")
         self.call: GenerateCall | None = None
         """The requests of the current (or last) generate."""
         self.kv_bytes = self._kv_bytes()
@@ -308,6 +321,11 @@ class DynamicRollout:
             set_training([self.wrapper.model], False)
             if self.fast is not None:
                 self.fast.begin()
+                if self.kv_fp8 and not self.fast.independent:  # (config: decode_experts)
+                    raise RuntimeError("rollout.kv_cache_dtype='fp8': the experts are sharded "
+                                       "over EP for this call, so prefills would run Megatron's "
+                                       "forward, which cannot read the FP8 cache; set "
+                                       "rollout.decode_experts='replicated'")
             if not held:
                 self.context.reset()
             # (under CUDA graphs the rounds sample inside the graph: Gumbel-max, no

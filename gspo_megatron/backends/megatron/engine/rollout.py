@@ -237,8 +237,15 @@ class RolloutEngine:
         return self.model if self.copy is None else self.copy.module
 
     def weight_metrics(self) -> dict[str, float]:
-        """``rollout/fp8_weight_rel_err*`` of the latest refresh (empty without FP8 weights)."""
-        return dict(self.fp8.metrics) if self.fp8 is not None else {}
+        """``rollout/fp8_weight_rel_err*`` of the latest refresh (empty without FP8 weights),
+        ``rollout/fp8_expert_requant_rel_err`` where the experts ran as FP8 grouped GEMMs, and
+        ``rollout/kv_fp8_rel_err`` of the latest call's prefills with an FP8 KV cache."""
+        out = dict(self.fp8.metrics) if self.fp8 is not None else {}
+        fast = self.dynamic.fast if self.dynamic is not None else None
+        if fast is not None:
+            out.update(fast.kv_metrics())
+            out.update(fast.provider.fp8_metrics())
+        return out
 
     @property
     def last_refresh_s(self) -> float:
@@ -302,7 +309,8 @@ class RolloutEngine:
             decode_steps_per_sync=self.config.decode_steps_per_sync,
             decode_cuda_graphs=self.config.decode_cuda_graphs and self.router_noise is None,
             decode_experts=self.config.decode_experts,
-            decode_round_cost_rows=self.config.decode_round_cost_rows)
+            decode_round_cost_rows=self.config.decode_round_cost_rows,
+            kv_cache_dtype=self.config.kv_cache_dtype)
         self.wrapper, self.controller = self.dynamic.wrapper, self.dynamic.controller
 
     def with_sampling(self, config: RolloutConfig) -> "RolloutEngine":

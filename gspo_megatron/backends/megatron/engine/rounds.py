@@ -38,6 +38,7 @@ from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeW
                                                             moe_only_step)
 from gspo_megatron.backends.megatron.engine.decode_weights import WeightsProvider
 from gspo_megatron.backends.megatron.engine.megatron_kv import MegatronKV
+from gspo_megatron.rollouts import kv_fp8
 
 ROUND_COST_ROWS = 64
 """The default of ``rollout.decode_round_cost_rows``: a round's own cost (two host reads, the plan, the write-back and Megatron's
@@ -100,6 +101,10 @@ class FastDecoder:
         self.step_fn = decode_forward
         """The step: :func:`~..kernels.decode.decode_forward`, or its CUDA graphs."""
         self.graphs = None
+        self.kv_error: list[torch.Tensor] | None = (
+            [] if getattr(context, "params_dtype", None) == kv_fp8.STORAGE else None)
+        """With an FP8 KV cache: this call's prefills' ``[2]`` error sums, per layer and step
+        (:meth:`kv_metrics`); None: a cache in the compute dtype."""
         buffer = getattr(context, "memory_buffer", None)
         if cuda_graphs and buffer is not None and buffer.is_cuda:
             from gspo_megatron.backends.megatron.kernels.graphs import GraphedDecode
@@ -128,6 +133,8 @@ class FastDecoder:
         # (a new buffer, or held requests: their slots past their keys are zeroed again once)
         self._finite.clear()
         self._finish_rate = None
+        if self.kv_error is not None:
+            self.kv_error.clear()
         self.weights = self.provider.acquire()
         if self.graphs is not None and self.weights.ep_group is None:
             self.step_fn = self.graphs
@@ -158,6 +165,16 @@ class FastDecoder:
         if self.graphs is None:
             return {"rollout/decode_graphs": 0.0}
         return self.graphs.metrics()
+
+    def kv_metrics(self) -> dict[str, float]:
+        """``rollout/kv_fp8_rel_err``: ``||K - Q s|| / ||K||`` over the keys and values the last
+        call's prefills wrote into the FP8 cache (every layer; measured on the prefills only,
+        which write most of a rollout's keys, so the decoding rounds pay nothing). One host
+        read; empty when there is nothing to report."""
+        if not self.kv_error:
+            return {}
+        err, norm = torch.stack(self.kv_error).sum(dim=0).tolist()
+        return {"rollout/kv_fp8_rel_err": (err / norm) ** 0.5 if norm > 0 else 0.0}
 
     def evicted(self, request_ids: list[int]) -> None:
         """Requests Megatron evicted (their blocks freed; each comes back under its id with
@@ -267,7 +284,8 @@ class FastDecoder:
         last_rows = torch.tensor(starts[1:], device=device) - 1
         logits, routes = decode_forward(
             w, ctx.memory_buffer,
-            DecodeBatch(tokens, positions, slots, cos, sin, groups, last_rows),
+            DecodeBatch(tokens, positions, slots, cos, sin, groups, last_rows,
+                        kv_error=self.kv_error),
             recorder is not None)
         if recorder is not None:
             owner = torch.repeat_interleave(torch.arange(len(q_len)), torch.tensor(q_len))

@@ -52,6 +52,7 @@ from gspo_megatron.backends.megatron.kernels.moe import (grouped_mm_runs_on,
                                                          permute_without_host_reads)
 from gspo_megatron.backends.megatron.kernels.rotary import rotate
 from gspo_megatron.backends.megatron.model import RMSNorm
+from gspo_megatron.rollouts import kv_fp8
 
 
 @dataclasses.dataclass
@@ -85,6 +86,11 @@ class DecodeLayer:
     logit_noise: object = None
     """``logits [T, E] -> logits``: the router's ``rollout.router_noise_std`` noise
     (:class:`~..rollout_numerics.RouterNoise`, also in its Megatron forward); None: none."""
+    fp8_w1: object = None
+    """``rollout.precision: fp8`` on Hopper: ``w1`` as FP8 experts for the grouped GEMM
+    (:class:`~gspo_megatron.rollouts.fp8.Fp8Experts`, ``(rows, offs) -> [T k, (2) F]``: one
+    ``torch._scaled_grouped_mm``); None: ``torch._grouped_mm`` over ``w1``. Likewise ``fp8_w2``."""
+    fp8_w2: object = None
 
 
 @dataclasses.dataclass
@@ -286,6 +292,10 @@ class DecodeBatch:
     last: torch.Tensor | None = None
     """``[n]`` long: the rows whose logits are computed (a prefill's last token per request);
     None: every row."""
+    kv_error: list | None = None
+    """With an FP8 cache (``rollout.kv_cache_dtype: fp8``): where the step appends, per layer,
+    ``[2]`` sums of the squared error its written keys and values make and of their squares
+    (:func:`~gspo_megatron.rollouts.kv_fp8.error_sums`, on the device); None: not measured."""
 
 
 def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
@@ -294,7 +304,10 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
     keys and values are written into ``kv [2, L, blocks, block_size, Hk, D]`` (Megatron's paged
     buffer, whose every slot must hold finite values: zeroed once when allocated) at
     ``batch.slots``. ``routes``: each MoE layer's top-k experts in ``torch.topk``'s
-    order (what R3 records)."""
+    order (what R3 records). A ``uint8`` ``kv`` of last dimension ``D + 4`` is the FP8 cache
+    (``rollout.kv_cache_dtype: fp8``, :mod:`gspo_megatron.rollouts.kv_fp8`): keys and values
+    are written as e4m3 codes with a scale per token and head, and read back dequantized to
+    the activations' dtype."""
     B = batch.tokens.shape[0]
     np_, ng, hn = w.heads, w.groups, w.head_dim
     x = _embed(w, batch.tokens).unsqueeze(1)  # [B, 1, H] (sequence-major, b = 1)
@@ -315,9 +328,7 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             if layer.k_norm is not None:
                 k = layer.k_norm(k)
             q, k = rotate(q, cos, sin, w.rot_dim), rotate(k, cos, sin, w.rot_dim)
-        keys, values = kv[0, i].view(-1, ng, hn), kv[1, i].view(-1, ng, hn)
-        keys.index_copy_(0, batch.slots, k.squeeze(1))
-        values.index_copy_(0, batch.slots, v.squeeze(1))
+        kv_fp8.write(kv, i, batch.slots, k.squeeze(1), v.squeeze(1), batch.kv_error)
         if len(batch.groups) == 1 and batch.groups[0].rows is None \
                 and batch.groups[0].queries is None:
             out = _attend(w, kv, i, q, batch.groups[0])  # [B, np, 1, hn]
@@ -401,14 +412,15 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
     """``[B_g, np, 1, hn]``: queries ``q [B_g, 1, np, hn]`` over their group's keys of ``layer``
     (``[B_g, Lk, ng, hn]`` gathered from the paged buffer; masked slots hold finite values)."""
     B, Lk = g.key_rows.shape
-    ng, hn = w.groups, w.head_dim
+    ng, width = w.groups, kv.shape[-1]
     if g.key_blocks is not None:  # one contiguous run per request
         k_all = kv[0, layer][:, :Lk].index_select(0, g.key_blocks)
         v_all = kv[1, layer][:, :Lk].index_select(0, g.key_blocks)
     else:
         rows = g.key_rows.reshape(-1)  # [B_g Lk]
-        k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
-        v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
+        k_all = kv[0, layer].view(-1, ng, width).index_select(0, rows).view(B, Lk, ng, width)
+        v_all = kv[1, layer].view(-1, ng, width).index_select(0, rows).view(B, Lk, ng, width)
+    k_all, v_all = kv_fp8.read(kv, k_all, q.dtype), kv_fp8.read(kv, v_all, q.dtype)
     return _grouped_sdpa(w, q.transpose(1, 2), k_all, v_all, g.key_mask[:, None, :])
 
 
@@ -418,10 +430,10 @@ def _attend_queries(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Ten
     ``g.queries``) over its keys (``g.key_rows``, causal by ``g.key_mask [B_g, Lq, Lk]``)."""
     B, Lq = g.queries.shape
     Lk = g.key_rows.shape[1]
-    np_, ng, hn = w.heads, w.groups, w.head_dim
+    np_, ng, hn, width = w.heads, w.groups, w.head_dim, kv.shape[-1]
     rows = g.key_rows.reshape(-1)
-    k_all = kv[0, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
-    v_all = kv[1, layer].view(-1, ng, hn).index_select(0, rows).view(B, Lk, ng, hn)
+    k_all, v_all = (kv_fp8.read(kv, kv[t, layer].view(-1, ng, width).index_select(0, rows)
+                          .view(B, Lk, ng, width), q.dtype) for t in (0, 1))
     qg = q.index_select(0, g.queries.reshape(-1)).view(B, Lq, np_, hn)
     out = _grouped_sdpa(w, qg.transpose(1, 2), k_all, v_all, g.key_mask)  # [B_g, np, Lq, hn]
     return out.transpose(1, 2).reshape(B * Lq, np_, 1, hn)
@@ -578,9 +590,11 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     permuted, permuted_probs, mapping = permute_without_host_reads(
         tokens, routing_map, routing_probs, tokens.shape[0] * w.topk)
     offs = routing_map.sum(dim=0).cumsum(0).to(torch.int32)
-    h = torch._grouped_mm(permuted, layer.w1, offs=offs)  # [T k, (2) F]
+    h = (layer.fp8_w1(permuted, offs) if layer.fp8_w1 is not None  # [T k, (2) F]
+         else torch._grouped_mm(permuted, layer.w1, offs=offs))
     h = (_act(w, h) * permuted_probs.unsqueeze(-1)).to(permuted.dtype)
-    h = torch._grouped_mm(h, layer.w2, offs=offs)  # [T k, H]
+    h = (layer.fp8_w2(h, offs) if layer.fp8_w2 is not None  # [T k, H]
+         else torch._grouped_mm(h, layer.w2, offs=offs))
     out = torch.zeros_like(tokens).scatter_add_(0, mapping.unsqueeze(1).expand(-1, H), h)
     return _reduce(out, w.expert_tp_group).view(B, 1, H), top
 
