@@ -1,7 +1,7 @@
 """Benchmark: rollouts on their own rank, one step ahead (``rollout.placement: separate``,
 ``max_staleness: 1``), against the colocated loop, wall time per RL step.
 
-    python -m tools.bench.overlap [--steps 16] [--rounds 3]
+    python -m tools.bench.overlap [--steps 16] [--rounds 3] [--workloads balanced64,trl64]
 
 Runs ``gspo-train`` on ``examples/configs/tiny_gspo.yaml`` twice per workload, side by side at
 the same settings (lr, eps, lengths, stopping rule): colocated on one process (one thread), and
@@ -26,6 +26,7 @@ recipe's batch of 4 prompts x 4 (rollout about half). Steps are timed wall clock
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 TARGET_RATIO, TARGET_OF_BOUND = 0.6, 1.15
@@ -86,11 +87,20 @@ def _one_round(args: list[str]) -> dict:
     return out
 
 
-def run(smoke: bool = False, steps: int = 16, rounds: int = 3) -> dict:
+def run(smoke: bool = False, steps: int = 16, rounds: int = 3, workloads: str | None = None
+        ) -> dict:
+    """``workloads``: comma-separated names of :data:`WORKLOADS` (default all of them)."""
     from tools.bench.common import make_result, median, row
 
     steps, rounds = (3, 1) if smoke else (steps, rounds)
-    workloads = {"demo": [*WORKLOADS["demo"], "--sft.steps=2"]} if smoke else WORKLOADS
+    names = workloads.split(",") if workloads else list(WORKLOADS)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        print(f"overlap: --workloads: unknown {unknown}; one of {','.join(WORKLOADS)}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    workloads = ({"demo": [*WORKLOADS["demo"], "--sft.steps=2"]} if smoke
+                 else {n: WORKLOADS[n] for n in names})
     # Rounds interleave the workloads and, within each, both sides: a change of machine load
     # shifts a round's colocated and separate runs alike; ratios are medians of per-round ratios.
     measured = {name: [] for name in workloads}
@@ -143,5 +153,6 @@ def run(smoke: bool = False, steps: int = 16, rounds: int = 3) -> dict:
 if __name__ == "__main__":
     from tools.bench.common import module_main
 
-    module_main(run, extra_args=lambda ap: (ap.add_argument("--steps", type=int),
-                                            ap.add_argument("--rounds", type=int)))
+    module_main(run, extra_args=lambda ap: (
+        ap.add_argument("--steps", type=int), ap.add_argument("--rounds", type=int),
+        ap.add_argument("--workloads", help=f"comma-separated of {','.join(WORKLOADS)}")))
