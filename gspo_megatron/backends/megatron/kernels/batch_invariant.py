@@ -48,6 +48,9 @@ KEY_CHUNK = 16
 """Key positions per attention chunk (:func:`attention`)."""
 QUERY_TILE = 2
 """Query rows (of one key head) per attention tile (:func:`attention`)."""
+CPU_QUERY_TILE = 4
+"""CPU (:func:`_cpu_attention`): each key head's query rows padded to a multiple of this (MKL's
+GEMM rows are invariant from 4 rows up)."""
 VOCAB_CHUNK = 256
 """Vocabulary columns per log-sum-exp chunk (:func:`token_logprobs`)."""
 
@@ -63,9 +66,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     one ``bmm`` over tiles of :data:`ROW_TILE` rows: the same GEMM shape whatever the row count.
     Differentiable: the backward is ``F.linear``'s (the same two matmuls; only the forward's
     values must be invariant, a gradient is a gradient of the same function)."""
+    if x.device.type == "cpu":
+        return _padded_linear(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Linear.apply(x, weight)
     return _linear(x, weight)
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """CPU :func:`linear`: one GEMM, the rows zero-padded to :data:`ROW_TILE` when fewer (MKL
+    takes another kernel for 1 to 3 rows; from 4 rows up a row's values do not depend on the
+    row count: ``test_cpu_gemm_values_do_not_depend_on_the_shape``). Differentiable by
+    autograd (the pad rows' gradients are dropped by the slice)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    n = rows.shape[0]
+    if 0 < n < ROW_TILE:
+        rows = torch.cat((rows, rows.new_zeros(ROW_TILE - n, k)))
+    out = F.linear(rows, weight.to(x.dtype))[:n]
+    return out.reshape(*lead, weight.shape[0])
 
 
 class _Linear(torch.autograd.Function):
@@ -106,7 +125,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     (the same function: only the forward's values must be invariant)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Attention.apply(q, k, v, allowed, scale)
-    return _attention(q, k, v, allowed, scale)
+    return _forward_attention(q, k, v, allowed, scale)
+
+
+def _forward_attention(q, k, v, allowed, scale):
+    """:func:`_cpu_attention` on CPU, :func:`_attention` (fixed GEMM tiles) elsewhere."""
+    return (_cpu_attention if q.device.type == "cpu" else _attention)(q, k, v, allowed, scale)
 
 
 class _Attention(torch.autograd.Function):
@@ -118,7 +142,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, allowed, scale):
         ctx.save_for_backward(q, k, v, allowed)
         ctx.scale = scale
-        return _attention(q, k, v, allowed, scale)
+        return _forward_attention(q, k, v, allowed, scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -191,6 +215,59 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     out = out.reshape(B, ng, nq * QUERY_TILE, hn)[:, :, :rows]
     total = total[:, :, :rows].unsqueeze(-1)
     out = out / torch.where(total > 0, total, torch.ones_like(total))
+    return out.reshape(B, np_, Lq, hn).to(q.dtype)
+
+
+def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """CPU :func:`_attention` (same arguments and result; its own order and constants), laid
+    out so that the GEMMs read their operands in place. Per key head: its query rows (``np /
+    ng Lq``, zero rows added up to :data:`CPU_QUERY_TILE`) times its keys (zero keys added up
+    to whole :data:`KEY_CHUNK` chunks) as one GEMM of contraction ``hn`` (a score is the same
+    bits whatever the other rows and keys: MKL's GEMM values do not depend on the row and column
+    counts from 4 up, ``test_cpu_gemm_values_do_not_depend_on_the_shape``); ``m`` = the query's
+    max over its keys (exact); ``p = exp(max(s - m, -80))`` times the mask (exact zeros where
+    masked; the clamp keeps ``exp`` off its slow underflow path and changes a weight below
+    ``e^-80`` of the max's, far under fp32's resolution); per key chunk ``p v`` and the sum of
+    ``p`` as one GEMM of contraction :data:`KEY_CHUNK` (``v`` with a column of ones); the chunks
+    added one after the other (those past a query's keys add exact zeros, so the key window's
+    length does not matter)."""
+    B, np_, Lq, hn = q.shape
+    L0, ng = k.shape[1], k.shape[2]
+    r = np_ // ng
+    rows = r * Lq  # each key head's query rows: head j of its group, query l at j Lq + l
+    Lk = L0 + (-L0) % KEY_CHUNK
+    nc = Lk // KEY_CHUNK
+    R = max(rows, CPU_QUERY_TILE)
+    kf = k.new_zeros(B, ng, Lk, hn, dtype=torch.float32)  # [B, ng, Lk, hn]; pads: zero keys
+    kf[:, :, :L0] = k.permute(0, 2, 1, 3)
+    if Lk > L0:
+        v = torch.cat((v, v.new_zeros(B, Lk - L0, ng, hn)), dim=1)
+    # [B, ng, nc, hn + 1, KEY_CHUNK]: each chunk's values transposed (F.linear's weight layout),
+    # and a row of ones (the chunk's sum of p)
+    vt = v.new_ones(B, ng, nc, hn + 1, KEY_CHUNK, dtype=torch.float32)
+    vt[:, :, :, :hn] = v.view(B, nc, KEY_CHUNK, ng, hn).permute(0, 3, 1, 4, 2)
+    qf = q.float().reshape(B, ng, rows, hn)
+    if R > rows:  # pad rows: zero queries (dropped at the end)
+        qf = torch.cat((qf, qf.new_zeros(B, ng, R - rows, hn)), dim=2)
+    keep = allowed.new_zeros(B, R if Lq > 1 else 1, Lk)  # [B, R | 1, Lk]: key j for row i
+    if Lq == 1:  # the decoding step: one mask row for every query row
+        keep[:, :, :L0] = allowed
+    else:
+        keep[:, :rows, :L0] = allowed.repeat(1, r, 1)
+    keep = keep.unsqueeze(1)  # [B, 1, R | 1, Lk]
+    s = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale)  # [B, ng, R, Lk]
+    s.masked_fill_(~keep, float("-inf"))
+    m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # no key: p = 0
+    p = s.sub_(m).clamp_min_(-80.0).exp_().mul_(keep)  # [B, ng, R, Lk]
+    pv = torch.matmul(p.view(B, ng, R, nc, KEY_CHUNK).transpose(2, 3),
+                      vt.transpose(-1, -2))  # [B, ng, nc, R, hn + 1]
+    acc = pv[:, :, 0]
+    for c in range(1, nc):  # fixed order: chunk after chunk
+        acc = acc + pv[:, :, c]
+    acc = acc[:, :, :rows]  # [B, ng, rows, hn + 1]: p v, and the sum of p in the last column
+    # the sum >= 1 where a query has a key (its max's term is exp(0)): the clamp only turns 0 to 1
+    out = acc[..., :hn] / acc[..., hn:].clamp_min(1.0)
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
 
 
@@ -270,6 +347,8 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
     zero-padded to whole tiles, its weight gathered per tile): the same GEMM shape for every
     row whatever the counts. Memory: a copy of an expert's weight per tile (fine on CPU; a GPU
     wants a grouped kernel with fixed tiles). Differentiable."""
+    if x.device.type == "cpu":
+        return _cpu_expert_linear(x, counts, weights)
     n, k = x.shape
     device = x.device
     # per tile (host ints: a handful of experts' tiles): its expert, first row and row limit
@@ -294,30 +373,112 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
     return out.reshape(-1, weights.shape[1])[real]
 
 
+def _cpu_expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> torch.Tensor:
+    """CPU :func:`expert_linear`: :func:`_grouped_rows`'s one grouped GEMM."""
+    index, keep, offs = _expert_plan(counts, x.shape[0], x.device)
+    return _grouped_rows(x, index, keep, offs, weights)
+
+
+def _expert_plan(counts: list[int], n: int, device):
+    """``(index [P] | None, keep [N] | None, offs [E] int32)`` for :func:`_grouped_rows`: each
+    expert's block of ``counts[e]`` rows (of ``n``) taken to :data:`ROW_TILE` rows at least
+    (an empty expert stays empty), ``index`` the padded layout's source rows (``n``: a zero
+    row), ``keep`` the real rows' places in it; ``None, None`` where no expert needs padding."""
+    padded = [ROW_TILE if 0 < c < ROW_TILE else c for c in counts]
+    offs = torch.tensor(padded, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    if padded == counts:
+        return None, None, offs
+    index, keep, src, dst = [], [], 0, 0
+    for c, pc in zip(counts, padded):  # host ints: a handful of experts
+        index += [*range(src, src + c), *([n] * (pc - c))]
+        keep += range(dst, dst + c)
+        src, dst = src + c, dst + pc
+    return (torch.tensor(index, device=device), torch.tensor(keep, device=device), offs)
+
+
+def _grouped_rows(x: torch.Tensor, index, keep, offs, weights: torch.Tensor,
+                  padded: bool = False) -> torch.Tensor:
+    """``[N | P, O]``: the rows ``x [N | P, K]`` (``padded``: already in the padded layout of
+    :func:`_expert_plan`) through their experts' ``weights [E, O, K]`` as one grouped GEMM, on
+    CPU one GEMM per expert, of ``ROW_TILE`` rows at least (MKL's row values do not depend on
+    the row count from 4 up: ``test_cpu_gemm_values_do_not_depend_on_the_shape``); returned in
+    the padded layout when ``padded``. Differentiable."""
+    if index is not None and not padded:
+        x = torch.cat((x, x.new_zeros(1, x.shape[1]))).index_select(0, index)
+    out = torch._grouped_mm(x, weights.to(x.dtype).transpose(1, 2), offs=offs)  # [P, O]
+    return out if keep is None or padded else out.index_select(0, keep)
+
+
+def expert_mlp(x: torch.Tensor, counts: list[int], probs: torch.Tensor, fc1: torch.Tensor,
+               fc2: torch.Tensor, activate) -> torch.Tensor:
+    """``[N, H]``: ``expert_linear(activate(expert_linear(x, counts, fc1), probs), counts,
+    fc2)`` (``x [N, H]`` expert-major, ``probs [N]``, ``activate(h, p)`` row-wise); on CPU the
+    rows padded once for both GEMMs."""
+    if x.device.type != "cpu":
+        return expert_linear(activate(expert_linear(x, counts, fc1), probs), counts, fc2)
+    index, keep, offs = _expert_plan(counts, x.shape[0], x.device)
+    if index is not None:  # pad rows: zero inputs, zero probs (finite; dropped at the end)
+        x = torch.cat((x, x.new_zeros(1, x.shape[1]))).index_select(0, index)
+        probs = torch.cat((probs, probs.new_zeros(1))).index_select(0, index)
+    h = activate(_grouped_rows(x, index, keep, offs, fc1, padded=True), probs)
+    out = _grouped_rows(h, index, keep, offs, fc2, padded=True)
+    return out if keep is None else out.index_select(0, keep)
+
+
+def _dense_experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor,
+                   fc1: torch.Tensor, fc2: torch.Tensor, activate, first: int) -> torch.Tensor:
+    """``[T, H]``: :func:`experts` with every local expert over every token (``E_l`` GEMMs of
+    ``T`` rows, :data:`ROW_TILE` at least; ``E_l / k`` times the routed FLOPs, no permutation):
+    a routed row's values are those of :func:`expert_mlp`'s GEMMs over the expert's routed rows
+    (the same GEMM; row counts from 4 up), an unrouted row's activation is set to exact zeros
+    (so are its outputs), and a token's outputs are added from zero in ascending expert index,
+    the zeros of its unrouted experts included (adding a zero to a sum started from +0 leaves
+    its bits: the routed outputs' sum)."""
+    T, H = tokens.shape
+    E = fc1.shape[0]
+    x = torch.cat((tokens, tokens.new_zeros(ROW_TILE - T, H))) if T < ROW_TILE else tokens
+    Tp = x.shape[0]
+    local = top - first
+    slot = torch.where((local >= 0) & (local < E), local, E)  # [T, k]: another rank's: col E
+    weights = probs.new_zeros(E + 1, Tp)
+    weights[:, :T].scatter_(0, slot.t(), probs.t())  # [E + 1, Tp]: the prob of a routed pair
+    routed = torch.zeros(E + 1, Tp, dtype=torch.bool, device=tokens.device)
+    routed[:, :T].scatter_(0, slot.t(), True)
+    h = torch.bmm(x.expand(E, Tp, H), fc1.to(x.dtype).transpose(1, 2))  # [E, Tp, (2)F]
+    a = activate(h.view(E * Tp, -1), weights[:E].reshape(-1))
+    a = torch.where(routed[:E].reshape(-1, 1), a, 0)  # [E Tp, F]
+    y = torch.bmm(a.view(E, Tp, -1), fc2.to(x.dtype).transpose(1, 2))  # [E, Tp, H]
+    out = torch.zeros_like(tokens)
+    for e in range(E):  # fixed order: ascending expert index
+        out = out + y[e, :T]
+    return out
+
+
 def experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
             fc2: torch.Tensor, activate, first: int = 0) -> torch.Tensor:
     """``[T, H]``: each token's ``k`` chosen experts (``top [T, k]`` global ids, ``probs [T, k]``)
     over ``tokens [T, H]``, of the experts ``first .. first + E_l - 1`` here (the others'
-    routes skipped: EP), through :func:`expert_linear` (``fc1 [E_l, (2)F, H]``, ``fc2 [E_l, H,
+    routes skipped: EP), through :func:`expert_mlp` (``fc1 [E_l, (2)F, H]``, ``fc2 [E_l, H,
     F]``, ``F.linear``'s layout), ``activate(h [n, (2)F], p [n]) -> [n, F]``; a token's outputs
     added in ascending expert index, starting from zero. Megatron's ``unpermute`` in the
     training forward adds the same outputs in the same order (the dispatcher's expert-major
-    rows, scattered in order)."""
+    rows, scattered in order). On CPU with ``E_l <= 2 k``: :func:`_dense_experts`."""
     T, H = tokens.shape
     k = top.shape[1]
+    if tokens.device.type == "cpu" and fc1.shape[0] <= 2 * k:
+        return _dense_experts(tokens, top, probs, fc1, fc2, activate, first)
     ordered = torch.sort(top, dim=1, stable=True)
     flat = ordered.values.reshape(-1)  # route t k + j: token t's j-th smallest expert
-    flat_probs = probs.gather(1, ordered.indices).reshape(-1)
     local = flat - first
     here = (local >= 0) & (local < fc1.shape[0])
     key = torch.where(here, local, fc1.shape[0])  # the other ranks' routes last
     routes = torch.argsort(key, stable=True)  # expert-major, token order within an expert
     counts = torch.bincount(key, minlength=fc1.shape[0] + 1)[:fc1.shape[0]].tolist()
     routes = routes[:sum(counts)]
-    rows = tokens.index_select(0, routes // k)
-    h = activate(expert_linear(rows, counts, fc1), flat_probs.index_select(0, routes))
-    per_route = tokens.new_zeros(T * k, H).index_copy(0, routes, expert_linear(h, counts, fc2))
-    per_route = per_route.view(T, k, H)
+    route_probs = probs.gather(1, ordered.indices).reshape(-1).index_select(0, routes)
+    out_rows = expert_mlp(tokens.index_select(0, routes // k), counts, route_probs, fc1, fc2,
+                          activate)
+    per_route = tokens.new_zeros(T * k, H).index_copy(0, routes, out_rows).view(T, k, H)
     out = torch.zeros_like(tokens)  # (from zero, as unpermute's scatter-add: the same signed zeros)
     for j in range(k):  # fixed order: ascending expert index
         out = out + per_route[:, j]
