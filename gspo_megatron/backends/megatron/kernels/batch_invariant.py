@@ -78,13 +78,12 @@ def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     takes another kernel for 1 to 3 rows; from 4 rows up a row's values do not depend on the
     row count: ``test_cpu_gemm_values_do_not_depend_on_the_shape``). Differentiable by
     autograd (the pad rows' gradients are dropped by the slice)."""
+    n = x.numel() // x.shape[-1] if x.numel() else 0
+    if n >= ROW_TILE or n == 0:
+        return F.linear(x, weight.to(x.dtype))
     lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    n = rows.shape[0]
-    if 0 < n < ROW_TILE:
-        rows = torch.cat((rows, rows.new_zeros(ROW_TILE - n, k)))
-    out = F.linear(rows, weight.to(x.dtype))[:n]
-    return out.reshape(*lead, weight.shape[0])
+    rows = torch.cat((x.reshape(-1, k), x.new_zeros(ROW_TILE - n, k)))
+    return F.linear(rows, weight.to(x.dtype))[:n].reshape(*lead, weight.shape[0])
 
 
 class _Linear(torch.autograd.Function):
@@ -238,35 +237,35 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     rows = r * Lq  # each key head's query rows: head j of its group, query l at j Lq + l
     Lk = L0 + (-L0) % KEY_CHUNK
     nc = Lk // KEY_CHUNK
-    R = max(rows, CPU_QUERY_TILE)
-    kf = k.new_zeros(B, ng, Lk, hn, dtype=torch.float32)  # [B, ng, Lk, hn]; pads: zero keys
-    kf[:, :, :L0] = k.permute(0, 2, 1, 3)
+    # pad slots: zero keys, values 1 (finite), not allowed
+    kf = F.pad(k.float().permute(0, 2, 1, 3), (0, 0, 0, Lk - L0))  # [B, ng, Lk, hn]
     if Lk > L0:
-        v = torch.cat((v, v.new_zeros(B, Lk - L0, ng, hn)), dim=1)
+        allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], Lk - L0)), dim=2)
     # [B, ng, nc, hn + 1, KEY_CHUNK]: each chunk's values transposed (F.linear's weight layout),
     # and a row of ones (the chunk's sum of p)
-    vt = v.new_ones(B, ng, nc, hn + 1, KEY_CHUNK, dtype=torch.float32)
-    vt[:, :, :, :hn] = v.view(B, nc, KEY_CHUNK, ng, hn).permute(0, 3, 1, 4, 2)
+    vt = F.pad(v.float(), (0, 1, 0, 0, 0, Lk - L0), value=1.0).view(
+        B, nc, KEY_CHUNK, ng, hn + 1).permute(0, 3, 1, 4, 2).contiguous()
     qf = q.float().reshape(B, ng, rows, hn)
-    if R > rows:  # pad rows: zero queries (dropped at the end)
-        qf = torch.cat((qf, qf.new_zeros(B, ng, R - rows, hn)), dim=2)
-    keep = allowed.new_zeros(B, R if Lq > 1 else 1, Lk)  # [B, R | 1, Lk]: key j for row i
     if Lq == 1:  # the decoding step: one mask row for every query row
-        keep[:, :, :L0] = allowed
+        keep = allowed.view(B, 1, 1, Lk)
     else:
-        keep[:, :rows, :L0] = allowed.repeat(1, r, 1)
-    keep = keep.unsqueeze(1)  # [B, 1, R | 1, Lk]
+        keep = allowed.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, rows, Lk)
+    if rows < CPU_QUERY_TILE:  # pad rows: zero queries that attend every slot (dropped)
+        qf = torch.cat((qf, qf.new_zeros(B, ng, CPU_QUERY_TILE - rows, hn)), dim=2)
+        if Lq > 1:
+            keep = torch.cat((keep, keep.new_ones(B, 1, CPU_QUERY_TILE - rows, Lk)), dim=2)
+    R = qf.shape[2]
     s = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale)  # [B, ng, R, Lk]
-    s.masked_fill_(~keep, float("-inf"))
+    s = torch.where(keep, s, float("-inf"))
     m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # no key: p = 0
     p = s.sub_(m).clamp_min_(-80.0).exp_().mul_(keep)  # [B, ng, R, Lk]
     pv = torch.matmul(p.view(B, ng, R, nc, KEY_CHUNK).transpose(2, 3),
                       vt.transpose(-1, -2))  # [B, ng, nc, R, hn + 1]
-    acc = pv[:, :, 0]
+    acc = pv[:, :, 0, :rows]
     for c in range(1, nc):  # fixed order: chunk after chunk
-        acc = acc + pv[:, :, c]
-    acc = acc[:, :, :rows]  # [B, ng, rows, hn + 1]: p v, and the sum of p in the last column
-    # the sum >= 1 where a query has a key (its max's term is exp(0)): the clamp only turns 0 to 1
+        acc = acc + pv[:, :, c, :rows]
+    # acc [B, ng, rows, hn + 1]: p v, and the sum of p in the last column; the sum >= 1 where a
+    # query has a key (its max's term is exp(0)): the clamp only turns 0 to 1
     out = acc[..., :hn] / acc[..., hn:].clamp_min(1.0)
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
 
@@ -425,28 +424,25 @@ def expert_mlp(x: torch.Tensor, counts: list[int], probs: torch.Tensor, fc1: tor
     return out if keep is None else out.index_select(0, keep)
 
 
-def _dense_experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor,
-                   fc1: torch.Tensor, fc2: torch.Tensor, activate, first: int) -> torch.Tensor:
+def _dense_experts(tokens: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor,
+                   fc2: torch.Tensor, activate) -> torch.Tensor:
     """``[T, H]``: :func:`experts` with every local expert over every token (``E_l`` GEMMs of
-    ``T`` rows, :data:`ROW_TILE` at least; ``E_l / k`` times the routed FLOPs, no permutation):
-    a routed row's values are those of :func:`expert_mlp`'s GEMMs over the expert's routed rows
-    (the same GEMM; row counts from 4 up), an unrouted row's activation is set to exact zeros
-    (so are its outputs), and a token's outputs are added from zero in ascending expert index,
-    the zeros of its unrouted experts included (adding a zero to a sum started from +0 leaves
-    its bits: the routed outputs' sum)."""
+    ``T`` rows, :data:`ROW_TILE` at least; ``E_l / k`` times the routed FLOPs, no permutation),
+    ``weights [T, E_l]`` a token's prob for each local expert it chose, 0 for the others. A
+    routed row's values are those of :func:`expert_mlp`'s GEMMs over the expert's routed rows
+    (the same GEMM, row counts from 4 up); an unrouted row's activation is ``act(h) 0``, a zero
+    (finite activations), and so are its outputs; a token's outputs are added from +0 in
+    ascending expert index, its unrouted experts' zeros included (adding a zero to a sum
+    started from +0 leaves its bits: the routed outputs' sum, as the training forward adds)."""
     T, H = tokens.shape
     E = fc1.shape[0]
     x = torch.cat((tokens, tokens.new_zeros(ROW_TILE - T, H))) if T < ROW_TILE else tokens
     Tp = x.shape[0]
-    local = top - first
-    slot = torch.where((local >= 0) & (local < E), local, E)  # [T, k]: another rank's: col E
-    weights = probs.new_zeros(E + 1, Tp)
-    weights[:, :T].scatter_(0, slot.t(), probs.t())  # [E + 1, Tp]: the prob of a routed pair
-    routed = torch.zeros(E + 1, Tp, dtype=torch.bool, device=tokens.device)
-    routed[:, :T].scatter_(0, slot.t(), True)
     h = torch.bmm(x.expand(E, Tp, H), fc1.to(x.dtype).transpose(1, 2))  # [E, Tp, (2)F]
-    a = activate(h.view(E * Tp, -1), weights[:E].reshape(-1))
-    a = torch.where(routed[:E].reshape(-1, 1), a, 0)  # [E Tp, F]
+    p = weights.t()  # [E, T]
+    if Tp > T:
+        p = torch.cat((p, p.new_zeros(E, Tp - T)), dim=1)
+    a = activate(h.view(E * Tp, -1), p.reshape(-1))  # [E Tp, F]
     y = torch.bmm(a.view(E, Tp, -1), fc2.to(x.dtype).transpose(1, 2))  # [E, Tp, H]
     out = torch.zeros_like(tokens)
     for e in range(E):  # fixed order: ascending expert index
@@ -455,18 +451,26 @@ def _dense_experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor,
 
 
 def experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
-            fc2: torch.Tensor, activate, first: int = 0) -> torch.Tensor:
+            fc2: torch.Tensor, activate, first: int = 0,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
     """``[T, H]``: each token's ``k`` chosen experts (``top [T, k]`` global ids, ``probs [T, k]``)
     over ``tokens [T, H]``, of the experts ``first .. first + E_l - 1`` here (the others'
     routes skipped: EP), through :func:`expert_mlp` (``fc1 [E_l, (2)F, H]``, ``fc2 [E_l, H,
     F]``, ``F.linear``'s layout), ``activate(h [n, (2)F], p [n]) -> [n, F]``; a token's outputs
     added in ascending expert index, starting from zero. Megatron's ``unpermute`` in the
     training forward adds the same outputs in the same order (the dispatcher's expert-major
-    rows, scattered in order). On CPU with ``E_l <= 2 k``: :func:`_dense_experts`."""
+    rows, scattered in order). On CPU with ``E_l <= 2 k``: :func:`_dense_experts`, over
+    ``weights [T, E_l]`` (a token's prob for each local expert it chose, 0 for the others)
+    where the caller has them."""
     T, H = tokens.shape
     k = top.shape[1]
-    if tokens.device.type == "cpu" and fc1.shape[0] <= 2 * k:
-        return _dense_experts(tokens, top, probs, fc1, fc2, activate, first)
+    E = fc1.shape[0]
+    if tokens.device.type == "cpu" and E <= 2 * k:
+        if weights is None:
+            local = top - first
+            slot = torch.where((local >= 0) & (local < E), local, E)  # another rank's: col E
+            weights = probs.new_zeros(T, E + 1).scatter_(1, slot, probs)[:, :E]
+        return _dense_experts(tokens, weights, fc1, fc2, activate)
     ordered = torch.sort(top, dim=1, stable=True)
     flat = ordered.values.reshape(-1)  # route t k + j: token t's j-th smallest expert
     local = flat - first
