@@ -39,6 +39,8 @@ rollout and the trainer would break the equality.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -255,12 +257,14 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
         if Lq > 1:
             keep = torch.cat((keep, keep.new_ones(B, 1, CPU_QUERY_TILE - rows, Lk)), dim=2)
     R = qf.shape[2]
-    s = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale)  # [B, ng, R, Lk]
+    s = torch.bmm(qf.view(B * ng, R, hn), kf.view(B * ng, Lk, hn).transpose(1, 2))
+    s = s.view(B, ng, R, Lk).mul_(scale)
     s = torch.where(keep, s, float("-inf"))
     m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # no key: p = 0
     p = s.sub_(m).clamp_min_(-80.0).exp_().mul_(keep)  # [B, ng, R, Lk]
-    pv = torch.matmul(p.view(B, ng, R, nc, KEY_CHUNK).transpose(2, 3),
-                      vt.transpose(-1, -2))  # [B, ng, nc, R, hn + 1]
+    pt = p.view(B, ng, R, nc, KEY_CHUNK).transpose(2, 3).reshape(-1, R, KEY_CHUNK)
+    pv = torch.bmm(pt, vt.view(-1, hn + 1, KEY_CHUNK).transpose(1, 2))
+    pv = pv.view(B, ng, nc, R, hn + 1)
     acc = pv[:, :, 0, :rows]
     for c in range(1, nc):  # fixed order: chunk after chunk
         acc = acc + pv[:, :, c, :rows]
@@ -270,29 +274,30 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
 
 
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     starts: list[int], scale: float) -> torch.Tensor:
-    """Causal attention of a packed row through :func:`attention`: ``query [S, np, hn]``,
-    ``key/value [S, ng, hn]``, the segments starting at ``starts`` (``[m + 1]`` host ints, the
-    last the row's end) each attending only to itself -> ``[S, np, hn]``. Segments are grouped
-    by length (at most 2x padding); every query reads its segment's keys at their positions."""
-    from gspo_megatron.backends.megatron.kernels.row_attention import length_groups
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """``[n, np, L, hn]``: each of ``n`` right-padded rows' queries ``q [n, np, L, hn]`` over
+    its keys at or before it (``k, v [n, ng, L, hn]``) through :func:`attention`: causal
+    masking alone keeps a real query off the pads behind it (``row_attention.packed_sdpa``'s
+    ``attend``)."""
+    L = q.shape[2]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None]  # [1, L, L]
+    return attention(q, k.transpose(1, 2), v.transpose(1, 2), causal, scale)
 
-    device = query.device
-    lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    out = torch.empty_like(query)
-    for members in length_groups(lens):
-        longest = max(lens[i] for i in members)
-        t = torch.arange(longest, device=device)
-        first = torch.tensor([starts[i] for i in members], device=device)
-        n = torch.tensor([lens[i] for i in members], device=device)
-        valid = t[None, :] < n[:, None]  # [n_g, L]
-        index = torch.where(valid, first[:, None] + t[None, :], first[:, None])  # pads: 1st token
-        q = query[index].transpose(1, 2)  # [n_g, np, L, hn]
-        causal = (t[None, :] <= t[:, None])[None] & valid[:, None, :]  # [n_g, L, L]
-        o = attention(q, key[index], value[index], causal, scale)  # [n_g, np, L, hn]
-        out[index[valid]] = o.transpose(1, 2)[valid]
-    return out
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     params, scale: float) -> torch.Tensor:
+    """Causal attention of a packed row through :func:`attention`: ``query [S, np, hn]``,
+    ``key/value [S, ng, hn]``, the segments of ``params`` (Megatron's ``PackedSeqParams``, or
+    ``[m + 1]`` segment starts, the last the row's end) each attending only to itself -> ``[S,
+    np, hn]``: ``row_attention.packed_sdpa``'s length groups and gathers (made once per
+    microbatch), :func:`causal_attention` per group."""
+    from gspo_megatron.backends.megatron.kernels.row_attention import packed_sdpa
+
+    if isinstance(params, (list, tuple)):
+        params = types.SimpleNamespace(cu_seqlens_q=torch.tensor(params),
+                                       cu_seqlens_q_padded=None)
+    return packed_sdpa(query, key, value, params, scale, attend=causal_attention)
 
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int | None = None,
