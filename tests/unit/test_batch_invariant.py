@@ -68,13 +68,14 @@ def test_cpu_gemm_values_do_not_depend_on_the_shape():
                 assert torch.equal(got[start:start + c], per_expert[i][start:start + c])
                 start += c
     for hn in (8, 16, 128):  # attention's GEMMs (fp32), in F.linear's layout (B transposed):
+        chunk = bi.CPU_KEY_CHUNK
         q = torch.randn(3, 40, hn, generator=g)  # the scores: queries x keys
-        keys = torch.randn(3, 96, hn, generator=g).transpose(1, 2)
-        p = torch.rand(3, 40, bi.KEY_CHUNK, generator=g)  # p v per key chunk (+ a ones column)
-        v = torch.randn(3, hn + 1, bi.KEY_CHUNK, generator=g).transpose(1, 2)
+        keys = torch.randn(3, 3 * chunk, hn, generator=g).transpose(1, 2)
+        p = torch.rand(3, 40, chunk, generator=g)  # p v per key chunk (+ a ones column)
+        v = torch.randn(3, hn + 1, chunk, generator=g).transpose(1, 2)
         scores, pv = torch.bmm(q, keys), torch.bmm(p, v)
         for m in range(bi.CPU_QUERY_TILE, 41, 3):
-            for cols in range(bi.KEY_CHUNK, 97, bi.KEY_CHUNK):
+            for cols in range(chunk, 3 * chunk + 1, chunk):
                 assert torch.equal(torch.bmm(q[1:, :m], keys[1:, :, :cols]),
                                    scores[1:, :m, :cols]), (hn, m, cols)
             assert torch.equal(torch.bmm(p[:2, :m], v[:2]), pv[:2, :m]), (hn, m)

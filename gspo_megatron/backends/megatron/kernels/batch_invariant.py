@@ -50,6 +50,8 @@ KEY_CHUNK = 16
 """Key positions per attention chunk (:func:`attention`)."""
 QUERY_TILE = 2
 """Query rows (of one key head) per attention tile (:func:`attention`)."""
+CPU_KEY_CHUNK = 32
+"""CPU (:func:`_cpu_attention`): key positions per chunk (the ``p v`` GEMMs' contraction)."""
 CPU_QUERY_TILE = 4
 """CPU (:func:`_cpu_attention`): each key head's query rows padded to a multiple of this (MKL's
 GEMM rows are invariant from 4 rows up)."""
@@ -224,29 +226,30 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     """CPU :func:`_attention` (same arguments and result; its own order and constants), laid
     out so that the GEMMs read their operands in place. Per key head: its query rows (``np /
     ng Lq``, zero rows added up to :data:`CPU_QUERY_TILE`) times its keys (zero keys added up
-    to whole :data:`KEY_CHUNK` chunks) as one GEMM of contraction ``hn`` (a score is the same
-    bits whatever the other rows and keys: MKL's GEMM values do not depend on the row and column
-    counts from 4 up, ``test_cpu_gemm_values_do_not_depend_on_the_shape``); ``m`` = the query's
-    max over its keys (exact); ``p = exp(max(s - m, -80))`` times the mask (exact zeros where
-    masked; the clamp keeps ``exp`` off its slow underflow path and changes a weight below
-    ``e^-80`` of the max's, far under fp32's resolution); per key chunk ``p v`` and the sum of
-    ``p`` as one GEMM of contraction :data:`KEY_CHUNK` (``v`` with a column of ones); the chunks
-    added one after the other (those past a query's keys add exact zeros, so the key window's
-    length does not matter)."""
+    to whole :data:`CPU_KEY_CHUNK` chunks) as one GEMM of contraction ``hn`` (a score is the
+    same bits whatever the other rows and keys: MKL's GEMM values in ``F.linear``'s layout do
+    not depend on the row and column counts from 4 up, nor on a row's place,
+    ``test_cpu_gemm_values_do_not_depend_on_the_shape``); ``m`` = the query's max over its keys
+    (exact); ``p = exp(max(s - m, -80))`` times the mask (exact zeros where masked; the clamp
+    keeps ``exp`` off its slow underflow path and changes a weight below ``e^-80`` of the max's,
+    far under fp32's resolution); per key chunk ``p v`` and the sum of ``p`` as one GEMM of
+    contraction :data:`CPU_KEY_CHUNK` (``v`` with a column of ones); the chunks added one after
+    the other (those past a query's keys add exact zeros, so the key window's length does not
+    matter)."""
     B, np_, Lq, hn = q.shape
     L0, ng = k.shape[1], k.shape[2]
     r = np_ // ng
     rows = r * Lq  # each key head's query rows: head j of its group, query l at j Lq + l
-    Lk = L0 + (-L0) % KEY_CHUNK
-    nc = Lk // KEY_CHUNK
+    Lk = L0 + (-L0) % CPU_KEY_CHUNK
+    nc = Lk // CPU_KEY_CHUNK
     # pad slots: zero keys, values 1 (finite), not allowed
     kf = F.pad(k.float().permute(0, 2, 1, 3), (0, 0, 0, Lk - L0))  # [B, ng, Lk, hn]
     if Lk > L0:
         allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], Lk - L0)), dim=2)
-    # [B, ng, nc, hn + 1, KEY_CHUNK]: each chunk's values transposed (F.linear's weight layout),
-    # and a row of ones (the chunk's sum of p)
+    # [B, ng, nc, hn + 1, CPU_KEY_CHUNK]: each chunk's values transposed (F.linear's weight
+    # layout), and a row of ones (the chunk's sum of p)
     vt = F.pad(v.float(), (0, 1, 0, 0, 0, Lk - L0), value=1.0).view(
-        B, nc, KEY_CHUNK, ng, hn + 1).permute(0, 3, 1, 4, 2).contiguous()
+        B, nc, CPU_KEY_CHUNK, ng, hn + 1).permute(0, 3, 1, 4, 2).contiguous()
     qf = q.float().reshape(B, ng, rows, hn)
     if Lq == 1:  # the decoding step: one mask row for every query row
         keep = allowed.view(B, 1, 1, Lk)
@@ -259,11 +262,11 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     R = qf.shape[2]
     s = torch.bmm(qf.view(B * ng, R, hn), kf.view(B * ng, Lk, hn).transpose(1, 2))
     s = s.view(B, ng, R, Lk).mul_(scale)
-    s = torch.where(keep, s, float("-inf"))
-    m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # no key: p = 0
+    s = torch.where(keep, s, torch.finfo(torch.float32).min)  # (finite: a row without keys
+    m = s.amax(-1, keepdim=True)  # gets p = 0 from the mask, not exp(-inf - -inf))
     p = s.sub_(m).clamp_min_(-80.0).exp_().mul_(keep)  # [B, ng, R, Lk]
-    pt = p.view(B, ng, R, nc, KEY_CHUNK).transpose(2, 3).reshape(-1, R, KEY_CHUNK)
-    pv = torch.bmm(pt, vt.view(-1, hn + 1, KEY_CHUNK).transpose(1, 2))
+    pt = p.view(B, ng, R, nc, CPU_KEY_CHUNK).transpose(2, 3).reshape(-1, R, CPU_KEY_CHUNK)
+    pv = torch.bmm(pt, vt.view(-1, hn + 1, CPU_KEY_CHUNK).transpose(1, 2))
     pv = pv.view(B, ng, nc, R, hn + 1)
     acc = pv[:, :, 0, :rows]
     for c in range(1, nc):  # fixed order: chunk after chunk
@@ -447,8 +450,8 @@ def _dense_experts(tokens: torch.Tensor, weights: torch.Tensor, fc1: torch.Tenso
     p = weights.t()  # [E, T]
     if Tp > T:
         p = torch.cat((p, p.new_zeros(E, Tp - T)), dim=1)
-    a = activate(h.view(E * Tp, -1), p.reshape(-1))  # [E Tp, F]
-    y = torch.bmm(a.view(E, Tp, -1), fc2.to(x.dtype).transpose(1, 2))  # [E, Tp, H]
+    a = activate(h, p)  # [E, Tp, F] (row-wise: as over the routed rows)
+    y = torch.bmm(a, fc2.to(x.dtype).transpose(1, 2))  # [E, Tp, H]
     out = torch.zeros_like(tokens)
     for e in range(E):  # fixed order: ascending expert index
         out = out + y[e, :T]
