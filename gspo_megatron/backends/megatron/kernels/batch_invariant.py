@@ -6,26 +6,34 @@ step (:mod:`.decode`) and both log-prob paths (the engine's sampler, the trainer
 these functions and no other implementation of the same op, so the rollout's log-probs and routes
 are bitwise the trainer's by construction (``tests/unit/test_batch_invariant.py``).
 
-Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py --probe``):
+Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py``'s probe rows), and
+its two forms: on CUDA fixed GEMM tiles (one shape per op whatever the batch); on CPU the cheaper
+forms that the CPU's GEMM allows (``test_cpu_gemm_values_do_not_depend_on_the_shape`` checks what
+they rest on, on the machine running it: MKL's GEMM values in ``F.linear``'s layout depend
+neither on the row count from 4 rows up, nor on the column count, nor on a row's place).
 
 * **matmul**: ``F.linear`` of ``m`` rows takes another kernel for ``m <= 3`` in fp32 (the row
-  results differ in the last bits from the same rows inside a larger call). :func:`linear` runs
-  every call as a ``bmm`` of fixed ``[ROW_TILE, K]`` tiles (the rows zero-padded to a multiple),
-  so the library sees one shape and picks one blocking; a row's value does not depend on its
-  tile's other rows or on its place in the tile (checked for every row count and shift).
+  results differ in the last bits from the same rows inside a larger call). :func:`linear`: on
+  CPU one ``F.linear``, the rows zero-padded to :data:`ROW_TILE` when fewer; on CUDA a ``bmm``
+  of fixed ``[ROW_TILE, K]`` tiles (the rows zero-padded to a multiple), so the library sees one
+  shape and picks one blocking (checked for every row count and shift).
 * **attention**: SDPA over a KV cache (one query) and over a packed row (a causal block) reduce
-  the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks of
-  ``KEY_CHUNK`` positions (the chunks' partial sums added left to right; chunks past the query's
-  keys add exact zeros), the scores and the value sums of a (``QUERY_TILE`` queries,
-  ``KEY_CHUNK`` keys) pair as GEMMs of one fixed shape (2 queries: the GQA groups of the tiny
-  model exactly, no padded row in its decoding step).
+  the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks
+  (the chunks' partial sums added left to right; chunks past the query's keys add exact zeros).
+  CUDA: the scores and the value sums of a (``QUERY_TILE`` queries, ``KEY_CHUNK`` keys) pair as
+  GEMMs of one fixed shape. CPU (:func:`_cpu_attention`): a key head's query rows times all its
+  keys as one GEMM, then ``p v`` per chunk of ``CPU_KEY_CHUNK`` keys as one GEMM of that fixed
+  contraction (a GEMM's sum over its contraction does depend on its length: that is why the
+  keys are chunked, not the queries).
 * **log-softmax**: the engine's ``torch.log_softmax`` and the trainer's chunked log-sum-exp are
   different formulas. :func:`token_logprobs` is both: max (exact), ``exp`` and the sum in fixed
   vocabulary chunks of ``VOCAB_CHUNK`` added left to right.
 * **experts**: a grouped GEMM's (or a dense ``bmm``'s) blocking follows the tokens per expert.
-  :func:`expert_linear` runs each expert's rows in whole ``ROW_TILE`` tiles (one ``bmm`` of one
-  shape for all experts), and :func:`experts` adds a token's ``k`` expert outputs in ascending
-  expert index.
+  :func:`expert_mlp` / :func:`expert_linear` run each expert's rows in whole ``ROW_TILE`` tiles
+  (CUDA: one ``bmm`` of one shape for all experts; CPU: one grouped GEMM, an expert's rows
+  padded to ``ROW_TILE`` when fewer), and :func:`experts` adds a token's ``k`` expert outputs in
+  ascending expert index (on CPU with few experts the decoding step runs every expert over
+  every token, :func:`_dense_experts`, the same GEMM rows).
 * **router**: its gating GEMM through :func:`linear`; the softmax and ``torch.topk`` that follow
   are per row (the same function of a row in Megatron's router and the decoding step: ties
   go the same way in both; that they go to the lower expert index is ``torch.topk``'s behaviour,
@@ -53,7 +61,7 @@ QUERY_TILE = 2
 CPU_KEY_CHUNK = 32
 """CPU (:func:`_cpu_attention`): key positions per chunk (the ``p v`` GEMMs' contraction)."""
 CPU_QUERY_TILE = 4
-"""CPU (:func:`_cpu_attention`): each key head's query rows padded to a multiple of this (MKL's
+"""CPU (:func:`_cpu_attention`): a key head's query rows padded up to this when fewer (MKL's
 GEMM rows are invariant from 4 rows up)."""
 VOCAB_CHUNK = 256
 """Vocabulary columns per log-sum-exp chunk (:func:`token_logprobs`)."""
@@ -66,10 +74,11 @@ def enabled(config) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``), computed as
-    one ``bmm`` over tiles of :data:`ROW_TILE` rows: the same GEMM shape whatever the row count.
-    Differentiable: the backward is ``F.linear``'s (the same two matmuls; only the forward's
-    values must be invariant, a gradient is a gradient of the same function)."""
+    """``F.linear(x, weight)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``): on CPU
+    :func:`_padded_linear`; elsewhere one ``bmm`` over tiles of :data:`ROW_TILE` rows, the same
+    GEMM shape whatever the row count. Differentiable: the backward is ``F.linear``'s (the same
+    two matmuls; only the forward's values must be invariant, a gradient is a gradient of the
+    same function)."""
     if x.device.type == "cpu":
         return _padded_linear(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
