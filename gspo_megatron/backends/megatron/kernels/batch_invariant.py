@@ -330,14 +330,17 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int | None
     m = x.detach().amax(-1, keepdim=True)
     shifted = x - m  # [N, V]
     e = torch.exp(shifted)
-    total = x.new_zeros(n)
-    spread = x.new_zeros(n) if compute_entropy else None
-    for c in range(x.shape[1] // VOCAB_CHUNK):
-        cols = slice(c * VOCAB_CHUNK, (c + 1) * VOCAB_CHUNK)
-        total = total + e[:, cols].contiguous().sum(-1)
-        if compute_entropy:  # e x with x = -inf where e = 0: the product taken as 0
-            ex = torch.where(e[:, cols] > 0, e[:, cols] * shifted[:, cols], 0.0)
-            spread = spread + ex.contiguous().sum(-1)
+    nc = x.shape[1] // VOCAB_CHUNK
+    sums = e.view(n, nc, VOCAB_CHUNK).sum(-1)  # [N, nc]: each chunk's sum (> 0 or +0)
+    total = sums[:, 0]  # (the sum from +0: the same bits)
+    for c in range(1, nc):  # fixed order: chunk after chunk
+        total = total + sums[:, c]
+    spread = None
+    if compute_entropy:  # e x with x = -inf where e = 0: the product taken as 0
+        ex = torch.where(e > 0, e * shifted, 0.0).view(n, nc, VOCAB_CHUNK).sum(-1)
+        spread = x.new_zeros(n)
+        for c in range(nc):
+            spread = spread + ex[:, c]
     log_total = torch.log(total)
     lp = shifted.gather(-1, target.long().view(-1, 1)).squeeze(-1) - log_total
     return lp, (log_total - spread / total if compute_entropy else None)
