@@ -39,18 +39,21 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype, k, n):
 
 
 def test_cpu_gemm_values_do_not_depend_on_the_shape():
-    """What the CPU kernels rest on, on the machine running this: a GEMM's row values do not
-    depend on the row count from 4 rows up (``F.linear``, any contraction length; ``bmm``), nor
-    on the key columns beside them (multiples of :data:`bi.KEY_CHUNK`), nor on the other
-    matrices of a ``bmm``; ``torch._grouped_mm``'s groups and a ``bmm`` over an expanded input
-    give the rows of the same ``F.linear`` (the experts' grouped and dense forms)."""
+    """What the CPU kernels rest on, on the machine and at the thread count running this, all in
+    ``F.linear``'s layout: a GEMM's row values do not depend on the row count from
+    :data:`bi.ROW_TILE` rows up (``F.linear``, any contraction length: with several threads a
+    call's rows are split among them, and a block of 1-3 rows takes another kernel) or from
+    :data:`bi.CPU_QUERY_TILE` up (the attention's ``bmm``), nor on the key columns beside them
+    (multiples of :data:`bi.CPU_KEY_CHUNK`), nor on the other matrices of a ``bmm``, nor on a
+    row's place; ``torch._grouped_mm``'s groups and a ``bmm`` over an expanded input give the
+    rows of the same ``F.linear`` (the experts' grouped and dense forms)."""
     g = torch.Generator().manual_seed(17)
     for dtype in DTYPES:
         for k in (16, 64, 2048):
             x = torch.randn(96, k, generator=g).to(dtype)
             w = torch.randn(24, k, generator=g).to(dtype)
             full = F.linear(x, w)
-            for m in range(4, 97):
+            for m in range(bi.ROW_TILE, 97):
                 assert torch.equal(F.linear(x[:m], w), full[:m]), (dtype, k, m)
                 assert torch.equal(F.linear(x[96 - m:], w), full[96 - m:]), (dtype, k, m)
         e, n, h, o = 3, 80, 32, 40
@@ -60,7 +63,7 @@ def test_cpu_gemm_values_do_not_depend_on_the_shape():
         dense = torch.bmm(x.expand(e, n, h), w.transpose(1, 2))
         for i in range(e):
             assert torch.equal(dense[i], per_expert[i])
-        for sizes in ([4, 40, 36], [32, 0, 48], [80, 0, 0]):
+        for sizes in ([32, 0, 48], [40, 40, 0], [80, 0, 0]):
             offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             got = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
             start = 0

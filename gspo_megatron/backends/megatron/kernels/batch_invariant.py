@@ -9,8 +9,9 @@ are bitwise the trainer's by construction (``tests/unit/test_batch_invariant.py`
 Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py``'s probe rows), and
 its two forms: on CUDA fixed GEMM tiles (one shape per op whatever the batch); on CPU the cheaper
 forms that the CPU's GEMM allows (``test_cpu_gemm_values_do_not_depend_on_the_shape`` checks what
-they rest on, on the machine running it: MKL's GEMM values in ``F.linear``'s layout depend
-neither on the row count from 4 rows up, nor on the column count, nor on a row's place).
+they rest on, on the machine and thread count running it: MKL's GEMM values in ``F.linear``'s
+layout depend neither on the row count from a few rows up, nor on the column count, nor on a
+row's place).
 
 * **matmul**: ``F.linear`` of ``m`` rows takes another kernel for ``m <= 3`` in fp32 (the row
   results differ in the last bits from the same rows inside a larger call). :func:`linear`: on
@@ -88,9 +89,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """CPU :func:`linear`: one GEMM, the rows zero-padded to :data:`ROW_TILE` when fewer (MKL
-    takes another kernel for 1 to 3 rows; from 4 rows up a row's values do not depend on the
-    row count: ``test_cpu_gemm_values_do_not_depend_on_the_shape``). Differentiable by
-    autograd (the pad rows' gradients are dropped by the slice)."""
+    takes another kernel for a block of 1 to 3 rows, and with several threads it splits a
+    call's rows among them; from :data:`ROW_TILE` rows up a row's values do not depend on the
+    row count, measured at 1, 2, 8 and 16 threads:
+    ``test_cpu_gemm_values_do_not_depend_on_the_shape``). Differentiable by autograd (the pad
+    rows' gradients are dropped by the slice)."""
     n = x.numel() // x.shape[-1] if x.numel() else 0
     if n >= ROW_TILE or n == 0:
         return F.linear(x, weight.to(x.dtype))
