@@ -20,9 +20,17 @@ from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(params=["cpu", "tiles"])
+def forms(request, monkeypatch):
+    """Each kernel test twice: the CPU forms, and the fixed-tile forms a GPU runs (forced)."""
+    if request.param == "tiles":
+        monkeypatch.setattr(bi, "cpu_forms", lambda t: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", [(64, 192), (128, 64), (16, 40)])
-def test_linear_rows_do_not_depend_on_the_batch(dtype, k, n):
+def test_linear_rows_do_not_depend_on_the_batch(dtype, k, n, forms):
     g = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(200, k, generator=g).to(dtype)
@@ -97,7 +105,7 @@ def reference_attention(q, k, v, scale):
 
 @pytest.mark.parametrize("dtype,hn", [(torch.float32, 16), (torch.bfloat16, 16),
                                       (torch.float32, 8)])
-def test_attention_decode_layout_equals_packed_row(dtype, hn):
+def test_attention_decode_layout_equals_packed_row(dtype, hn, forms):
     """A token's attention output is the same bits in the decoding step's layout (one query over
     its cached keys, beside other requests, the key window padded with finite junk) and in a
     packed training row (its sequence among others, in another order)."""
@@ -151,7 +159,7 @@ def test_token_logprobs_do_not_depend_on_the_batch_or_padded_columns(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expert_linear_rows_do_not_depend_on_the_counts(dtype):
+def test_expert_linear_rows_do_not_depend_on_the_counts(dtype, forms):
     """A row's value through its expert is the same whatever the other experts' counts and its
     own (its place in its tiles): every expert's rows in one ``bmm`` of fixed tiles."""
     g = torch.Generator().manual_seed(11)
@@ -176,7 +184,7 @@ def test_expert_linear_rows_do_not_depend_on_the_counts(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("E,k", [(6, 3), (8, 2)])  # on CPU: every expert (dense) / routed rows
-def test_experts_per_token_values_and_fixed_order(dtype, E, k):
+def test_experts_per_token_values_and_fixed_order(dtype, E, k, forms):
     """A token's expert output does not depend on the other tokens routed with it; the k outputs
     are added in ascending expert index (top-k given in any order)."""
     g = torch.Generator().manual_seed(7)
@@ -293,7 +301,7 @@ def test_tokens_differ_counts_the_stale_prefix_apart():
         "mismatch/tokens_differ": 3.0, "mismatch/tokens_differ_stale": 1.0}
 
 
-def test_gradients_are_the_functions_gradients():
+def test_gradients_are_the_functions_gradients(forms):
     """The training forward differentiates through :func:`bi.linear` and :func:`bi.attention`
     (their backward: ``F.linear``'s and SDPA's on the same inputs): gradients equal a float64
     autograd reference's."""

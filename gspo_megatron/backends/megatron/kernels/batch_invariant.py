@@ -74,13 +74,18 @@ def enabled(config) -> bool:
     return bool(getattr(config, "batch_invariant", False))
 
 
+def cpu_forms(t: torch.Tensor) -> bool:
+    """Whether the kernels take their CPU forms for ``t`` (on CPU; the fixed tiles elsewhere)."""
+    return t.device.type == "cpu"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``): on CPU
     :func:`_padded_linear`; elsewhere one ``bmm`` over tiles of :data:`ROW_TILE` rows, the same
     GEMM shape whatever the row count. Differentiable: the backward is ``F.linear``'s (the same
     two matmuls; only the forward's values must be invariant, a gradient is a gradient of the
     same function)."""
-    if x.device.type == "cpu":
+    if cpu_forms(x):
         return _padded_linear(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Linear.apply(x, weight)
@@ -145,7 +150,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
 
 def _forward_attention(q, k, v, allowed, scale):
     """:func:`_cpu_attention` on CPU, :func:`_attention` (fixed GEMM tiles) elsewhere."""
-    return (_cpu_attention if q.device.type == "cpu" else _attention)(q, k, v, allowed, scale)
+    return (_cpu_attention if cpu_forms(q) else _attention)(q, k, v, allowed, scale)
 
 
 class _Attention(torch.autograd.Function):
@@ -369,7 +374,7 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
     zero-padded to whole tiles, its weight gathered per tile): the same GEMM shape for every
     row whatever the counts. Memory: a copy of an expert's weight per tile (fine on CPU; a GPU
     wants a grouped kernel with fixed tiles). Differentiable."""
-    if x.device.type == "cpu":
+    if cpu_forms(x):
         return _cpu_expert_linear(x, counts, weights)
     n, k = x.shape
     device = x.device
@@ -436,7 +441,7 @@ def expert_mlp(x: torch.Tensor, counts: list[int], probs: torch.Tensor, fc1: tor
     """``[N, H]``: ``expert_linear(activate(expert_linear(x, counts, fc1), probs), counts,
     fc2)`` (``x [N, H]`` expert-major, ``probs [N]``, ``activate(h, p)`` row-wise); on CPU the
     rows padded once for both GEMMs."""
-    if x.device.type != "cpu":
+    if not cpu_forms(x):
         return expert_linear(activate(expert_linear(x, counts, fc1), probs), counts, fc2)
     index, keep, offs = _expert_plan(counts, x.shape[0], x.device)
     if index is not None:  # pad rows: zero inputs, zero probs (finite; dropped at the end)
@@ -488,7 +493,7 @@ def experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor, fc1: t
     T, H = tokens.shape
     k = top.shape[1]
     E = fc1.shape[0]
-    if tokens.device.type == "cpu" and E <= 2 * k:
+    if cpu_forms(tokens) and E <= 2 * k:
         if weights is None:
             local = top - first
             slot = torch.where((local >= 0) & (local < E), local, E)  # another rank's: col E
