@@ -20,9 +20,17 @@ from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(params=["cpu", "tiles"])
+def forms(request, monkeypatch):
+    """Each kernel test twice: the CPU forms, and the fixed-tile forms a GPU runs (forced)."""
+    if request.param == "tiles":
+        monkeypatch.setattr(bi, "cpu_forms", lambda t: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", [(64, 192), (128, 64), (16, 40)])
-def test_linear_rows_do_not_depend_on_the_batch(dtype, k, n):
+def test_linear_rows_do_not_depend_on_the_batch(dtype, k, n, forms):
     g = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(200, k, generator=g).to(dtype)
@@ -38,6 +46,55 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype, k, n):
     assert bi.linear(x[:0], w).shape == (0, n)
 
 
+def test_cpu_gemm_values_do_not_depend_on_the_shape():
+    """What the CPU kernels rest on, on the machine and at the thread count running this, all in
+    ``F.linear``'s layout: a GEMM's row values do not depend on the row count from
+    :data:`bi.ROW_TILE` rows up (``F.linear``, any contraction length: with several threads a
+    call's rows are split among them, and a block of 1-3 rows takes another kernel) or from
+    :data:`bi.CPU_QUERY_TILE` up (the attention's ``bmm``), nor on the key columns beside them
+    (multiples of :data:`bi.CPU_KEY_CHUNK`), nor on the other matrices of a ``bmm``, nor on a
+    row's place; ``torch._grouped_mm``'s groups and a ``bmm`` over an expanded input give the
+    rows of the same ``F.linear`` (the experts' grouped and dense forms)."""
+    g = torch.Generator().manual_seed(17)
+    for dtype in DTYPES:
+        for k in (16, 64, 2048):
+            x = torch.randn(96, k, generator=g).to(dtype)
+            w = torch.randn(24, k, generator=g).to(dtype)
+            full = F.linear(x, w)
+            for m in range(bi.ROW_TILE, 97):
+                assert torch.equal(F.linear(x[:m], w), full[:m]), (dtype, k, m)
+                assert torch.equal(F.linear(x[96 - m:], w), full[96 - m:]), (dtype, k, m)
+        e, n, h, o = 3, 80, 32, 40
+        x = torch.randn(n, h, generator=g).to(dtype)
+        w = torch.randn(e, o, h, generator=g).to(dtype)
+        per_expert = [F.linear(x, w[i]) for i in range(e)]
+        dense = torch.bmm(x.expand(e, n, h), w.transpose(1, 2))
+        for i in range(e):
+            assert torch.equal(dense[i], per_expert[i])
+        for sizes in ([32, 0, 48], [40, 40, 0], [80, 0, 0]):
+            offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            got = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+            start = 0
+            for i, c in enumerate(sizes):
+                assert torch.equal(got[start:start + c], per_expert[i][start:start + c])
+                start += c
+    for hn in (8, 16, 128):  # attention's GEMMs (fp32), in F.linear's layout (B transposed):
+        chunk = bi.CPU_KEY_CHUNK
+        q = torch.randn(3, 40, hn, generator=g)  # the scores: queries x keys
+        keys = torch.randn(3, 3 * chunk, hn, generator=g).transpose(1, 2)
+        p = torch.rand(3, 40, chunk, generator=g)  # p v per key chunk (+ a ones column)
+        v = torch.randn(3, hn + 1, chunk, generator=g).transpose(1, 2)
+        scores, pv = torch.bmm(q, keys), torch.bmm(p, v)
+        for m in range(bi.CPU_QUERY_TILE, 41, 3):
+            for cols in range(chunk, 3 * chunk + 1, chunk):
+                assert torch.equal(torch.bmm(q[1:, :m], keys[1:, :, :cols]),
+                                   scores[1:, :m, :cols]), (hn, m, cols)
+            assert torch.equal(torch.bmm(p[:2, :m], v[:2]), pv[:2, :m]), (hn, m)
+            shift = 40 - m  # the same rows at other places
+            assert torch.equal(torch.bmm(q[:, shift:], keys), scores[:, shift:]), (hn, m)
+            assert torch.equal(torch.bmm(p[:, shift:], v), pv[:, shift:]), (hn, m)
+
+
 def reference_attention(q, k, v, scale):
     """float64 causal-free attention of one query ``[np, hn]`` over ``k, v [L, ng, hn]``."""
     r = q.shape[0] // k.shape[1]
@@ -46,13 +103,14 @@ def reference_attention(q, k, v, scale):
     return torch.einsum("hl,lhd->hd", p, vv)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_decode_layout_equals_packed_row(dtype):
+@pytest.mark.parametrize("dtype,hn", [(torch.float32, 16), (torch.bfloat16, 16),
+                                      (torch.float32, 8)])
+def test_attention_decode_layout_equals_packed_row(dtype, hn, forms):
     """A token's attention output is the same bits in the decoding step's layout (one query over
     its cached keys, beside other requests, the key window padded with finite junk) and in a
     packed training row (its sequence among others, in another order)."""
     g = torch.Generator().manual_seed(3)
-    np_, ng, hn, scale = 4, 2, 16, 0.25
+    np_, ng, scale = 4, 2, 0.25
     lens = [5, 17, 1, 33, 9]
     seqs = [(torch.randn(L, np_, hn, generator=g).to(dtype),
              torch.randn(L, ng, hn, generator=g).to(dtype),
@@ -101,7 +159,7 @@ def test_token_logprobs_do_not_depend_on_the_batch_or_padded_columns(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expert_linear_rows_do_not_depend_on_the_counts(dtype):
+def test_expert_linear_rows_do_not_depend_on_the_counts(dtype, forms):
     """A row's value through its expert is the same whatever the other experts' counts and its
     own (its place in its tiles): every expert's rows in one ``bmm`` of fixed tiles."""
     g = torch.Generator().manual_seed(11)
@@ -125,11 +183,12 @@ def test_expert_linear_rows_do_not_depend_on_the_counts(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_experts_per_token_values_and_fixed_order(dtype):
+@pytest.mark.parametrize("E,k", [(6, 3), (8, 2)])  # on CPU: every expert (dense) / routed rows
+def test_experts_per_token_values_and_fixed_order(dtype, E, k, forms):
     """A token's expert output does not depend on the other tokens routed with it; the k outputs
     are added in ascending expert index (top-k given in any order)."""
     g = torch.Generator().manual_seed(7)
-    E, H, Fh, k, T = 6, 32, 24, 3, 40
+    H, Fh, T = 32, 24, 40
     fc1 = torch.randn(E, 2 * Fh, H, generator=g).to(dtype)
     fc2 = torch.randn(E, H, Fh, generator=g).to(dtype)
     tokens = torch.randn(T, H, generator=g).to(dtype)
@@ -145,18 +204,19 @@ def test_experts_per_token_values_and_fixed_order(dtype):
         rows = perm[:m]
         got = bi.experts(tokens[rows], top[rows].flip(1), probs[rows].flip(1), fc1, fc2, act)
         assert torch.equal(got, full[rows]), m
-    # the order of addition: ascending expert index, starting from zero
-    one = bi.experts(tokens[:1], top[:1], probs[:1], fc1, fc2, act)
-    order = torch.argsort(top[0])
-    parts = []
-    for j in order:
-        e = int(top[0, j])
-        h = act(bi.expert_linear(tokens[:1], [1], fc1[e:e + 1]), probs[0, j:j + 1])
-        parts.append(bi.expert_linear(h, [1], fc2[e:e + 1]))
-    acc = torch.zeros_like(parts[0])
-    for part in parts:
-        acc = acc + part
-    assert torch.equal(one, acc)
+    # the order of addition: ascending expert index, starting from zero; with EP (this rank's
+    # experts from `first`) the other ranks' routes skipped
+    for first in (0, 2):
+        here = bi.experts(tokens, top, probs, fc1[first:], fc2[first:], act, first)
+        for t in (0, 5, T - 1):
+            acc = torch.zeros(1, H, dtype=dtype)
+            for j in torch.argsort(top[t]):
+                e = int(top[t, j])
+                if e >= first:
+                    h = act(bi.expert_linear(tokens[t:t + 1], [1], fc1[e:e + 1]),
+                            probs[t, j:j + 1])
+                    acc = acc + bi.expert_linear(h, [1], fc2[e:e + 1])
+            assert torch.equal(here[t:t + 1], acc), (first, t)
     # float64 reference
     ref = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
@@ -241,7 +301,7 @@ def test_tokens_differ_counts_the_stale_prefix_apart():
         "mismatch/tokens_differ": 3.0, "mismatch/tokens_differ_stale": 1.0}
 
 
-def test_gradients_are_the_functions_gradients():
+def test_gradients_are_the_functions_gradients(forms):
     """The training forward differentiates through :func:`bi.linear` and :func:`bi.attention`
     (their backward: ``F.linear``'s and SDPA's on the same inputs): gradients equal a float64
     autograd reference's."""

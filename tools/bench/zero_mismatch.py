@@ -19,8 +19,9 @@ the same initial weights, each with its dynamic engine (``decode_steps_per_sync`
 function); the rollout (``batch`` prompts of 4-8 tokens, ``new_tokens`` sampled at temperature 1)
 and the training phase as the trainer runs it (old-policy log-prob pass, then ``update_stage``
 with the demo's loss, 4 minibatches of packed microbatches); CPU time of this single-threaded
-process and wall clock. Decoding tokens/s: generated tokens per second of rollout. Each side's
-``mismatch/tokens_differ`` (rollout vs its trainer's old pass) is reported as the check.
+process and wall clock, each ratio's median and range over the rounds. Decoding tokens/s:
+generated tokens per second of rollout. Each side's ``mismatch/tokens_differ`` (rollout vs its
+trainer's old pass) is reported as the check.
 """
 
 from __future__ import annotations
@@ -198,7 +199,9 @@ def run(smoke: bool = False, rounds: int = 11, batch: int = 64, new_tokens: int 
             rows += [row(f"{phase}, mode off ({lbl})", median(tt[f"{phase}_off"]), "s"),
                      row(f"{phase}, mode on ({lbl})", median(tt[f"{phase}_on"]), "s"),
                      row(f"{phase} on / off ({lbl}), median of rounds",
-                         ratios[f"{phase}_on_vs_off{sfx}"], "x")]
+                         ratios[f"{phase}_on_vs_off{sfx}"], "x"),
+                     row(f"{phase} on / off ({lbl}), range of rounds",
+                         f"{min(per_round):.3g}-{max(per_round):.3g}", "x")]
     for side in ("off", "on"):
         rows += [row(f"decoding tokens/s, mode {side} (CPU time)",
                      generated[side] / median(cpu[f"rollout_{side}"]), "tokens/s"),

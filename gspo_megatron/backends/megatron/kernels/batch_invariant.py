@@ -6,26 +6,35 @@ step (:mod:`.decode`) and both log-prob paths (the engine's sampler, the trainer
 these functions and no other implementation of the same op, so the rollout's log-probs and routes
 are bitwise the trainer's by construction (``tests/unit/test_batch_invariant.py``).
 
-Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py --probe``):
+Why each op needs it, on this project's CPU (``tools/bench/zero_mismatch.py``'s probe rows), and
+its two forms: on CUDA fixed GEMM tiles (one shape per op whatever the batch); on CPU the cheaper
+forms that the CPU's GEMM allows (``test_cpu_gemm_values_do_not_depend_on_the_shape`` checks what
+they rest on, on the machine and thread count running it: MKL's GEMM values in ``F.linear``'s
+layout depend neither on the row count from a few rows up, nor on the column count, nor on a
+row's place).
 
 * **matmul**: ``F.linear`` of ``m`` rows takes another kernel for ``m <= 3`` in fp32 (the row
-  results differ in the last bits from the same rows inside a larger call). :func:`linear` runs
-  every call as a ``bmm`` of fixed ``[ROW_TILE, K]`` tiles (the rows zero-padded to a multiple),
-  so the library sees one shape and picks one blocking; a row's value does not depend on its
-  tile's other rows or on its place in the tile (checked for every row count and shift).
+  results differ in the last bits from the same rows inside a larger call). :func:`linear`: on
+  CPU one ``F.linear``, the rows zero-padded to :data:`ROW_TILE` when fewer; on CUDA a ``bmm``
+  of fixed ``[ROW_TILE, K]`` tiles (the rows zero-padded to a multiple), so the library sees one
+  shape and picks one blocking (checked for every row count and shift).
 * **attention**: SDPA over a KV cache (one query) and over a packed row (a causal block) reduce
-  the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks of
-  ``KEY_CHUNK`` positions (the chunks' partial sums added left to right; chunks past the query's
-  keys add exact zeros), the scores and the value sums of a (``QUERY_TILE`` queries,
-  ``KEY_CHUNK`` keys) pair as GEMMs of one fixed shape (2 queries: the GQA groups of the tiny
-  model exactly, no padded row in its decoding step).
+  the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks
+  (the chunks' partial sums added left to right; chunks past the query's keys add exact zeros).
+  CUDA: the scores and the value sums of a (``QUERY_TILE`` queries, ``KEY_CHUNK`` keys) pair as
+  GEMMs of one fixed shape. CPU (:func:`_cpu_attention`): a key head's query rows times all its
+  keys as one GEMM, then ``p v`` per chunk of ``CPU_KEY_CHUNK`` keys as one GEMM of that fixed
+  contraction (a GEMM's sum over its contraction does depend on its length: that is why the
+  keys are chunked, not the queries).
 * **log-softmax**: the engine's ``torch.log_softmax`` and the trainer's chunked log-sum-exp are
   different formulas. :func:`token_logprobs` is both: max (exact), ``exp`` and the sum in fixed
   vocabulary chunks of ``VOCAB_CHUNK`` added left to right.
 * **experts**: a grouped GEMM's (or a dense ``bmm``'s) blocking follows the tokens per expert.
-  :func:`expert_linear` runs each expert's rows in whole ``ROW_TILE`` tiles (one ``bmm`` of one
-  shape for all experts), and :func:`experts` adds a token's ``k`` expert outputs in ascending
-  expert index.
+  :func:`expert_mlp` / :func:`expert_linear` run each expert's rows in whole ``ROW_TILE`` tiles
+  (CUDA: one ``bmm`` of one shape for all experts; CPU: one grouped GEMM, an expert's rows
+  padded to ``ROW_TILE`` when fewer), and :func:`experts` adds a token's ``k`` expert outputs in
+  ascending expert index (on CPU with few experts the decoding step runs every expert over
+  every token, :func:`_dense_experts`, the same GEMM rows).
 * **router**: its gating GEMM through :func:`linear`; the softmax and ``torch.topk`` that follow
   are per row (the same function of a row in Megatron's router and the decoding step: ties
   go the same way in both; that they go to the lower expert index is ``torch.topk``'s behaviour,
@@ -39,6 +48,8 @@ rollout and the trainer would break the equality.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +59,11 @@ KEY_CHUNK = 16
 """Key positions per attention chunk (:func:`attention`)."""
 QUERY_TILE = 2
 """Query rows (of one key head) per attention tile (:func:`attention`)."""
+CPU_KEY_CHUNK = 32
+"""CPU (:func:`_cpu_attention`): key positions per chunk (the ``p v`` GEMMs' contraction)."""
+CPU_QUERY_TILE = 4
+"""CPU (:func:`_cpu_attention`): a key head's query rows padded up to this when fewer (MKL's
+GEMM rows are invariant from 4 rows up)."""
 VOCAB_CHUNK = 256
 """Vocabulary columns per log-sum-exp chunk (:func:`token_logprobs`)."""
 
@@ -58,14 +74,37 @@ def enabled(config) -> bool:
     return bool(getattr(config, "batch_invariant", False))
 
 
+def cpu_forms(t: torch.Tensor) -> bool:
+    """Whether the kernels take their CPU forms for ``t`` (on CPU; the fixed tiles elsewhere)."""
+    return t.device.type == "cpu"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``), computed as
-    one ``bmm`` over tiles of :data:`ROW_TILE` rows: the same GEMM shape whatever the row count.
-    Differentiable: the backward is ``F.linear``'s (the same two matmuls; only the forward's
-    values must be invariant, a gradient is a gradient of the same function)."""
+    """``F.linear(x, weight)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``): on CPU
+    :func:`_padded_linear`; elsewhere one ``bmm`` over tiles of :data:`ROW_TILE` rows, the same
+    GEMM shape whatever the row count. Differentiable: the backward is ``F.linear``'s (the same
+    two matmuls; only the forward's values must be invariant, a gradient is a gradient of the
+    same function)."""
+    if cpu_forms(x):
+        return _padded_linear(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Linear.apply(x, weight)
     return _linear(x, weight)
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """CPU :func:`linear`: one GEMM, the rows zero-padded to :data:`ROW_TILE` when fewer (MKL
+    takes another kernel for a block of 1 to 3 rows, and with several threads it splits a
+    call's rows among them; from :data:`ROW_TILE` rows up a row's values do not depend on the
+    row count, measured at 1, 2, 8 and 16 threads:
+    ``test_cpu_gemm_values_do_not_depend_on_the_shape``). Differentiable by autograd (the pad
+    rows' gradients are dropped by the slice)."""
+    n = x.numel() // x.shape[-1] if x.numel() else 0
+    if n >= ROW_TILE or n == 0:
+        return F.linear(x, weight.to(x.dtype))
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = torch.cat((x.reshape(-1, k), x.new_zeros(ROW_TILE - n, k)))
+    return F.linear(rows, weight.to(x.dtype))[:n].reshape(*lead, weight.shape[0])
 
 
 class _Linear(torch.autograd.Function):
@@ -106,7 +145,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     (the same function: only the forward's values must be invariant)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Attention.apply(q, k, v, allowed, scale)
-    return _attention(q, k, v, allowed, scale)
+    return _forward_attention(q, k, v, allowed, scale)
+
+
+def _forward_attention(q, k, v, allowed, scale):
+    """:func:`_cpu_attention` on CPU, :func:`_attention` (fixed GEMM tiles) elsewhere."""
+    return (_cpu_attention if cpu_forms(q) else _attention)(q, k, v, allowed, scale)
 
 
 class _Attention(torch.autograd.Function):
@@ -118,7 +162,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, allowed, scale):
         ctx.save_for_backward(q, k, v, allowed)
         ctx.scale = scale
-        return _attention(q, k, v, allowed, scale)
+        return _forward_attention(q, k, v, allowed, scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -194,29 +238,86 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
 
 
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     starts: list[int], scale: float) -> torch.Tensor:
-    """Causal attention of a packed row through :func:`attention`: ``query [S, np, hn]``,
-    ``key/value [S, ng, hn]``, the segments starting at ``starts`` (``[m + 1]`` host ints, the
-    last the row's end) each attending only to itself -> ``[S, np, hn]``. Segments are grouped
-    by length (at most 2x padding); every query reads its segment's keys at their positions."""
-    from gspo_megatron.backends.megatron.kernels.row_attention import length_groups
+def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """CPU :func:`_attention` (same arguments and result; its own order and constants), laid
+    out so that the GEMMs read their operands in place. Per key head: its query rows (``np /
+    ng Lq``, zero rows added up to :data:`CPU_QUERY_TILE`) times its keys (zero keys added up
+    to whole :data:`CPU_KEY_CHUNK` chunks) as one GEMM of contraction ``hn`` (a score is the
+    same bits whatever the other rows and keys: MKL's GEMM values in ``F.linear``'s layout do
+    not depend on the row and column counts from 4 up, nor on a row's place,
+    ``test_cpu_gemm_values_do_not_depend_on_the_shape``); ``m`` = the query's max over its keys
+    (exact); ``p = exp(max(s - m, -80))`` times the mask (exact zeros where masked; the clamp
+    keeps ``exp`` off its slow underflow path and changes a weight below ``e^-80`` of the max's,
+    far under fp32's resolution); per key chunk ``p v`` and the sum of ``p`` as one GEMM of
+    contraction :data:`CPU_KEY_CHUNK` (``v`` with a column of ones); the chunks added one after
+    the other (those past a query's keys add exact zeros, so the key window's length does not
+    matter)."""
+    B, np_, Lq, hn = q.shape
+    L0, ng = k.shape[1], k.shape[2]
+    r = np_ // ng
+    rows = r * Lq  # each key head's query rows: head j of its group, query l at j Lq + l
+    Lk = L0 + (-L0) % CPU_KEY_CHUNK
+    nc = Lk // CPU_KEY_CHUNK
+    # pad slots: zero keys, values 1 (finite), not allowed
+    kf = F.pad(k.float().permute(0, 2, 1, 3), (0, 0, 0, Lk - L0))  # [B, ng, Lk, hn]
+    if Lk > L0:
+        allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], Lk - L0)), dim=2)
+    # [B, ng, nc, hn + 1, CPU_KEY_CHUNK]: each chunk's values transposed (F.linear's weight
+    # layout), and a row of ones (the chunk's sum of p)
+    vt = F.pad(v.float(), (0, 1, 0, 0, 0, Lk - L0), value=1.0).view(
+        B, nc, CPU_KEY_CHUNK, ng, hn + 1).permute(0, 3, 1, 4, 2).contiguous()
+    qf = q.float().reshape(B, ng, rows, hn)
+    if Lq == 1:  # the decoding step: one mask row for every query row
+        keep = allowed.view(B, 1, 1, Lk)
+    else:
+        keep = allowed.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, rows, Lk)
+    if rows < CPU_QUERY_TILE:  # pad rows: zero queries that attend every slot (dropped)
+        qf = torch.cat((qf, qf.new_zeros(B, ng, CPU_QUERY_TILE - rows, hn)), dim=2)
+        if Lq > 1:
+            keep = torch.cat((keep, keep.new_ones(B, 1, CPU_QUERY_TILE - rows, Lk)), dim=2)
+    R = qf.shape[2]
+    s = torch.bmm(qf.view(B * ng, R, hn), kf.view(B * ng, Lk, hn).transpose(1, 2))
+    s = s.view(B, ng, R, Lk).mul_(scale)
+    s = torch.where(keep, s, torch.finfo(torch.float32).min)  # (finite: a row without keys
+    m = s.amax(-1, keepdim=True)  # gets p = 0 from the mask, not exp(-inf - -inf))
+    p = s.sub_(m).clamp_min_(-80.0).exp_().mul_(keep)  # [B, ng, R, Lk]
+    pt = p.view(B, ng, R, nc, CPU_KEY_CHUNK).transpose(2, 3).reshape(-1, R, CPU_KEY_CHUNK)
+    pv = torch.bmm(pt, vt.view(-1, hn + 1, CPU_KEY_CHUNK).transpose(1, 2))
+    pv = pv.view(B, ng, nc, R, hn + 1)
+    acc = pv[:, :, 0, :rows]
+    for c in range(1, nc):  # fixed order: chunk after chunk
+        acc = acc + pv[:, :, c, :rows]
+    # acc [B, ng, rows, hn + 1]: p v, and the sum of p in the last column; the sum >= 1 where a
+    # query has a key (its max's term is exp(0)): the clamp only turns 0 to 1
+    out = acc[..., :hn] / acc[..., hn:].clamp_min(1.0)
+    return out.reshape(B, np_, Lq, hn).to(q.dtype)
 
-    device = query.device
-    lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    out = torch.empty_like(query)
-    for members in length_groups(lens):
-        longest = max(lens[i] for i in members)
-        t = torch.arange(longest, device=device)
-        first = torch.tensor([starts[i] for i in members], device=device)
-        n = torch.tensor([lens[i] for i in members], device=device)
-        valid = t[None, :] < n[:, None]  # [n_g, L]
-        index = torch.where(valid, first[:, None] + t[None, :], first[:, None])  # pads: 1st token
-        q = query[index].transpose(1, 2)  # [n_g, np, L, hn]
-        causal = (t[None, :] <= t[:, None])[None] & valid[:, None, :]  # [n_g, L, L]
-        o = attention(q, key[index], value[index], causal, scale)  # [n_g, np, L, hn]
-        out[index[valid]] = o.transpose(1, 2)[valid]
-    return out
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """``[n, np, L, hn]``: each of ``n`` right-padded rows' queries ``q [n, np, L, hn]`` over
+    its keys at or before it (``k, v [n, ng, L, hn]``) through :func:`attention`: causal
+    masking alone keeps a real query off the pads behind it (``row_attention.packed_sdpa``'s
+    ``attend``)."""
+    L = q.shape[2]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None]  # [1, L, L]
+    return attention(q, k.transpose(1, 2), v.transpose(1, 2), causal, scale)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     params, scale: float) -> torch.Tensor:
+    """Causal attention of a packed row through :func:`attention`: ``query [S, np, hn]``,
+    ``key/value [S, ng, hn]``, the segments of ``params`` (Megatron's ``PackedSeqParams``, or
+    ``[m + 1]`` segment starts, the last the row's end) each attending only to itself -> ``[S,
+    np, hn]``: ``row_attention.packed_sdpa``'s length groups and gathers (made once per
+    microbatch), :func:`causal_attention` per group."""
+    from gspo_megatron.backends.megatron.kernels.row_attention import packed_sdpa
+
+    if isinstance(params, (list, tuple)):
+        params = types.SimpleNamespace(cu_seqlens_q=torch.tensor(params),
+                                       cu_seqlens_q_padded=None)
+    return packed_sdpa(query, key, value, params, scale, attend=causal_attention)
 
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int | None = None,
@@ -237,14 +338,17 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int | None
     m = x.detach().amax(-1, keepdim=True)
     shifted = x - m  # [N, V]
     e = torch.exp(shifted)
-    total = x.new_zeros(n)
-    spread = x.new_zeros(n) if compute_entropy else None
-    for c in range(x.shape[1] // VOCAB_CHUNK):
-        cols = slice(c * VOCAB_CHUNK, (c + 1) * VOCAB_CHUNK)
-        total = total + e[:, cols].contiguous().sum(-1)
-        if compute_entropy:  # e x with x = -inf where e = 0: the product taken as 0
-            ex = torch.where(e[:, cols] > 0, e[:, cols] * shifted[:, cols], 0.0)
-            spread = spread + ex.contiguous().sum(-1)
+    nc = x.shape[1] // VOCAB_CHUNK
+    sums = e.view(n, nc, VOCAB_CHUNK).sum(-1)  # [N, nc]: each chunk's sum (> 0 or +0)
+    total = sums[:, 0]  # (the sum from +0: the same bits)
+    for c in range(1, nc):  # fixed order: chunk after chunk
+        total = total + sums[:, c]
+    spread = None
+    if compute_entropy:  # e x with x = -inf where e = 0: the product taken as 0
+        ex = torch.where(e > 0, e * shifted, 0.0).view(n, nc, VOCAB_CHUNK).sum(-1)
+        spread = x.new_zeros(n)
+        for c in range(nc):
+            spread = spread + ex[:, c]
     log_total = torch.log(total)
     lp = shifted.gather(-1, target.long().view(-1, 1)).squeeze(-1) - log_total
     return lp, (log_total - spread / total if compute_entropy else None)
@@ -270,6 +374,8 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
     zero-padded to whole tiles, its weight gathered per tile): the same GEMM shape for every
     row whatever the counts. Memory: a copy of an expert's weight per tile (fine on CPU; a GPU
     wants a grouped kernel with fixed tiles). Differentiable."""
+    if cpu_forms(x):
+        return _cpu_expert_linear(x, counts, weights)
     n, k = x.shape
     device = x.device
     # per tile (host ints: a handful of experts' tiles): its expert, first row and row limit
@@ -294,30 +400,117 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
     return out.reshape(-1, weights.shape[1])[real]
 
 
+def _cpu_expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> torch.Tensor:
+    """CPU :func:`expert_linear`: :func:`_grouped_rows`'s one grouped GEMM."""
+    index, keep, offs = _expert_plan(counts, x.shape[0], x.device)
+    return _grouped_rows(x, index, keep, offs, weights)
+
+
+def _expert_plan(counts: list[int], n: int, device):
+    """``(index [P] | None, keep [N] | None, offs [E] int32)`` for :func:`_grouped_rows`: each
+    expert's block of ``counts[e]`` rows (of ``n``) taken to :data:`ROW_TILE` rows at least
+    (an empty expert stays empty), ``index`` the padded layout's source rows (``n``: a zero
+    row), ``keep`` the real rows' places in it; ``None, None`` where no expert needs padding."""
+    padded = [ROW_TILE if 0 < c < ROW_TILE else c for c in counts]
+    offs = torch.tensor(padded, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    if padded == counts:
+        return None, None, offs
+    index, keep, src, dst = [], [], 0, 0
+    for c, pc in zip(counts, padded):  # host ints: a handful of experts
+        index += [*range(src, src + c), *([n] * (pc - c))]
+        keep += range(dst, dst + c)
+        src, dst = src + c, dst + pc
+    return (torch.tensor(index, device=device), torch.tensor(keep, device=device), offs)
+
+
+def _grouped_rows(x: torch.Tensor, index, keep, offs, weights: torch.Tensor,
+                  padded: bool = False) -> torch.Tensor:
+    """``[N | P, O]``: the rows ``x [N | P, K]`` (``padded``: already in the padded layout of
+    :func:`_expert_plan`) through their experts' ``weights [E, O, K]`` as one grouped GEMM, on
+    CPU one GEMM per expert, of ``ROW_TILE`` rows at least (MKL's row values do not depend on
+    the row count from 4 up: ``test_cpu_gemm_values_do_not_depend_on_the_shape``); returned in
+    the padded layout when ``padded``. Differentiable."""
+    if index is not None and not padded:
+        x = torch.cat((x, x.new_zeros(1, x.shape[1]))).index_select(0, index)
+    out = torch._grouped_mm(x, weights.to(x.dtype).transpose(1, 2), offs=offs)  # [P, O]
+    return out if keep is None or padded else out.index_select(0, keep)
+
+
+def expert_mlp(x: torch.Tensor, counts: list[int], probs: torch.Tensor, fc1: torch.Tensor,
+               fc2: torch.Tensor, activate) -> torch.Tensor:
+    """``[N, H]``: ``expert_linear(activate(expert_linear(x, counts, fc1), probs), counts,
+    fc2)`` (``x [N, H]`` expert-major, ``probs [N]``, ``activate(h, p)`` row-wise); on CPU the
+    rows padded once for both GEMMs."""
+    if not cpu_forms(x):
+        return expert_linear(activate(expert_linear(x, counts, fc1), probs), counts, fc2)
+    index, keep, offs = _expert_plan(counts, x.shape[0], x.device)
+    if index is not None:  # pad rows: zero inputs, zero probs (finite; dropped at the end)
+        x = torch.cat((x, x.new_zeros(1, x.shape[1]))).index_select(0, index)
+        probs = torch.cat((probs, probs.new_zeros(1))).index_select(0, index)
+    h = activate(_grouped_rows(x, index, keep, offs, fc1, padded=True), probs)
+    out = _grouped_rows(h, index, keep, offs, fc2, padded=True)
+    return out if keep is None else out.index_select(0, keep)
+
+
+def _dense_experts(tokens: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor,
+                   fc2: torch.Tensor, activate) -> torch.Tensor:
+    """``[T, H]``: :func:`experts` with every local expert over every token (``E_l`` GEMMs of
+    ``T`` rows, :data:`ROW_TILE` at least; ``E_l / k`` times the routed FLOPs, no permutation),
+    ``weights [T, E_l]`` a token's prob for each local expert it chose, 0 for the others. A
+    routed row's values are those of :func:`expert_mlp`'s GEMMs over the expert's routed rows
+    (the same GEMM, row counts from 4 up); an unrouted row's activation is ``act(h) 0``, a zero
+    (finite activations), and so are its outputs; a token's outputs are added from +0 in
+    ascending expert index, its unrouted experts' zeros included (adding a zero to a sum
+    started from +0 leaves its bits: the routed outputs' sum, as the training forward adds)."""
+    T, H = tokens.shape
+    E = fc1.shape[0]
+    x = torch.cat((tokens, tokens.new_zeros(ROW_TILE - T, H))) if T < ROW_TILE else tokens
+    Tp = x.shape[0]
+    h = torch.bmm(x.expand(E, Tp, H), fc1.to(x.dtype).transpose(1, 2))  # [E, Tp, (2)F]
+    p = weights.t()  # [E, T]
+    if Tp > T:
+        p = torch.cat((p, p.new_zeros(E, Tp - T)), dim=1)
+    a = activate(h, p)  # [E, Tp, F] (row-wise: as over the routed rows)
+    y = torch.bmm(a, fc2.to(x.dtype).transpose(1, 2))  # [E, Tp, H]
+    out = torch.zeros_like(tokens)
+    for e in range(E):  # fixed order: ascending expert index
+        out = out + y[e, :T]
+    return out
+
+
 def experts(tokens: torch.Tensor, top: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
-            fc2: torch.Tensor, activate, first: int = 0) -> torch.Tensor:
+            fc2: torch.Tensor, activate, first: int = 0,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
     """``[T, H]``: each token's ``k`` chosen experts (``top [T, k]`` global ids, ``probs [T, k]``)
     over ``tokens [T, H]``, of the experts ``first .. first + E_l - 1`` here (the others'
-    routes skipped: EP), through :func:`expert_linear` (``fc1 [E_l, (2)F, H]``, ``fc2 [E_l, H,
+    routes skipped: EP), through :func:`expert_mlp` (``fc1 [E_l, (2)F, H]``, ``fc2 [E_l, H,
     F]``, ``F.linear``'s layout), ``activate(h [n, (2)F], p [n]) -> [n, F]``; a token's outputs
     added in ascending expert index, starting from zero. Megatron's ``unpermute`` in the
     training forward adds the same outputs in the same order (the dispatcher's expert-major
-    rows, scattered in order)."""
+    rows, scattered in order). On CPU with ``E_l <= 2 k``: :func:`_dense_experts`, over
+    ``weights [T, E_l]`` (a token's prob for each local expert it chose, 0 for the others)
+    where the caller has them."""
     T, H = tokens.shape
     k = top.shape[1]
+    E = fc1.shape[0]
+    if cpu_forms(tokens) and E <= 2 * k:
+        if weights is None:
+            local = top - first
+            slot = torch.where((local >= 0) & (local < E), local, E)  # another rank's: col E
+            weights = probs.new_zeros(T, E + 1).scatter_(1, slot, probs)[:, :E]
+        return _dense_experts(tokens, weights, fc1, fc2, activate)
     ordered = torch.sort(top, dim=1, stable=True)
     flat = ordered.values.reshape(-1)  # route t k + j: token t's j-th smallest expert
-    flat_probs = probs.gather(1, ordered.indices).reshape(-1)
     local = flat - first
     here = (local >= 0) & (local < fc1.shape[0])
     key = torch.where(here, local, fc1.shape[0])  # the other ranks' routes last
     routes = torch.argsort(key, stable=True)  # expert-major, token order within an expert
     counts = torch.bincount(key, minlength=fc1.shape[0] + 1)[:fc1.shape[0]].tolist()
     routes = routes[:sum(counts)]
-    rows = tokens.index_select(0, routes // k)
-    h = activate(expert_linear(rows, counts, fc1), flat_probs.index_select(0, routes))
-    per_route = tokens.new_zeros(T * k, H).index_copy(0, routes, expert_linear(h, counts, fc2))
-    per_route = per_route.view(T, k, H)
+    route_probs = probs.gather(1, ordered.indices).reshape(-1).index_select(0, routes)
+    out_rows = expert_mlp(tokens.index_select(0, routes // k), counts, route_probs, fc1, fc2,
+                          activate)
+    per_route = tokens.new_zeros(T * k, H).index_copy(0, routes, out_rows).view(T, k, H)
     out = torch.zeros_like(tokens)  # (from zero, as unpermute's scatter-add: the same signed zeros)
     for j in range(k):  # fixed order: ascending expert index
         out = out + per_route[:, j]

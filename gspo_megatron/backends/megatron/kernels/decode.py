@@ -519,7 +519,7 @@ def _moe_ep(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     first, count = w.local_experts
     weights = routing_probs[:, first:first + count]  # [T, E_l]
     # [ep rows, H]: this rank's experts' part (their F-shards summed over the expert TP group)
-    out = _reduce(_invariant_experts(w, layer, tokens, top, probs, first) if w.invariant
+    out = _reduce(_invariant_experts(w, layer, tokens, top, probs, first, weights) if w.invariant
                   else _dense_experts(w, layer, tokens, weights), w.expert_tp_group)
     # each rank's rows of every rank's part (an all-to-all: ~0.34 ms on gloo where an all-reduce
     # of the whole takes ~0.61 ms), added here
@@ -571,7 +571,7 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
     tokens = y.view(-1, H)  # [T, H]
     routing_probs, probs, top = _route(w, layer, tokens)
     if w.invariant:
-        return _reduce(_invariant_experts(w, layer, tokens, top, probs),
+        return _reduce(_invariant_experts(w, layer, tokens, top, probs, 0, routing_probs),
                        w.expert_tp_group).view(B, 1, H), top
     if routing_probs.shape[1] <= 2 * w.topk:  # at most twice the routed FLOPs: every expert
         out = _dense_experts(w, layer, tokens, routing_probs)
@@ -600,9 +600,11 @@ def _moe(w: DecodeWeights, layer: DecodeLayer, y: torch.Tensor):
 
 
 def _invariant_experts(w: DecodeWeights, layer: DecodeLayer, tokens: torch.Tensor,
-                       top: torch.Tensor, probs: torch.Tensor, first: int = 0) -> torch.Tensor:
-    """``[T, H]``: :func:`.batch_invariant.experts` over this rank's experts (from ``first``),
-    each expert's weights as ``F.linear`` takes them (``layer.w1 / w2`` hold transposed views)."""
+                       top: torch.Tensor, probs: torch.Tensor, first: int = 0,
+                       weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, H]``: :func:`.batch_invariant.experts` over this rank's experts (from ``first``;
+    ``weights [T, E_l]`` their routing probs), each expert's weights as ``F.linear`` takes them
+    (``layer.w1 / w2`` hold transposed views)."""
     return bi.experts(tokens, top, probs, layer.w1.transpose(1, 2), layer.w2.transpose(1, 2),
                       lambda h, p: bi.scaled_activation(h, p, w.activation, w.gated, w.glu_offset,
-                                                        tokens.dtype), first)
+                                                        tokens.dtype), first, weights)

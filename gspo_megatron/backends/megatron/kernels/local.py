@@ -413,12 +413,7 @@ class SDPADotProductAttention(DotProductAttention):
         if packed_seq_params is not None:
             squeeze = query.dim() == 4
             q, k, v = ((x.squeeze(1) if squeeze else x) for x in (query, key, value))
-            starts = [int(i) for i in packed_seq_params.cu_seqlens_q_padded.tolist()] \
-                if packed_seq_params.cu_seqlens_q_padded is not None \
-                else [int(i) for i in packed_seq_params.cu_seqlens_q.tolist()]
-            if starts[-1] < q.shape[0]:  # the row's tail padding: a segment of its own
-                starts.append(q.shape[0])
-            out = bi.packed_attention(q, k, v, starts, self.softmax_scale)
+            out = bi.packed_attention(q, k, v, packed_seq_params, self.softmax_scale)
             out = out.reshape(out.shape[0], -1)
             return out.unsqueeze(1) if squeeze else out
         sq, b, np_, hn = query.shape

@@ -105,8 +105,8 @@ class LoopedSequentialMLP(SequentialMLP):
         counts = tokens_per_expert.tolist()
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, (2)F, H]
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
-        h = self._activate(bi.expert_linear(x, counts, fc1), probs, x.dtype)
-        return bi.expert_linear(h, counts, fc2)
+        return bi.expert_mlp(x, counts, probs, fc1, fc2,
+                             lambda h, p: self._activate(h, p, x.dtype))
 
     @functools.cached_property  # layout and device are fixed once built: decided on first call
     def _grouped_training(self) -> bool:

@@ -39,7 +39,7 @@ def length_groups(lens: list[int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def packed_sdpa(query, key, value, params, scale):
+def packed_sdpa(query, key, value, params, scale, attend=None):
     """Causal attention of a packed row, each sequence attending only to itself: ``query
     [S, np, hn]``, ``key/value [S, ng, hn]`` -> ``[S, np, hn]``. The sequences, grouped by
     length (:func:`length_groups`), are gathered per group into right-padded
@@ -47,14 +47,16 @@ def packed_sdpa(query, key, value, params, scale):
     real query off the pads behind it; pad queries are dropped. Costs ``sum_g n_g L_g^2 <= 4 sum
     len_i^2`` scores (flash-attn / TE: ``sum len_i^2``). Differentiable (gathers; a pad reads
     its sequence's first token and gets an exact zero gradient). The gathers' indices are made
-    once per microbatch (:func:`_padding_plan`) and shared by every layer."""
+    once per microbatch (:func:`_padding_plan`) and shared by every layer. ``attend(q, k, v,
+    scale)``: the causal attention of a group (``q [n_g, np, L_g, hn]``, ``k/v [n_g, ng, L_g,
+    hn]`` -> like ``q``) in place of SDPA (``precision.batch_invariant``'s kernel)."""
     plan = _padding_plan(params, query.shape[0], query.device)
     outs = []
     for gather, keep, (n, longest) in plan.groups:
         q, k, v = (x.index_select(0, gather).view(n, longest, *x.shape[1:]).transpose(1, 2)
                    for x in (query, key, value))  # [n_g, heads, L_g, hn]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = attend(q, k, v, scale) if attend is not None else F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         out = out.transpose(1, 2).reshape(n * longest, *query.shape[1:])
         outs.append(out.index_select(0, keep))  # [S_g, np, hn]
     if plan.order is None:  # every segment in one group, in order: already the packed order
