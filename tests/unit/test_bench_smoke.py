@@ -72,6 +72,7 @@ def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
     assert "ours_vs_hf_tokens_per_s_batch2" in by_name["rollout"]["ratios"]
     # the long tail in a training run: every phase heavy-tailed vs uniform, and the bound
     assert {"heavy_rollout_vs_uniform", "heavy_training_vs_uniform", "partial_rollout_vs_uniform",
+            "partial_rollout_per_decoded_vs_uniform",
             "rollout_bound"} <= set(
         by_name["long_tail_run"]["ratios"]) and by_name["long_tail_run"]["met"] is None
     # long-tailed vs uniform cost per real token, both engines, one process and EP=2 (2 ranks)
