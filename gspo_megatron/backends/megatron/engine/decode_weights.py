@@ -19,8 +19,41 @@ import os
 import torch
 
 from gspo_megatron.backends.megatron.engine.lockstep import agree_all
-from gspo_megatron.backends.megatron.kernels.decode import (DecodeWeights, replica_bytes,
-                                                            replicate_experts)
+from gspo_megatron.backends.megatron.kernels.decode import DecodeWeights
+
+
+def replica_bytes(w: DecodeWeights) -> int:
+    """Bytes :func:`replicate_experts` adds on this rank: the other EP ranks' experts."""
+    if w.ep_group is None:
+        return 0
+    mine = sum(t.numel() * t.element_size() for layer in w.layers if layer.router is not None
+               for t in (layer.w1, layer.w2))
+    return mine * (w.ep_group.size() - 1)
+
+
+def replicate_experts(w: DecodeWeights) -> DecodeWeights:
+    """``w`` with every EP rank's experts here (one all-gather per MoE layer and weight; Megatron
+    places rank ``r``'s experts at ``r E_l .. (r + 1) E_l - 1``): its steps then need no
+    collective, as at EP = 1. Collective over the EP group."""
+    import torch.distributed as dist
+
+    group = w.ep_group
+    if group is None:
+        return w
+    first, count = w.local_experts
+    assert first == dist.get_rank(group) * count, (first, count)
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:  # [E_l, A, B] view -> [E, A, B] view
+        rows = t.transpose(1, 2).contiguous()  # the stacked layout (no copy: stack_experts')
+        parts = [torch.empty_like(rows) for _ in range(group.size())]
+        dist.all_gather(parts, rows, group=group)
+        return torch.cat(parts).transpose(1, 2)
+
+    layers = [layer if layer.router is None else
+              dataclasses.replace(layer, w1=gathered(layer.w1), w2=gathered(layer.w2))
+              for layer in w.layers]
+    return dataclasses.replace(w, layers=layers, ep_group=None,
+                               local_experts=(0, count * group.size()))
 
 
 def free_bytes(device: torch.device) -> int:

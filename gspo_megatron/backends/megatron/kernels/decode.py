@@ -29,8 +29,9 @@ column shards (its heads, its part of ``F``), ``linear_proj`` / ``linear_fc2`` r
 partial sums are all-reduced over the TP group, the embedding a vocabulary shard (looked up,
 all-reduced), the logits gathered over the vocabulary. Experts: their own tensor parallelism
 (``expert_tensor_parallel_size``: F-shards, partial sums all-reduced over that group) and EP
-(sharded, :func:`_moe_ep`, or gathered once per call, :func:`replicate_experts`). Every group
-is the model's own (its modules' ``tp_group``, ``ep_group``), passed explicitly.
+(sharded, :func:`_moe_ep`, or gathered once per call,
+:func:`~..engine.decode_weights.replicate_experts`). Every group is the model's own (its
+modules' ``tp_group``, ``ep_group``), passed explicitly.
 
 The weights are read through :mod:`.adapters` (the local spec, Transformer Engine's fused norm +
 linear modules, ``SequentialMLP`` / ``GroupedMLP`` / ``TEGroupedMLP``): :func:`unsupported` says
@@ -198,40 +199,6 @@ class DecodeWeights:
                    vocab_start=int(getattr(embedding, "vocab_start_index", 0)),
                    vocab=vocab if vocab is not None else output.shape[0] * tp,
                    invariant=invariant)
-
-
-def replica_bytes(w: DecodeWeights) -> int:
-    """Bytes :func:`replicate_experts` adds on this rank: the other EP ranks' experts."""
-    if w.ep_group is None:
-        return 0
-    mine = sum(t.numel() * t.element_size() for layer in w.layers if layer.router is not None
-               for t in (layer.w1, layer.w2))
-    return mine * (w.ep_group.size() - 1)
-
-
-def replicate_experts(w: DecodeWeights) -> DecodeWeights:
-    """``w`` with every EP rank's experts here (one all-gather per MoE layer and weight; Megatron
-    places rank ``r``'s experts at ``r E_l .. (r + 1) E_l - 1``): its steps then need no
-    collective, as at EP = 1. Collective over the EP group."""
-    import torch.distributed as dist
-
-    group = w.ep_group
-    if group is None:
-        return w
-    first, count = w.local_experts
-    assert first == dist.get_rank(group) * count, (first, count)
-
-    def gathered(t: torch.Tensor) -> torch.Tensor:  # [E_l, A, B] view -> [E, A, B] view
-        rows = t.transpose(1, 2).contiguous()  # the stacked layout (no copy: stack_experts')
-        parts = [torch.empty_like(rows) for _ in range(group.size())]
-        dist.all_gather(parts, rows, group=group)
-        return torch.cat(parts).transpose(1, 2)
-
-    layers = [layer if layer.router is None else
-              dataclasses.replace(layer, w1=gathered(layer.w1), w2=gathered(layer.w2))
-              for layer in w.layers]
-    return dataclasses.replace(w, layers=layers, ep_group=None,
-                               local_experts=(0, count * group.size()))
 
 
 def step_function_applies(rollout, tp: int, pp: int) -> bool:
