@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.helpers import warm
 from tests.helpers.dist import free_port
 
 pytestmark = pytest.mark.distributed
@@ -88,5 +89,6 @@ def _worker(rank: int, size: int, port: int) -> None:
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_context_parallel_attention_matches_one_process(size):
+    warm.gloo_context()  # the warm forkserver: not pytest's fork (it may hold a process group)
     mp.start_processes(_worker, args=(size, free_port()), nprocs=size, join=True,
-                       start_method="fork")
+                       start_method="forkserver")

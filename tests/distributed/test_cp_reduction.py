@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import warm
 from tests.helpers.dist import free_port
 from gspo_megatron.algorithms import LOSSES, PolicyLossConfig, masked_mean, policy_loss
 
@@ -124,4 +125,6 @@ def test_cp_policy_loss_matches_single_process():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo backend not available")
     # fork: the children inherit the imported torch, which keeps the test fast
-    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="fork")
+    warm.gloo_context()  # the warm forkserver: not pytest's fork (it may hold a process group)
+    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True,
+                       start_method="forkserver")

@@ -117,7 +117,8 @@ def test_disabled_writes_nothing():
     assert out.getvalue() == "" and p.callback() is None
 
 
-def test_terminal_keeps_the_lines_asked_for_above_one_live_line():
+def test_terminal_keeps_the_lines_asked_for_above_one_live_line(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # the live line is cut to the terminal's width
     clock, out = Clock(), Terminal()
     p = Progress("RL", 4, every=1, stream=out, clock=clock)
     assert p.tty

@@ -31,6 +31,7 @@ what remove it.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -81,8 +82,9 @@ def _per_token(records: list[dict]) -> dict:
     # groups in flight when the run ends are decoded and never trained; per decoded token is the
     # steady state's cost, which a long run pays.
     decoded = sum(m["perf/rollout_tokens_per_s"] * m["perf/rollout_s"] for m in steady)
-    out["rollout_per_decoded"] = sum(m["perf/rollout_s"] for m in steady) / decoded
-    out["decoded_vs_trained"] = decoded / tokens
+    out["rollout_per_decoded"] = (sum(m["perf/rollout_s"] for m in steady) / decoded
+                                  if decoded else math.nan)  # (a smoke run's one step may not decode)
+    out["decoded_vs_trained"] = decoded / tokens if tokens else math.nan
     out.update(mean_length=sum(m["response/mean_length"] for m in steady) / len(steady),
                max_length=max(m["response/max_length"] for m in steady),
                tokens=tokens, eos=sum(m["response/eos_fraction"] for m in steady) / len(steady))
