@@ -61,6 +61,8 @@ SOURCES = {
     "fp8_noise_x3": ["--rollout.precision=fp8", "--rollout.router_noise_std={std3}"],
 }
 """Mismatch source -> rollout overrides (``{std}`` / ``{std3}``: the calibrated noise, 3x it)."""
+RUN_ORDER = ("zero", "fp8_noise_x3", "fp8_noise", "fp8", "bf16", "fp32")
+"""The order the sources run in within a seed (the report keeps :data:`SOURCES`' order)."""
 
 ARMS = {
     "grpo": ("grpo", []),
@@ -239,8 +241,11 @@ def main(argv=None) -> int:
         log(f"noise calibrated: std {std:.4g} for {args.target_disagreement:.0%} of routes "
             f"differing ({scales})")
     std = std if std is not None else 0.0
+    # Seeds outermost, and within a seed the zero-mismatch reference, then the sources from the
+    # largest mismatch down: a study cut short has the extremes of its first seeds.
+    order = [s for s in RUN_ORDER if s in args.sources]
     cells = [(s, a, Point(a, args.lr_factor, args.updates, seed))
-             for seed in args.seeds for s in args.sources for a in args.arms]
+             for seed in args.seeds for s in order for a in args.arms]
     log(f"{len(cells)} runs ({len(args.sources)} sources x {len(args.arms)} arms x "
         f"{len(args.seeds)} seeds), {size.jobs} at a time; start reward {start_reward:.3f}")
 

@@ -21,6 +21,7 @@ def test_every_cell_is_a_valid_config():
     common = [a for a in frontier.common_overrides(size, "fp32")
               if not a.startswith("--rollout.precision=")]
     recipe = ROOT / "examples" / "configs" / "routing_study.yaml"
+    assert sorted(mf.RUN_ORDER) == sorted(mf.SOURCES)  # every source runs
     sources, std = list(mf.SOURCES), 0.01
     # every arm and every source at least once (the 48 cells take ~25 s to validate)
     for i, (arm, (base, extra)) in enumerate(mf.ARMS.items()):
