@@ -36,6 +36,8 @@ MISMATCH = (  # (stat, metric, column, format)
     ("kl", "kl/rollout_vs_train", "k3 KL rollout vs trainer", "{:.1e}"),
     ("tokens_differ", "mismatch/tokens_differ", "tokens whose log-prob differs, per step", "{:.0f}"),
 )
+SMOOTH = 5
+"""Steps in the reward curves' running mean."""
 LEVEL = "fp8_noise"
 """The source at the paper's level of route disagreement: its reward curves are plotted."""
 
@@ -129,14 +131,16 @@ def plot_rewards(runs: list[dict], source: str, arms, start: float, out: str, pl
             continue
         steps = max((c[0] for c in curves), key=len)
         ys = [mean(c[1][i] for c in curves if i < len(c[1])) for i in range(len(steps))]
-        ax.plot(steps, ys, label=arm)
+        # a 5-step running mean: one step's reward is 64 samples' (noisy by ~0.06)
+        smooth = [mean(ys[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(ys))]
+        ax.plot(steps, smooth, label=arm)
         drawn = True
     if not drawn:
         plt.close(fig)
         return None
     ax.axhline(start, color="grey", ls=":", label="warm-up policy")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("reward (mean over seeds)")
+    ax.set_ylabel(f"reward (mean over seeds, {SMOOTH}-step running mean)")
     ax.set_title(f"reward per arm, rollouts {source}")
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, out, f"rewards_{source}.png", plt)
@@ -171,7 +175,9 @@ def write_report(runs_dir: str, out: str) -> str:
     lr, n = settings["lr"], settings["updates"]
     lines = [f"# Mismatch frontier ({settings['device']}{', smoke' if settings['smoke'] else ''}): "
              f"{len(sources)} sources x {len(arms)} arms x {len(settings['seeds'])} seeds", "",
-             f"{len(runs)} runs of up to {settings['steps']} RL steps at lr {lr:g} "
+             f"{len(runs)} of the {len(settings['sources']) * len(settings['arms']) * len(settings['seeds'])} "
+             f"planned runs finished (a cell's seeds: those run so far), each up to "
+             f"{settings['steps']} RL steps at lr {lr:g} "
              f"(x{settings['lr_factor']:g} of the routing study's), {n} updates per rollout batch; "
              f"the trainer fp32, the rollout engine's numerics per source. Start reward (the "
              f"warm-up policy's sampled reward): {start:.3f}. Rule: as the stability frontier's "
