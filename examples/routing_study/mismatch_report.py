@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from frontier import Point  # noqa: E402
 from frontier_report import judge  # noqa: E402
 from frontier_rules import StabilityRule, mean  # noqa: E402
 from report import _save  # noqa: E402
@@ -67,9 +68,9 @@ def load(runs_dir: str) -> tuple[dict, list[dict]]:
 
 def run_dir_of(settings: dict, source: str, arm: str, seed: int) -> str:
     """A run's directory under the study's, as ``mismatch_frontier.run_cell`` lays it out:
-    ``<source>/<arm>/<base arm>/lr_x<f>/updates_<n>/seed_<s>``."""
-    return os.path.join(source, arm, settings["base_arms"][arm], f"lr_x{settings['lr_factor']:g}",
-                        f"updates_{settings['updates']}", f"seed_{seed}")
+    ``<source>/<arm>/`` then :meth:`frontier.Point.run_dir` of its base arm."""
+    point = Point(settings["base_arms"][arm], settings["lr_factor"], settings["updates"], seed)
+    return point.run_dir(os.path.join(source, arm))
 
 
 def _fmt(values, fmt: str) -> str:
