@@ -235,6 +235,8 @@ METRICS: tuple[MetricDoc, ...] = (
               "clipping), per step and per layer.", "`routing.replay: r3` or rollout-route recording"),
     # perf/*: the stopwatch (metrics.Stopwatch) and memory peaks (metrics.MemoryPeaks).
     MetricDoc("perf/step_s", "Seconds of the whole RL step."),
+    MetricDoc("perf/gc_s", "Seconds Python's garbage collector ran during the step (every "
+              "generation; trainer.gc_freeze keeps set-up's objects out of its scans)."),
     MetricDoc("perf/rollout_s", "Seconds of the rollout (accumulated over dynamic sampling's "
               "batches)."),
     MetricDoc("perf/reward_s", "Seconds of reward scoring."),

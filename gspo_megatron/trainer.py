@@ -27,6 +27,7 @@ from gspo_megatron.config import TrainConfig, token_budget
 from gspo_megatron.config.paths import resume_dir_of, save_dir_of
 from gspo_megatron.distributed import ParallelGroups, all_reduce_, any_rank, gather_on_logging_rank
 from gspo_megatron.faults import FaultInjector
+from gspo_megatron.gc_watch import GcWatch
 from gspo_megatron.memory_profile import MemoryProfile
 from gspo_megatron.metrics import MemoryPeaks, MetricsLogger, Stopwatch
 from gspo_megatron.progress import Progress
@@ -92,6 +93,8 @@ class Trainer:
         """This rank's part of the checkpoint resumed from (the rollouts in flight)."""
         self.progress: Progress | None = None
         """The RL steps' display while :meth:`fit` runs them (messages go through it)."""
+        self.gc_watch: GcWatch | None = None
+        """The garbage collector's time per step (``perf/gc_s``) while :meth:`fit` trains."""
 
     def close(self) -> None:
         """Stop what the run started outside this process: the reward workers, and the writer of
@@ -178,7 +181,10 @@ class Trainer:
         self.rollouts.publish(self.policy, self.step, stop=False)
         memory = MemoryProfile(cfg.logging.memory_profile_steps if self.groups.is_logging_rank
                                else 0, os.path.join(cfg.logging.run_dir, "memory_profile.json"))
-        with contextlib.closing(memory):
+        self.gc_watch = GcWatch()
+        with contextlib.closing(memory), contextlib.closing(self.gc_watch):
+            if cfg.trainer.gc_freeze:
+                self.gc_watch.freeze()  # set-up's objects out of the collector's scans
             memory.start()
             return self._train_steps(start_step, metrics_log, summary, memory)
 
@@ -189,6 +195,8 @@ class Trainer:
         while self.step < cfg.trainer.steps:
             metrics = self.rl_step()
             memory.step_done(self.step - start_step)
+            if cfg.trainer.gc_freeze and self.step == start_step + 1:
+                self.gc_watch.freeze()  # and what the first step built (the engine's context)
             if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 \
                     and self.task.eval and self.step < cfg.trainer.steps:
                 metrics["eval/accuracy"] = self.evaluate()
@@ -336,7 +344,8 @@ class Trainer:
         self._count_faults(update_metrics.get("faults/skipped_updates", 0.0) > 0)
         self.step += 1
 
-        timings = {**watch.total("perf/step_s"), **rollout_perf}
+        timings = {**watch.total("perf/step_s"), **rollout_perf,
+                   **(self.gc_watch.take() if self.gc_watch is not None else {})}
         timings["perf/rollout_tokens_per_s"] = (sampled.generated_tokens
                                                 / max(timings["perf/rollout_s"], 1e-9))
         metrics = {**sampled.metrics, **extra, **update_metrics, **timings,

@@ -237,7 +237,8 @@ def reward_and_accuracy(runs: list[Run], plt):
 
 def phase_times(runs: list[Run], plt):
     found = {k for r in runs for row in r.rows for k in row if k.startswith("perf/")
-             and k.endswith("_s") and not k.endswith("_per_s") and k != "perf/step_s"}
+             and k.endswith("_s") and not k.endswith("_per_s")
+             and k not in ("perf/step_s", "perf/gc_s")}  # (the whole step; time inside phases)
     if not found:
         return "no run logged perf/*_s"
     phases = [p for p in PHASES if p in found] + sorted(found - set(PHASES))
