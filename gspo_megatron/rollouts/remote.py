@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.gc_watch import GcWatch
 from gspo_megatron.metrics import Stopwatch
 from gspo_megatron.rollouts.sampling import StepSampler
 from gspo_megatron.rollouts.weight_channel import PeerLost, WeightChannel, first_sentence
@@ -345,6 +346,9 @@ class RolloutServer:
                 sampler.generator.restore_held(state["engine"])
             pool.load_state_dict(state["partial"], engine_restored=state["engine"] is not None)
         version, done = -1, 0
+        gc_watch, freeze = GcWatch(), sampler.cfg.trainer.gc_freeze  # (as the trainer's fit)
+        if freeze:
+            gc_watch.freeze()
         try:
             for step in range(start["start"], self.steps):
                 while version < max(0, step - self.k):
@@ -361,6 +365,8 @@ class RolloutServer:
                         pool.mark_checkpoint()  # as the run resumed from it: prefill
                 bridge.send(self._sample(step, version), *targets)
                 done += 1
+                if freeze and done == 1:
+                    gc_watch.freeze()  # and what the first rollout built (the engine's context)
             while not (msg := bridge.recv(self.TRAINER0, "the stop from trainer rank 0")).get(
                     "stop"):
                 if msg.get("snapshot"):
@@ -376,6 +382,7 @@ class RolloutServer:
             bridge.send({"error": f"{type(exc).__name__}: {exc}"}, *targets)
             raise
         finally:  # sends to a trainer rank that is gone are dropped: the error above is the news
+            gc_watch.close()
             bridge.flush(quiet=True)
 
     def _weights(self, trainers: int, version: int):
