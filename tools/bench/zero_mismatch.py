@@ -117,6 +117,7 @@ def _measure(rounds: int, batch: int, new_tokens: int):
     from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.config import DEMO_RECIPE, RolloutConfig, load_config
     from gspo_megatron.config.model import model_config_from_preset
+    from gspo_megatron.gc_watch import GcWatch
     from gspo_megatron.policy import make_policy_batch
     from gspo_megatron.stages import batch_stage, update_stage
     from tools.bench import _model
@@ -144,6 +145,8 @@ def _measure(rounds: int, batch: int, new_tokens: int):
                                      temperature=temperature),
                 max_sequence_length=cfg.seq_length)
         samples = {}
+        gc_watch = GcWatch()
+        gc_watch.freeze()  # as the trainer (trainer.gc_freeze): no full collection in a round
 
         def rollout(side):
             samples[side] = engines[side].generate(prompts, seed=0)
@@ -169,6 +172,9 @@ def _measure(rounds: int, batch: int, new_tokens: int):
                         key = f"{phase.__name__}_{side}"
                         times[key].append(w)
                         cpu[key].append(c)
+                if r == 0:
+                    gc_watch.freeze()  # and what the first round built (the engines' contexts)
+        gc_watch.close()
         # the weights moved apart after the first update: the check is on the last round's
         # rollout against its own trainer (each side's weights are its own)
     return times, cpu, generated, differ
