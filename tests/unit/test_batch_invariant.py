@@ -103,15 +103,16 @@ def reference_attention(q, k, v, scale):
     return torch.einsum("hl,lhd->hd", p, vv)
 
 
-@pytest.mark.parametrize("dtype,hn", [(torch.float32, 16), (torch.bfloat16, 16),
-                                      (torch.float32, 8)])
-def test_attention_decode_layout_equals_packed_row(dtype, hn, forms):
+@pytest.mark.parametrize("dtype,hn,window", [(torch.float32, 16, 40), (torch.bfloat16, 16, 40),
+                                             (torch.float32, 8, 40), (torch.float32, 16, 64)])
+def test_attention_decode_layout_equals_packed_row(dtype, hn, window, forms):
     """A token's attention output is the same bits in the decoding step's layout (one query over
     its cached keys, beside other requests, the key window padded with finite junk) and in a
-    packed training row (its sequence among others, in another order)."""
+    packed training row (its sequence among others, in another order). ``window`` 64 and the
+    32-token sequence: key windows of whole chunks (no padding), which once failed on CPU."""
     g = torch.Generator().manual_seed(3)
     np_, ng, scale = 4, 2, 0.25
-    lens = [5, 17, 1, 33, 9]
+    lens = [5, 17, 1, 33, 9] if window == 40 else [5, 32, 1, 33, 9]
     seqs = [(torch.randn(L, np_, hn, generator=g).to(dtype),
              torch.randn(L, ng, hn, generator=g).to(dtype),
              torch.randn(L, ng, hn, generator=g).to(dtype)) for L in lens]
@@ -124,7 +125,6 @@ def test_attention_decode_layout_equals_packed_row(dtype, hn, forms):
         starts.append(starts[-1] + lens[i])
     packed = bi.packed_attention(q, k, v, starts, scale)  # [S, np, hn]
     at = {i: starts[j] for j, i in enumerate(order)}
-    window = 40  # the decoding step's key window: past every request's keys
     for i, (qs, ks, vs) in enumerate(seqs):
         for t in range(lens[i]):
             junk_k = torch.randn(3, window, ng, hn, generator=g).to(dtype)

@@ -260,7 +260,9 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     Lk = L0 + (-L0) % CPU_KEY_CHUNK
     nc = Lk // CPU_KEY_CHUNK
     # pad slots: zero keys, values 1 (finite), not allowed
-    kf = F.pad(k.float().permute(0, 2, 1, 3), (0, 0, 0, Lk - L0))  # [B, ng, Lk, hn]
+    # [B, ng, Lk, hn] (contiguous: F.pad by nothing, a window of whole chunks, returns the
+    # permuted view itself)
+    kf = F.pad(k.float().permute(0, 2, 1, 3), (0, 0, 0, Lk - L0)).contiguous()
     if Lk > L0:
         allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], Lk - L0)), dim=2)
     # [B, ng, nc, hn + 1, CPU_KEY_CHUNK]: each chunk's values transposed (F.linear's weight
