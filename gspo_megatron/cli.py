@@ -332,7 +332,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     if rollout_rank:
         return RolloutServer(bridge, StepSampler(cfg, groups, engine, task, faults),
                              actor.load_weight_pieces, cfg.rollout.max_staleness,
-                             cfg.trainer.steps)
+                             cfg.trainer.steps, cfg.trainer.gc_freeze)
     rollouts = (RemoteRollouts(bridge, placement, groups, sampler, cfg.rollout.max_staleness,
                                cfg.trainer.steps, cfg.rollout.weight_bucket_bytes())
                 if placement is not None else None)

@@ -320,9 +320,12 @@ class RolloutServer:
     TRAINER0 = 0
 
     def __init__(self, bridge: Bridge, sampler: StepSampler, load_weights: Callable[[Any], None],
-                 max_staleness: int, steps: int):
+                 max_staleness: int, steps: int, gc_freeze: bool = True):
         self.bridge, self.sampler, self.load_weights = bridge, sampler, load_weights
         self.k, self.steps = max_staleness, steps
+        self.gc_freeze = gc_freeze
+        """``trainer.gc_freeze``: set-up's objects (and the first rollout's) out of the garbage
+        collector's scans while this rank serves (:mod:`gspo_megatron.gc_watch`)."""
         self.senders: list | None = None
         """``(job rank, bucket layout)`` of every trainer rank that sends pieces (received with
         the first weights)."""
@@ -346,7 +349,7 @@ class RolloutServer:
                 sampler.generator.restore_held(state["engine"])
             pool.load_state_dict(state["partial"], engine_restored=state["engine"] is not None)
         version, done = -1, 0
-        gc_watch, freeze = GcWatch(), sampler.cfg.trainer.gc_freeze  # (as the trainer's fit)
+        gc_watch, freeze = GcWatch(), self.gc_freeze  # (as the trainer's fit)
         if freeze:
             gc_watch.freeze()
         try:
