@@ -78,12 +78,12 @@ def test_cpu_gemm_values_do_not_depend_on_the_shape():
             for i, c in enumerate(sizes):
                 assert torch.equal(got[start:start + c], per_expert[i][start:start + c])
                 start += c
-    for hn in (8, 16, 128):  # attention's GEMMs (fp32), in F.linear's layout (B transposed):
-        chunk = bi.CPU_KEY_CHUNK
+    for hn in (8, 16, 128):  # attention's GEMMs (fp32): the scores in F.linear's layout (keys
+        chunk = bi.CPU_KEY_CHUNK  # transposed), p v with the values read in place (row-major)
         q = torch.randn(3, 40, hn, generator=g)  # the scores: queries x keys
         keys = torch.randn(3, 3 * chunk, hn, generator=g).transpose(1, 2)
-        p = torch.rand(3, 40, chunk, generator=g)  # p v per key chunk (+ a ones column)
-        v = torch.randn(3, hn + 1, chunk, generator=g).transpose(1, 2)
+        p = torch.rand(3, 40, chunk, generator=g)  # p v per key chunk
+        v = torch.randn(3, chunk, hn, generator=g)
         scores, pv = torch.bmm(q, keys), torch.bmm(p, v)
         for m in range(bi.CPU_QUERY_TILE, 41, 3):
             for cols in range(chunk, 3 * chunk + 1, chunk):
@@ -93,6 +93,27 @@ def test_cpu_gemm_values_do_not_depend_on_the_shape():
             shift = 40 - m  # the same rows at other places
             assert torch.equal(torch.bmm(q[:, shift:], keys), scores[:, shift:]), (hn, m)
             assert torch.equal(torch.bmm(p[:, shift:], v), pv[:, shift:]), (hn, m)
+
+
+def test_cpu_softmax_values_do_not_depend_on_the_masked_chunks():
+    """What the CPU attention's softmax rests on, on the machine and thread count running this:
+    a row's weights over its keys are the same bits whatever number of masked key chunks
+    (the most negative float) follow them, whatever the other rows, and each masked weight is
+    an exact zero (the decoding step's window and the packed training row's differ)."""
+    g = torch.Generator().manual_seed(5)
+    low = torch.finfo(torch.float32).min
+    chunk = bi.CPU_KEY_CHUNK
+    for n in (1, 7, 31, 32, 33, 100, 250):
+        x = torch.randn(1, n, generator=g) * 4
+        first = None
+        for width in range(-(-n // chunk) * chunk, 16 * chunk + 1, chunk):
+            row = torch.cat((x, torch.full((1, width - n), low)), 1)
+            others = torch.randn(int(torch.randint(0, 9, (1,), generator=g)), width,
+                                 generator=g)
+            p = torch.softmax(torch.cat((others, row)), -1)[-1]
+            assert torch.equal(p[n:], torch.zeros(width - n)), (n, width)
+            first = p[:n] if first is None else first
+            assert torch.equal(p[:n], first), (n, width)
 
 
 def reference_attention(q, k, v, scale):

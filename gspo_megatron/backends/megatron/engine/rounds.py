@@ -38,6 +38,7 @@ from gspo_megatron.backends.megatron.kernels.decode import (DecodeBatch, DecodeW
                                                             moe_only_step)
 from gspo_megatron.backends.megatron.engine.decode_weights import WeightsProvider
 from gspo_megatron.backends.megatron.engine.megatron_kv import MegatronKV
+from gspo_megatron.backends.megatron.kernels import batch_invariant as bi
 from gspo_megatron.rollouts import kv_fp8
 
 ROUND_COST_ROWS = 64
@@ -398,7 +399,10 @@ class FastDecoder:
         if index is not None:
             table_rows, pos = table_rows.index_select(0, index), pos.index_select(0, index)
         lk = max(plan.pos0[r] for r in (rows if rows is not None else range(plan.n))) + steps
-        window = self.graphs.window(lk) if graphed else lk
+        # the keys each step reads: a graph's bucket, the invariant kernels' whole chunks
+        # (read in their layout, no copy: .kernels.batch_invariant.key_window), else lk
+        window = (self.graphs.window(lk) if graphed else
+                  bi.key_window(lk, pos) if self.weights.invariant else lk)
         scratch = ctx.block_allocator.dummy_block_idx * bs
         flat = ctx.memory_buffer.view(-1, ctx.memory_buffer.shape[2] * bs,
                                       ctx.memory_buffer[0, 0, 0, 0].numel())

@@ -25,10 +25,12 @@ row's place).
   GEMMs of one fixed shape. CPU (:func:`_cpu_attention`): a key head's query rows times all its
   keys as one GEMM, then ``p v`` per chunk of ``CPU_KEY_CHUNK`` keys as one GEMM of that fixed
   contraction (a GEMM's sum over its contraction does depend on its length: that is why the
-  keys are chunked, not the queries).
+  keys are chunked, not the queries); the decoding step gathers its cached keys and values in
+  the layout these GEMMs read (:func:`key_window`).
 * **log-softmax**: the engine's ``torch.log_softmax`` and the trainer's chunked log-sum-exp are
   different formulas. :func:`token_logprobs` is both: max (exact), ``exp`` and the sum in fixed
-  vocabulary chunks of ``VOCAB_CHUNK`` added left to right.
+  vocabulary chunks of ``VOCAB_CHUNK``, the chunks' sums added in one fixed order
+  (:func:`_tree_sum`, as attention's chunks).
 * **experts**: a grouped GEMM's (or a dense ``bmm``'s) blocking follows the tokens per expert.
   :func:`expert_mlp` / :func:`expert_linear` run each expert's rows in whole ``ROW_TILE`` tiles
   (CUDA: one ``bmm`` of one shape for all experts; CPU: one grouped GEMM, an expert's rows
@@ -229,13 +231,28 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     vt = vf.reshape(B, ng, 1, nc, KEY_CHUNK, hn).expand(B, ng, nq, nc, KEY_CHUNK, hn)
     pv = torch.bmm(pt.reshape(-1, QUERY_TILE, KEY_CHUNK), vt.reshape(-1, KEY_CHUNK, hn))
     pv = pv.view(B, ng, nq, nc, QUERY_TILE, hn)
-    total, out = sums[..., 0], pv[:, :, :, 0]
-    for c in range(1, nc):  # fixed order: chunk after chunk
-        total, out = total + sums[..., c], out + pv[:, :, :, c]
+    total, out = _tree_sum(sums, 3), _tree_sum(pv, 3)  # the chunks in one fixed order
     out = out.reshape(B, ng, nq * QUERY_TILE, hn)[:, :, :rows]
     total = total[:, :, :rows].unsqueeze(-1)
     out = out / torch.where(total > 0, total, torch.ones_like(total))
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
+
+
+def key_window(keys: int, t: torch.Tensor) -> int:
+    """The key window :func:`attention` computes over for ``keys`` keys of tensors like ``t``:
+    whole chunks on CPU (:data:`CPU_KEY_CHUNK`). A caller that gathers its keys and values
+    head-major (``[B, ng, window, hn]``, passed as their ``[B, window, ng, hn]`` transposed
+    views, the slots past its keys finite and not allowed) spares the kernel their copies."""
+    return keys + (-keys) % CPU_KEY_CHUNK if cpu_forms(t) else keys
+
+
+def _head_major(t: torch.Tensor, window: int) -> torch.Tensor:
+    """``[B, ng, window, hn]`` fp32 contiguous of ``t [B, L, ng, hn]`` (zero slots added past
+    ``L``): a view of ``t`` where it was gathered so (:func:`key_window`), else a copy."""
+    t = t.float().permute(0, 2, 1, 3)
+    if t.shape[2] < window:
+        t = F.pad(t, (0, 0, 0, window - t.shape[2]))
+    return t.contiguous()
 
 
 def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -244,56 +261,58 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     out so that the GEMMs read their operands in place. Per key head: its query rows (``np /
     ng Lq``, zero rows added up to :data:`CPU_QUERY_TILE`) times its keys (zero keys added up
     to whole :data:`CPU_KEY_CHUNK` chunks) as one GEMM of contraction ``hn`` (a score is the
-    same bits whatever the other rows and keys: MKL's GEMM values in ``F.linear``'s layout do
-    not depend on the row and column counts from 4 up, nor on a row's place,
-    ``test_cpu_gemm_values_do_not_depend_on_the_shape``); ``m`` = the query's max over its keys
-    (exact); ``p = exp(max(s - m, -80))`` times the mask (exact zeros where masked; the clamp
-    keeps ``exp`` off its slow underflow path and changes a weight below ``e^-80`` of the max's,
-    far under fp32's resolution); per key chunk ``p v`` and the sum of ``p`` as one GEMM of
-    contraction :data:`CPU_KEY_CHUNK` (``v`` with a column of ones); the chunks added one after
-    the other (those past a query's keys add exact zeros, so the key window's length does not
-    matter)."""
+    same bits whatever the other rows and keys: MKL's GEMM values do not depend on the row and
+    column counts from 4 rows up, nor on a row's place,
+    ``test_cpu_gemm_values_do_not_depend_on_the_shape``); the scores scaled, the most negative
+    float added where masked, ``torch.softmax`` over the row (a masked key's weight is an exact
+    zero, and a row's weights do not depend on how many masked chunks follow its keys nor on
+    the other rows: ``test_cpu_softmax_values_do_not_depend_on_the_masked_chunks``); per key
+    chunk ``p v`` as one GEMM of contraction :data:`CPU_KEY_CHUNK` (``v`` read in place,
+    head-major), the chunks' results added by :func:`_tree_sum` (those past a query's keys add
+    exact zeros). A query without keys gets every key's equal weight (finite)."""
     B, np_, Lq, hn = q.shape
-    L0, ng = k.shape[1], k.shape[2]
+    ng = k.shape[2]
     r = np_ // ng
     rows = r * Lq  # each key head's query rows: head j of its group, query l at j Lq + l
-    Lk = L0 + (-L0) % CPU_KEY_CHUNK
+    Lk = key_window(k.shape[1], q)
     nc = Lk // CPU_KEY_CHUNK
-    # pad slots: zero keys, values 1 (finite), not allowed
-    # [B, ng, Lk, hn] (contiguous: F.pad by nothing, a window of whole chunks, returns the
-    # permuted view itself)
-    kf = F.pad(k.float().permute(0, 2, 1, 3), (0, 0, 0, Lk - L0)).contiguous()
-    if Lk > L0:
-        allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:2], Lk - L0)), dim=2)
-    # [B, ng, nc, hn + 1, CPU_KEY_CHUNK]: each chunk's values transposed (F.linear's weight
-    # layout), and a row of ones (the chunk's sum of p)
-    vt = F.pad(v.float(), (0, 1, 0, 0, 0, Lk - L0), value=1.0).view(
-        B, nc, CPU_KEY_CHUNK, ng, hn + 1).permute(0, 3, 1, 4, 2).contiguous()
+    kf, vf = _head_major(k, Lk), _head_major(v, Lk)  # [B, ng, Lk, hn]
+    # [B | 1, Lq | 1, Lk]: 0 where attended, the most negative float where not (finite: a row
+    # without keys stays finite)
+    bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    if bias.shape[2] < Lk:
+        bias = F.pad(bias, (0, Lk - bias.shape[2]), value=torch.finfo(torch.float32).min)
     qf = q.float().reshape(B, ng, rows, hn)
-    if Lq == 1:  # the decoding step: one mask row for every query row
-        keep = allowed.view(B, 1, 1, Lk)
-    else:
-        keep = allowed.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, rows, Lk)
     if rows < CPU_QUERY_TILE:  # pad rows: zero queries that attend every slot (dropped)
         qf = torch.cat((qf, qf.new_zeros(B, ng, CPU_QUERY_TILE - rows, hn)), dim=2)
-        if Lq > 1:
-            keep = torch.cat((keep, keep.new_ones(B, 1, CPU_QUERY_TILE - rows, Lk)), dim=2)
+        bias = bias.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, rows, Lk)
+        bias = torch.cat((bias, bias.new_zeros(B, 1, CPU_QUERY_TILE - rows, Lk)), 2)
+        shape = (B, ng, CPU_QUERY_TILE, Lk)
+    else:  # [B | 1, 1, 1, Lq | 1, Lk] over the scores' [B, ng, r, Lq, Lk]
+        bias, shape = bias.view(bias.shape[0], 1, 1, *bias.shape[1:]), (B, ng, r, Lq, Lk)
     R = qf.shape[2]
     s = torch.bmm(qf.view(B * ng, R, hn), kf.view(B * ng, Lk, hn).transpose(1, 2))
-    s = s.view(B, ng, R, Lk).mul_(scale)
-    s = torch.where(keep, s, torch.finfo(torch.float32).min)  # (finite: a row without keys
-    m = s.amax(-1, keepdim=True)  # gets p = 0 from the mask, not exp(-inf - -inf))
-    p = s.sub_(m).clamp_min_(-80.0).exp_().mul_(keep)  # [B, ng, R, Lk]
-    pt = p.view(B, ng, R, nc, CPU_KEY_CHUNK).transpose(2, 3).reshape(-1, R, CPU_KEY_CHUNK)
-    pv = torch.bmm(pt, vt.view(-1, hn + 1, CPU_KEY_CHUNK).transpose(1, 2))
-    pv = pv.view(B, ng, nc, R, hn + 1)
-    acc = pv[:, :, 0, :rows]
-    for c in range(1, nc):  # fixed order: chunk after chunk
-        acc = acc + pv[:, :, c, :rows]
-    # acc [B, ng, rows, hn + 1]: p v, and the sum of p in the last column; the sum >= 1 where a
-    # query has a key (its max's term is exp(0)): the clamp only turns 0 to 1
-    out = acc[..., :hn] / acc[..., hn:].clamp_min(1.0)
+    s.view(shape).mul_(scale).add_(bias)
+    p = torch.softmax(s, dim=-1).view(B, ng, R, nc, CPU_KEY_CHUNK)
+    pt = (p.view(B * ng, R, CPU_KEY_CHUNK) if nc == 1
+          else p.transpose(2, 3).reshape(-1, R, CPU_KEY_CHUNK))  # [B ng nc, R, C]
+    pv = torch.bmm(pt, vf.view(-1, CPU_KEY_CHUNK, hn)).view(B, ng, nc, R, hn)
+    out = _tree_sum(pv, 2)[:, :, :rows]  # [B, ng, rows, hn]
     return out.reshape(B, np_, Lq, hn).to(q.dtype)
+
+
+def _tree_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` summed over ``dim`` (removed) in one fixed order: neighbours added pairwise, level
+    after level (a zero added to an odd level's last), ``log2`` of the count in ops. Its value
+    for a leading run of terms followed by zeros does not depend on how many zeros follow (a
+    pair with a zero is its other term): the chunks past a query's keys, the vocabulary's
+    padded chunk."""
+    while t.shape[dim] > 1:
+        if t.shape[dim] % 2:
+            t = torch.cat((t, t.new_zeros(*t.shape[:dim], 1, *t.shape[dim + 1:])), dim)
+        pairs = t.unflatten(dim, (t.shape[dim] // 2, 2))
+        t = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+    return t.squeeze(dim)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -325,35 +344,36 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int | None = None,
                    temperature: float = 1.0, compute_entropy: bool = False):
     """``(logprobs [N], entropy [N] or None)`` fp32 of ``target [N]`` under
-    ``logits [N, V'] / temperature`` over the first ``vocab`` columns (all: None), the columns
-    padded with ``-inf`` to a multiple of :data:`VOCAB_CHUNK`: ``m`` = the row max (exact),
-    ``S`` = the sums of ``exp(l - m)`` per chunk added chunk after chunk, ``logp = (l_y - m) -
-    log S``; entropy ``log S - sum_j e_j (l_j - m) / S``. Differentiable."""
-    n = logits.shape[0]
+    ``logits [N, V'] / temperature`` over the first ``vocab`` columns (all: None): ``m`` = the
+    row max (exact), ``S`` = :func:`_vocab_sum` of ``exp(l - m)``, ``logp = (l_y - m) - log
+    S``; entropy ``log S - sum_j e_j (l_j - m) / S``. Differentiable."""
     vocab = logits.shape[1] if vocab is None else vocab
     x = logits[:, :vocab].float()
     if temperature != 1.0:
         x = x / temperature
-    pad = (-vocab) % VOCAB_CHUNK
-    if pad:
-        x = torch.cat((x, x.new_full((n, pad), float("-inf"))), dim=1)
     m = x.detach().amax(-1, keepdim=True)
     shifted = x - m  # [N, V]
     e = torch.exp(shifted)
-    nc = x.shape[1] // VOCAB_CHUNK
-    sums = e.view(n, nc, VOCAB_CHUNK).sum(-1)  # [N, nc]: each chunk's sum (> 0 or +0)
-    total = sums[:, 0]  # (the sum from +0: the same bits)
-    for c in range(1, nc):  # fixed order: chunk after chunk
-        total = total + sums[:, c]
-    spread = None
-    if compute_entropy:  # e x with x = -inf where e = 0: the product taken as 0
-        ex = torch.where(e > 0, e * shifted, 0.0).view(n, nc, VOCAB_CHUNK).sum(-1)
-        spread = x.new_zeros(n)
-        for c in range(nc):
-            spread = spread + ex[:, c]
+    total = _vocab_sum(e)
     log_total = torch.log(total)
     lp = shifted.gather(-1, target.long().view(-1, 1)).squeeze(-1) - log_total
-    return lp, (log_total - spread / total if compute_entropy else None)
+    if not compute_entropy:
+        return lp, None
+    # e x with x = -inf where e = 0: the product taken as 0
+    spread = _vocab_sum(torch.where(e > 0, e * shifted, 0.0))
+    return lp, log_total - spread / total
+
+
+def _vocab_sum(t: torch.Tensor) -> torch.Tensor:
+    """``[N]``: each row of ``t [N, V]`` summed in one fixed order: chunks of
+    :data:`VOCAB_CHUNK` columns (the last one shorter) each summed, the chunks' sums added by
+    :func:`_tree_sum`."""
+    n, V = t.shape
+    full = V - V % VOCAB_CHUNK
+    sums = t[:, :full].reshape(n, full // VOCAB_CHUNK, VOCAB_CHUNK).sum(-1)  # [N, V / C]
+    if full < V:
+        sums = torch.cat((sums, t[:, full:].sum(-1, keepdim=True)), dim=1)
+    return _tree_sum(sums, 1)
 
 
 def scaled_activation(h: torch.Tensor, probs: torch.Tensor, activation, gated: bool,
@@ -363,7 +383,7 @@ def scaled_activation(h: torch.Tensor, probs: torch.Tensor, activation, gated: b
     expert activation of the training forward and the decoding step."""
     if gated:
         gate, up = torch.chunk(h, 2, dim=-1)
-        h = activation(gate) * (up + offset)
+        h = activation(gate) * (up + offset if offset else up)
     else:
         h = activation(h)
     return (h * probs.unsqueeze(-1)).to(dtype)

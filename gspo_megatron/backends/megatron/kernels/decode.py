@@ -289,12 +289,12 @@ def decode_forward(w: DecodeWeights, kv: torch.Tensor, batch: DecodeBatch,
             qk = torch.cat((q, k), dim=2)  # [B, 1, np + ng, hn]
             normed = F.rms_norm(qk.float(), (hn,), None, layer.qk_eps) * layer.qk_weight
             q, k = rotate(normed.to(qk.dtype), cos, sin, w.rot_dim).split([np_, ng], dim=2)
-        else:
+        else:  # the training forward's norm modules (their one op), one rotation for both
             if layer.q_norm is not None:
-                q = layer.q_norm(q)
+                q = _norm(layer.q_norm, q)
             if layer.k_norm is not None:
-                k = layer.k_norm(k)
-            q, k = rotate(q, cos, sin, w.rot_dim), rotate(k, cos, sin, w.rot_dim)
+                k = _norm(layer.k_norm, k)
+            q, k = rotate(torch.cat((q, k), dim=2), cos, sin, w.rot_dim).split([np_, ng], dim=2)
         kv_fp8.write(kv, i, batch.slots, k.squeeze(1), v.squeeze(1), batch.kv_error)
         if len(batch.groups) == 1 and batch.groups[0].rows is None \
                 and batch.groups[0].queries is None:
@@ -380,7 +380,12 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
     (``[B_g, Lk, ng, hn]`` gathered from the paged buffer; masked slots hold finite values)."""
     B, Lk = g.key_rows.shape
     ng, width = w.groups, kv.shape[-1]
-    if g.key_blocks is not None:  # one contiguous run per request
+    if w.invariant and g.key_blocks is not None and bi.key_window(Lk, q) == Lk:
+        # gathered in the invariant kernel's layout (head-major: read in place there); the
+        # round's window is whole key chunks (..engine.rounds.FastDecoder._keys)
+        k_all, v_all = (kv[t, layer].permute(0, 2, 1, 3)[:, :, :Lk]
+                        .index_select(0, g.key_blocks).transpose(1, 2) for t in (0, 1))
+    elif g.key_blocks is not None:  # one contiguous run per request
         k_all = kv[0, layer][:, :Lk].index_select(0, g.key_blocks)
         v_all = kv[1, layer][:, :Lk].index_select(0, g.key_blocks)
     else:
