@@ -2,6 +2,7 @@
 the mode costs.
 
     python -m tools.bench.zero_mismatch [--rounds 11] [--batch 64] [--new-tokens 16] [--threads 1]
+        [--rollout-reps 5]
 
 **Where** (``probe`` rows, the mode off): each op of the tiny model's forward computed as the
 rollout's decoding step computes it and as the trainer's packed forward does, on the same random
@@ -16,9 +17,10 @@ trainer's chunked log-sum-exp).
 
 **Cost** (the mode on vs off, one process, interleaved rounds A, B, B, A, ...): two policies with
 the same initial weights, each with its dynamic engine (``decode_steps_per_sync`` 16, the step
-function); the rollout (``batch`` prompts of 4-8 tokens, ``new_tokens`` sampled at temperature 1)
-and the training phase as the trainer runs it (old-policy log-prob pass, then ``update_stage``
-with the demo's loss, 4 minibatches of packed microbatches); CPU time of this single-threaded
+function); the rollout (``batch`` prompts of 4-8 tokens, ``new_tokens`` sampled at temperature 1;
+``rollout_reps`` of them per round, timed together) and the training phase as the trainer runs
+it (old-policy log-prob pass, then ``update_stage`` with the demo's loss, 4 minibatches of packed
+microbatches); CPU time of this single-threaded
 process and wall clock, each ratio's median and range over the rounds. Decoding tokens/s:
 generated tokens per second of rollout. Each side's ``mismatch/tokens_differ`` (rollout vs its
 trainer's old pass) is reported as the check.
@@ -108,7 +110,7 @@ def probe(seed: int = 0) -> list[tuple[str, float, float]]:
     return [(name, v[0], v[1]) for name, v in rows.items()]
 
 
-def _measure(rounds: int, batch: int, new_tokens: int):
+def _measure(rounds: int, batch: int, new_tokens: int, rollout_reps: int):
     import time
 
     import torch
@@ -133,6 +135,7 @@ def _measure(rounds: int, batch: int, new_tokens: int):
     times = {n: [] for n in ("rollout_on", "rollout_off", "train_on", "train_off")}
     cpu = {n: [] for n in times}
     generated, differ = {}, {}
+    tokens = {"on": [], "off": []}  # per round: a rollout's generated tokens
     with _model.distributed(cfg) as groups:
         pols = {side: _model.policy(cfg, groups, batch_invariant=(side == "on"))
                 for side in ("on", "off")}
@@ -148,8 +151,9 @@ def _measure(rounds: int, batch: int, new_tokens: int):
         gc_watch = GcWatch()
         gc_watch.freeze()  # as the trainer (trainer.gc_freeze): no full collection in a round
 
-        def rollout(side):
-            samples[side] = engines[side].generate(prompts, seed=0)
+        def rollout(side):  # rollout_reps times (the same prompts and seed): a phase of
+            for _ in range(rollout_reps):  # ~0.1 s alone is at the mercy of the host's noise
+                samples[side] = engines[side].generate(prompts, seed=0)
             generated[side] = sum(len(s.response_ids) for s in samples[side])
 
         def train(side):
@@ -165,23 +169,28 @@ def _measure(rounds: int, batch: int, new_tokens: int):
         for r in range(1 + rounds):  # one warm-up round; A, B, B, A, ...
             for phase in (rollout, train):
                 for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                    if phase is rollout:  # untimed: the caches the training phase left cold
+                        engines[side].generate(prompts, seed=0)
                     w, c = time.perf_counter(), time.process_time()
                     phase(side)
                     w, c = time.perf_counter() - w, time.process_time() - c
                     if r:
                         key = f"{phase.__name__}_{side}"
-                        times[key].append(w)
-                        cpu[key].append(c)
+                        n = rollout_reps if phase is rollout else 1
+                        times[key].append(w / n)
+                        cpu[key].append(c / n)
+                        if phase is rollout:
+                            tokens[side].append(generated[side])
                 if r == 0:
                     gc_watch.freeze()  # and what the first round built (the engines' contexts)
         gc_watch.close()
         # the weights moved apart after the first update: the check is on the last round's
         # rollout against its own trainer (each side's weights are its own)
-    return times, cpu, generated, differ
+    return times, cpu, generated, differ, tokens
 
 
 def run(smoke: bool = False, rounds: int = 11, batch: int = 64, new_tokens: int = 16,
-        threads: int = 1) -> dict:
+        threads: int = 1, rollout_reps: int = 5) -> dict:
     import torch
 
     from tools.bench.common import make_result, median, quiet_megatron, row
@@ -189,23 +198,30 @@ def run(smoke: bool = False, rounds: int = 11, batch: int = 64, new_tokens: int 
     quiet_megatron()
     torch.set_num_threads(threads)
     if smoke:
-        rounds, batch, new_tokens = 1, 8, 4
+        rounds, batch, new_tokens, rollout_reps = 1, 8, 4, 1
     rows = [row(f"probe (mode off, fp32 / bf16 share of values differing): {name}",
                 f"{a:.3g} / {b:.3g}") for name, a, b in probe()]
-    times, cpu, generated, differ = _measure(rounds, batch, new_tokens)
+    times, cpu, generated, differ, tokens = _measure(rounds, batch, new_tokens, rollout_reps)
     ratios, met = {}, True
     for clock, tt in (("cpu", cpu), ("wall", times)):
         sfx = "" if clock == "cpu" else "_wall"
-        for phase in ("rollout", "train"):
-            per_round = [a / b for a, b in zip(tt[f"{phase}_on"], tt[f"{phase}_off"])]
-            ratios[f"{phase}_on_vs_off{sfx}"] = statistics.median(per_round)
-            if clock == "cpu":
-                met = met and ratios[f"{phase}_on_vs_off"] <= TARGET
-            lbl = "CPU time" if clock == "cpu" else "wall clock"
-            rows += [row(f"{phase}, mode off ({lbl})", median(tt[f"{phase}_off"]), "s"),
-                     row(f"{phase}, mode on ({lbl})", median(tt[f"{phase}_on"]), "s"),
-                     row(f"{phase} on / off ({lbl}), median of rounds",
-                         ratios[f"{phase}_on_vs_off{sfx}"], "x"),
+        lbl = "CPU time" if clock == "cpu" else "wall clock"
+        for phase in ("rollout", "rollout per token", "train"):
+            name = phase.split()[0]
+            if phase == "rollout per token":  # the sides' weights part after the first update:
+                # their rollouts sample other tokens (ends), so a rollout is not equal work
+                per_round = [(a / na) / (b / nb) for a, b, na, nb in zip(
+                    tt["rollout_on"], tt["rollout_off"], tokens["on"], tokens["off"])]
+            else:
+                per_round = [a / b for a, b in zip(tt[f"{name}_on"], tt[f"{name}_off"])]
+            key = f"{phase.replace(' ', '_')}_on_vs_off{sfx}"
+            ratios[key] = statistics.median(per_round)
+            if clock == "cpu" and phase != "rollout":  # (the rollout: per token)
+                met = met and ratios[key] <= TARGET
+            if phase != "rollout per token":
+                rows += [row(f"{phase}, mode off ({lbl})", median(tt[f"{name}_off"]), "s"),
+                         row(f"{phase}, mode on ({lbl})", median(tt[f"{name}_on"]), "s")]
+            rows += [row(f"{phase} on / off ({lbl}), median of rounds", ratios[key], "x"),
                      row(f"{phase} on / off ({lbl}), range of rounds",
                          f"{min(per_round):.3g}-{max(per_round):.3g}", "x")]
     for side in ("off", "on"):
@@ -216,12 +232,17 @@ def run(smoke: bool = False, rounds: int = 11, batch: int = 64, new_tokens: int 
     return make_result(
         "zero_mismatch", "Zero mismatch: where the rollout/trainer mismatch comes from, and the "
         "cost of precision.batch_invariant",
-        f"rollout and training phase with the mode on <= {TARGET}x off (median of interleaved "
-        "rounds, CPU time); mismatch/tokens_differ 0 with the mode on", met and differ["on"] == 0,
+        f"rollout (per generated token) and training phase with the mode on <= {TARGET}x off "
+        "(median of interleaved rounds, CPU time); mismatch/tokens_differ 0 with the mode on",
+        met and differ["on"] == 0,
         rows, ratios, config={"rounds": rounds, "batch": batch, "new_tokens": new_tokens,
-                              "threads": threads, "model": "tiny (demo's), seq_length 64"},
+                              "threads": threads, "rollout_reps": rollout_reps,
+                              "model": "tiny (demo's), seq_length 64"},
         notes=[f"{rounds} interleaved rounds after 1 warm-up; torch threads {threads}; "
-               f"batch {batch} prompts of 4-8 tokens, {new_tokens} new tokens, temperature 1"])
+               f"batch {batch} prompts of 4-8 tokens, {new_tokens} new tokens, temperature 1; "
+               f"a round's rollout phase: {rollout_reps} rollouts, timed together; tokens per rollout, "
+               f"off / on: {statistics.median(tokens['off'])} / {statistics.median(tokens['on'])}"
+               " (median)"])
 
 
 def _args(ap) -> None:
@@ -229,6 +250,7 @@ def _args(ap) -> None:
     ap.add_argument("--batch", type=int)
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--rollout-reps", type=int)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ rollout and the trainer would break the equality.
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import torch
@@ -143,8 +144,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
               scale: float) -> torch.Tensor:
-    """:func:`_attention` (see there); differentiable, the backward SDPA's on the same inputs
-    (the same function: only the forward's values must be invariant)."""
+    """:func:`_attention` (see there); differentiable (only the forward's values must be
+    invariant: a gradient is a gradient of the same function). The backward: on CPU from the
+    forward's saved softmax weights (:func:`_cpu_attention_backward`), elsewhere SDPA's on the
+    same inputs."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Attention.apply(q, k, v, allowed, scale)
     return _forward_attention(q, k, v, allowed, scale)
@@ -156,18 +159,28 @@ def _forward_attention(q, k, v, allowed, scale):
 
 
 class _Attention(torch.autograd.Function):
-    """:func:`_attention` forward; backward through ``F.scaled_dot_product_attention``
-    recomputed on the saved inputs (a query without any key, whose output is 0, is given every
-    key there: none occurs in a causal row)."""
+    """:func:`_attention` forward. Backward: on CPU :func:`_cpu_attention_backward` (the
+    forward's weights saved: no recomputation); elsewhere ``F.scaled_dot_product_attention``
+    recomputed on the saved inputs (memory: no ``[Lq, Lk]`` weights held; a query without any
+    key, whose output is 0, is given every key there: none occurs in a causal row)."""
 
     @staticmethod
     def forward(ctx, q, k, v, allowed, scale):
-        ctx.save_for_backward(q, k, v, allowed)
         ctx.scale = scale
-        return _forward_attention(q, k, v, allowed, scale)
+        ctx.cpu = cpu_forms(q)
+        if ctx.cpu:
+            out, saved = _cpu_attention(q, k, v, allowed, scale, keep_weights=True)
+            ctx.save_for_backward(*saved)
+            ctx.shapes = (q.shape, q.dtype, k.shape, k.dtype, v.dtype)
+            return out
+        ctx.save_for_backward(q, k, v, allowed)
+        return _attention(q, k, v, allowed, scale)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.cpu:
+            return (*_cpu_attention_backward(grad, *ctx.saved_tensors, ctx.scale, *ctx.shapes),
+                    None, None)
         q, k, v, allowed = ctx.saved_tensors
         mask = allowed | ~allowed.any(-1, keepdim=True)
         with torch.enable_grad():
@@ -180,6 +193,31 @@ class _Attention(torch.autograd.Function):
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad))
         return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
+def _cpu_attention_backward(grad, qf, kf, vf, p, scale, q_shape, q_dtype, k_shape, k_dtype,
+                            v_dtype):
+    """``(dq, dk, dv)`` of :func:`_cpu_attention` from its saved ``qf [B, ng, R, hn]``, ``kf,
+    vf [B, ng, Lk, hn]`` (fp32, head-major) and weights ``p [B, ng, R, Lk]``, per key head:
+    ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P (dP - rowsum(dP P))``, ``dQ = scale dS K``,
+    ``dK = scale dS^T Q`` (the pad rows' and pad keys' gradients dropped)."""
+    B, np_, Lq, hn = q_shape
+    ng, R, Lk = qf.shape[1], qf.shape[2], kf.shape[2]
+    rows = np_ // ng * Lq
+    do = grad.float().reshape(B, ng, rows, hn)
+    if rows < R:
+        do = torch.cat((do, do.new_zeros(B, ng, R - rows, hn)), dim=2)
+    do, P = do.reshape(B * ng, R, hn), p.view(B * ng, R, Lk)
+    dv = torch.bmm(P.transpose(1, 2), do)  # [B ng, Lk, hn]
+    dp = torch.bmm(do, vf.view(B * ng, Lk, hn).transpose(1, 2))  # [B ng, R, Lk]
+    ds = P * (dp - (dp * P).sum(-1, keepdim=True)) * scale
+    dq = torch.bmm(ds, kf.view(B * ng, Lk, hn)).view(B, ng, R, hn)[:, :, :rows]
+    dk = torch.bmm(ds.transpose(1, 2), qf.view(B * ng, R, hn))  # [B ng, Lk, hn]
+
+    def keys(t, dtype):  # [B ng, Lk, hn] -> the keys' layout [B, L, ng, hn]
+        return t.view(B, ng, Lk, hn)[:, :, :k_shape[1]].permute(0, 2, 1, 3).to(dtype)
+
+    return dq.reshape(q_shape).to(q_dtype), keys(dk, k_dtype), keys(dv, v_dtype)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -256,7 +294,7 @@ def _head_major(t: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, keep_weights: bool = False):
     """CPU :func:`_attention` (same arguments and result; its own order and constants), laid
     out so that the GEMMs read their operands in place. Per key head: its query rows (``np /
     ng Lq``, zero rows added up to :data:`CPU_QUERY_TILE`) times its keys (zero keys added up
@@ -269,7 +307,8 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     the other rows: ``test_cpu_softmax_values_do_not_depend_on_the_masked_chunks``); per key
     chunk ``p v`` as one GEMM of contraction :data:`CPU_KEY_CHUNK` (``v`` read in place,
     head-major), the chunks' results added by :func:`_tree_sum` (those past a query's keys add
-    exact zeros). A query without keys gets every key's equal weight (finite)."""
+    exact zeros). A query without keys gets every key's equal weight (finite).
+    ``keep_weights``: ``(out, (qf, kf, vf, p))``, what :func:`_cpu_attention_backward` reads."""
     B, np_, Lq, hn = q.shape
     ng = k.shape[2]
     r = np_ // ng
@@ -297,8 +336,10 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     pt = (p.view(B * ng, R, CPU_KEY_CHUNK) if nc == 1
           else p.transpose(2, 3).reshape(-1, R, CPU_KEY_CHUNK))  # [B ng nc, R, C]
     pv = torch.bmm(pt, vf.view(-1, CPU_KEY_CHUNK, hn)).view(B, ng, nc, R, hn)
-    out = _tree_sum(pv, 2)[:, :, :rows]  # [B, ng, rows, hn]
-    return out.reshape(B, np_, Lq, hn).to(q.dtype)
+    out = _tree_sum(pv, 2)[:, :, :rows].reshape(B, np_, Lq, hn).to(q.dtype)
+    if keep_weights:
+        return out, (qf, kf, vf, p.view(B, ng, R, Lk))
+    return out
 
 
 def _tree_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -424,54 +465,55 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
 
 def _cpu_expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> torch.Tensor:
     """CPU :func:`expert_linear`: :func:`_grouped_rows`'s one grouped GEMM."""
-    index, keep, offs = _expert_plan(counts, x.shape[0], x.device)
-    return _grouped_rows(x, index, keep, offs, weights)
+    places, offs = _expert_plan(counts, x.device)
+    out = _grouped_rows(_padded_rows(x, places, offs), offs, weights)
+    return out if places is None else out.index_select(0, places)
 
 
-def _expert_plan(counts: list[int], n: int, device):
-    """``(index [P] | None, keep [N] | None, offs [E] int32)`` for :func:`_grouped_rows`: each
-    expert's block of ``counts[e]`` rows (of ``n``) taken to :data:`ROW_TILE` rows at least
-    (an empty expert stays empty), ``index`` the padded layout's source rows (``n``: a zero
-    row), ``keep`` the real rows' places in it; ``None, None`` where no expert needs padding."""
+def _expert_plan(counts: list[int], device):
+    """``(places [N] | None, offs [E] int32)`` for :func:`_grouped_rows`: each expert's block of
+    ``counts[e]`` rows taken to :data:`ROW_TILE` rows at least (an empty expert stays empty;
+    ``offs``: the padded blocks' ends), ``places`` the real rows' places in the padded layout
+    (None where no expert needs padding)."""
     padded = [ROW_TILE if 0 < c < ROW_TILE else c for c in counts]
-    offs = torch.tensor(padded, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    offs = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=device)
     if padded == counts:
-        return None, None, offs
-    index, keep, src, dst = [], [], 0, 0
+        return None, offs
+    places, start = [], 0
     for c, pc in zip(counts, padded):  # host ints: a handful of experts
-        index += [*range(src, src + c), *([n] * (pc - c))]
-        keep += range(dst, dst + c)
-        src, dst = src + c, dst + pc
-    return (torch.tensor(index, device=device), torch.tensor(keep, device=device), offs)
+        places += range(start, start + c)
+        start += pc
+    return torch.tensor(places, device=device), offs
 
 
-def _grouped_rows(x: torch.Tensor, index, keep, offs, weights: torch.Tensor,
-                  padded: bool = False) -> torch.Tensor:
-    """``[N | P, O]``: the rows ``x [N | P, K]`` (``padded``: already in the padded layout of
-    :func:`_expert_plan`) through their experts' ``weights [E, O, K]`` as one grouped GEMM, on
-    CPU one GEMM per expert, of ``ROW_TILE`` rows at least (MKL's row values do not depend on
-    the row count from 4 up: ``test_cpu_gemm_values_do_not_depend_on_the_shape``); returned in
-    the padded layout when ``padded``. Differentiable."""
-    if index is not None and not padded:
-        x = torch.cat((x, x.new_zeros(1, x.shape[1]))).index_select(0, index)
-    out = torch._grouped_mm(x, weights.to(x.dtype).transpose(1, 2), offs=offs)  # [P, O]
-    return out if keep is None or padded else out.index_select(0, keep)
+def _padded_rows(x: torch.Tensor, places, offs) -> torch.Tensor:
+    """``[P, ...]``: the rows of ``x [N, ...]`` at ``places`` of zeros (the padded layout of
+    :func:`_expert_plan`; ``x`` itself where ``places`` is None). Differentiable."""
+    if places is None:
+        return x
+    return x.new_zeros(int(offs[-1]), *x.shape[1:]).index_copy(0, places, x)
+
+
+def _grouped_rows(x: torch.Tensor, offs, weights: torch.Tensor) -> torch.Tensor:
+    """``[P, O]``: the rows ``x [P, K]`` (in the padded layout of :func:`_expert_plan`) through
+    their experts' ``weights [E, O, K]`` as one grouped GEMM, on CPU one GEMM per expert, of
+    ``ROW_TILE`` rows at least (MKL's row values do not depend on the row count from 4 up:
+    ``test_cpu_gemm_values_do_not_depend_on_the_shape``). Differentiable."""
+    return torch._grouped_mm(x, weights.to(x.dtype).transpose(1, 2), offs=offs)  # [P, O]
 
 
 def expert_mlp(x: torch.Tensor, counts: list[int], probs: torch.Tensor, fc1: torch.Tensor,
                fc2: torch.Tensor, activate) -> torch.Tensor:
     """``[N, H]``: ``expert_linear(activate(expert_linear(x, counts, fc1), probs), counts,
     fc2)`` (``x [N, H]`` expert-major, ``probs [N]``, ``activate(h, p)`` row-wise); on CPU the
-    rows padded once for both GEMMs."""
+    rows padded once for both GEMMs (pad rows: zero inputs, zero probs; dropped at the end)."""
     if not cpu_forms(x):
         return expert_linear(activate(expert_linear(x, counts, fc1), probs), counts, fc2)
-    index, keep, offs = _expert_plan(counts, x.shape[0], x.device)
-    if index is not None:  # pad rows: zero inputs, zero probs (finite; dropped at the end)
-        x = torch.cat((x, x.new_zeros(1, x.shape[1]))).index_select(0, index)
-        probs = torch.cat((probs, probs.new_zeros(1))).index_select(0, index)
-    h = activate(_grouped_rows(x, index, keep, offs, fc1, padded=True), probs)
-    out = _grouped_rows(h, index, keep, offs, fc2, padded=True)
-    return out if keep is None else out.index_select(0, keep)
+    places, offs = _expert_plan(counts, x.device)
+    h = activate(_grouped_rows(_padded_rows(x, places, offs), offs, fc1),
+                 _padded_rows(probs, places, offs))
+    out = _grouped_rows(h, offs, fc2)
+    return out if places is None else out.index_select(0, places)
 
 
 def _dense_experts(tokens: torch.Tensor, weights: torch.Tensor, fc1: torch.Tensor,

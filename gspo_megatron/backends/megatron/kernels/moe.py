@@ -103,9 +103,11 @@ class LoopedSequentialMLP(SequentialMLP):
         ``unpermute`` then adds each token's outputs in this (ascending expert) order, as
         :func:`.batch_invariant.experts` does in the decoding step."""
         counts = tokens_per_expert.tolist()
-        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, (2)F, H]
-        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
-        return bi.expert_mlp(x, counts, probs, fc1, fc2,
+        # (the stack held for a rollout or scoring pass, else stacked now: inside autograd)
+        w1, w2 = (self.stacked if self.stacked is not None and not torch.is_grad_enabled()
+                  else stack_experts(self.local_experts))
+        # [E, (2)F, H] and [E, H, F]: F.linear's layout
+        return bi.expert_mlp(x, counts, probs, w1.transpose(1, 2), w2.transpose(1, 2),
                              lambda h, p: self._activate(h, p, x.dtype))
 
     @functools.cached_property  # layout and device are fixed once built: decided on first call
