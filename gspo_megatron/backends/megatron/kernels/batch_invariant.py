@@ -322,7 +322,10 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     if bias.shape[2] < Lk:
         bias = F.pad(bias, (0, Lk - bias.shape[2]), value=torch.finfo(torch.float32).min)
     qf = q.float().reshape(B, ng, rows, hn)
-    if rows < CPU_QUERY_TILE:  # pad rows: zero queries that attend every slot (dropped)
+    if rows < CPU_QUERY_TILE and Lq == 1:  # pad rows: zero queries (dropped), the one mask
+        qf = torch.cat((qf, qf.new_zeros(B, ng, CPU_QUERY_TILE - rows, hn)), dim=2)  # row
+        bias, shape = bias.view(bias.shape[0], 1, 1, Lk), (B, ng, CPU_QUERY_TILE, Lk)
+    elif rows < CPU_QUERY_TILE:  # pad rows: zero queries that attend every slot (dropped)
         qf = torch.cat((qf, qf.new_zeros(B, ng, CPU_QUERY_TILE - rows, hn)), dim=2)
         bias = bias.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, rows, Lk)
         bias = torch.cat((bias, bias.new_zeros(B, 1, CPU_QUERY_TILE - rows, Lk)), 2)
@@ -407,13 +410,15 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab: int | None
 
 def _vocab_sum(t: torch.Tensor) -> torch.Tensor:
     """``[N]``: each row of ``t [N, V]`` summed in one fixed order: chunks of
-    :data:`VOCAB_CHUNK` columns (the last one shorter) each summed, the chunks' sums added by
-    :func:`_tree_sum`."""
+    :data:`VOCAB_CHUNK` columns each summed (the last one's columns completed with zeros: the
+    same values, so the same sum, as a wider row whose columns past ``V`` are zeros, such as a
+    padded vocabulary's at ``-inf``), the chunks' sums added by :func:`_tree_sum`."""
     n, V = t.shape
     full = V - V % VOCAB_CHUNK
     sums = t[:, :full].reshape(n, full // VOCAB_CHUNK, VOCAB_CHUNK).sum(-1)  # [N, V / C]
     if full < V:
-        sums = torch.cat((sums, t[:, full:].sum(-1, keepdim=True)), dim=1)
+        tail = F.pad(t[:, full:], (0, VOCAB_CHUNK - (V - full)))  # [N, C]
+        sums = torch.cat((sums, tail.sum(-1, keepdim=True)), dim=1)
     return _tree_sum(sums, 1)
 
 
