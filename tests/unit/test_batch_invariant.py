@@ -78,12 +78,12 @@ def test_cpu_gemm_values_do_not_depend_on_the_shape():
             for i, c in enumerate(sizes):
                 assert torch.equal(got[start:start + c], per_expert[i][start:start + c])
                 start += c
-    for hn in (8, 16, 128):  # attention's GEMMs (fp32): the scores in F.linear's layout (keys
-        chunk = bi.CPU_KEY_CHUNK  # transposed), p v with the values read in place (row-major)
+    for hn in (8, 16, 128):  # attention's GEMMs (fp32), in F.linear's layout (B transposed):
+        chunk = bi.CPU_KEY_CHUNK
         q = torch.randn(3, 40, hn, generator=g)  # the scores: queries x keys
         keys = torch.randn(3, 3 * chunk, hn, generator=g).transpose(1, 2)
         p = torch.rand(3, 40, chunk, generator=g)  # p v per key chunk
-        v = torch.randn(3, chunk, hn, generator=g)
+        v = torch.randn(3, hn, chunk, generator=g).transpose(1, 2)
         scores, pv = torch.bmm(q, keys), torch.bmm(p, v)
         for m in range(bi.CPU_QUERY_TILE, 41, 3):
             for cols in range(chunk, 3 * chunk + 1, chunk):

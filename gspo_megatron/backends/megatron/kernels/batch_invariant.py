@@ -195,10 +195,11 @@ class _Attention(torch.autograd.Function):
         return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
 
 
-def _cpu_attention_backward(grad, qf, kf, vf, p, scale, q_shape, q_dtype, k_shape, k_dtype,
+def _cpu_attention_backward(grad, qf, kf, vt, p, scale, q_shape, q_dtype, k_shape, k_dtype,
                             v_dtype):
-    """``(dq, dk, dv)`` of :func:`_cpu_attention` from its saved ``qf [B, ng, R, hn]``, ``kf,
-    vf [B, ng, Lk, hn]`` (fp32, head-major) and weights ``p [B, ng, R, Lk]``, per key head:
+    """``(dq, dk, dv)`` of :func:`_cpu_attention` from its saved ``qf [B, ng, R, hn]``, ``kf
+    [B, ng, Lk, hn]``, ``vt [B, ng, nc, hn, C]`` (fp32) and weights ``p [B, ng, R, Lk]``, per
+    key head:
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P (dP - rowsum(dP P))``, ``dQ = scale dS K``,
     ``dK = scale dS^T Q`` (the pad rows' and pad keys' gradients dropped)."""
     B, np_, Lq, hn = q_shape
@@ -209,7 +210,8 @@ def _cpu_attention_backward(grad, qf, kf, vf, p, scale, q_shape, q_dtype, k_shap
         do = torch.cat((do, do.new_zeros(B, ng, R - rows, hn)), dim=2)
     do, P = do.reshape(B * ng, R, hn), p.view(B * ng, R, Lk)
     dv = torch.bmm(P.transpose(1, 2), do)  # [B ng, Lk, hn]
-    dp = torch.bmm(do, vf.view(B * ng, Lk, hn).transpose(1, 2))  # [B ng, R, Lk]
+    vT = vt.transpose(2, 3).reshape(B * ng, hn, Lk)  # [B ng, hn, Lk]
+    dp = torch.bmm(do, vT)  # [B ng, R, Lk]
     ds = P * (dp - (dp * P).sum(-1, keepdim=True)) * scale
     dq = torch.bmm(ds, kf.view(B * ng, Lk, hn)).view(B, ng, R, hn)[:, :, :rows]
     dk = torch.bmm(ds.transpose(1, 2), qf.view(B * ng, R, hn))  # [B ng, Lk, hn]
@@ -285,12 +287,25 @@ def key_window(keys: int, t: torch.Tensor) -> int:
 
 
 def _head_major(t: torch.Tensor, window: int) -> torch.Tensor:
-    """``[B, ng, window, hn]`` fp32 contiguous of ``t [B, L, ng, hn]`` (zero slots added past
-    ``L``): a view of ``t`` where it was gathered so (:func:`key_window`), else a copy."""
+    """``[B, ng, window, hn]`` fp32 contiguous of the keys ``t [B, L, ng, hn]`` (zero slots
+    added past ``L``): a view of ``t`` where it was gathered so (:func:`key_window`), else a
+    copy."""
     t = t.float().permute(0, 2, 1, 3)
     if t.shape[2] < window:
         t = F.pad(t, (0, 0, 0, window - t.shape[2]))
     return t.contiguous()
+
+
+def _chunked_values(t: torch.Tensor, window: int) -> torch.Tensor:
+    """``[B, ng, nc, hn, CPU_KEY_CHUNK]`` fp32 contiguous of the values ``t [B, L, ng, hn]``
+    (zero slots added past ``L``): each key chunk's values transposed, the ``p v`` GEMM's
+    second operand in ``F.linear``'s layout; a view of ``t`` where it was gathered so
+    (``[B, ng, hn, window]``, one chunk), else a copy."""
+    B, _, ng, hn = t.shape
+    t = t.float().permute(0, 2, 3, 1)  # [B, ng, hn, L]
+    if t.shape[3] < window:
+        t = F.pad(t, (0, window - t.shape[3]))
+    return t.view(B, ng, hn, -1, CPU_KEY_CHUNK).transpose(2, 3).contiguous()
 
 
 def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -305,17 +320,16 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     float added where masked, ``torch.softmax`` over the row (a masked key's weight is an exact
     zero, and a row's weights do not depend on how many masked chunks follow its keys nor on
     the other rows: ``test_cpu_softmax_values_do_not_depend_on_the_masked_chunks``); per key
-    chunk ``p v`` as one GEMM of contraction :data:`CPU_KEY_CHUNK` (``v`` read in place,
-    head-major), the chunks' results added by :func:`_tree_sum` (those past a query's keys add
-    exact zeros). A query without keys gets every key's equal weight (finite).
-    ``keep_weights``: ``(out, (qf, kf, vf, p))``, what :func:`_cpu_attention_backward` reads."""
+    chunk ``p v`` as one GEMM of contraction :data:`CPU_KEY_CHUNK` (:func:`_chunked_values`),
+    the chunks' results added by :func:`_tree_sum` (those past a query's keys add exact zeros). A query without keys gets every key's equal weight (finite).
+    ``keep_weights``: ``(out, (qf, kf, vt, p))``, what :func:`_cpu_attention_backward` reads."""
     B, np_, Lq, hn = q.shape
     ng = k.shape[2]
     r = np_ // ng
     rows = r * Lq  # each key head's query rows: head j of its group, query l at j Lq + l
     Lk = key_window(k.shape[1], q)
     nc = Lk // CPU_KEY_CHUNK
-    kf, vf = _head_major(k, Lk), _head_major(v, Lk)  # [B, ng, Lk, hn]
+    kf, vt = _head_major(k, Lk), _chunked_values(v, Lk)  # [B, ng, Lk, hn], [.., nc, hn, C]
     # [B | 1, Lq | 1, Lk]: 0 where attended, the most negative float where not (finite: a row
     # without keys stays finite)
     bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
@@ -338,10 +352,10 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     p = torch.softmax(s, dim=-1).view(B, ng, R, nc, CPU_KEY_CHUNK)
     pt = (p.view(B * ng, R, CPU_KEY_CHUNK) if nc == 1
           else p.transpose(2, 3).reshape(-1, R, CPU_KEY_CHUNK))  # [B ng nc, R, C]
-    pv = torch.bmm(pt, vf.view(-1, CPU_KEY_CHUNK, hn)).view(B, ng, nc, R, hn)
+    pv = torch.bmm(pt, vt.view(-1, hn, CPU_KEY_CHUNK).transpose(1, 2)).view(B, ng, nc, R, hn)
     out = _tree_sum(pv, 2)[:, :, :rows].reshape(B, np_, Lq, hn).to(q.dtype)
     if keep_weights:
-        return out, (qf, kf, vf, p.view(B, ng, R, Lk))
+        return out, (qf, kf, vt, p.view(B, ng, R, Lk))
     return out
 
 

@@ -381,10 +381,12 @@ def _attend(w: DecodeWeights, kv: torch.Tensor, layer: int, q: torch.Tensor,
     B, Lk = g.key_rows.shape
     ng, width = w.groups, kv.shape[-1]
     if w.invariant and g.key_blocks is not None and bi.key_window(Lk, q) == Lk:
-        # gathered in the invariant kernel's layout (head-major: read in place there); the
-        # round's window is whole key chunks (..engine.rounds.FastDecoder._keys)
-        k_all, v_all = (kv[t, layer].permute(0, 2, 1, 3)[:, :, :Lk]
-                        .index_select(0, g.key_blocks).transpose(1, 2) for t in (0, 1))
+        # gathered in the invariant kernel's layouts (keys head-major, values transposed:
+        # read in place there); the round's window is whole key chunks (..engine.rounds.
+        # FastDecoder._keys)
+        k_all = kv[0, layer].permute(0, 2, 1, 3)[:, :, :Lk].index_select(0, g.key_blocks)
+        v_all = kv[1, layer].permute(0, 2, 3, 1)[..., :Lk].index_select(0, g.key_blocks)
+        k_all, v_all = k_all.transpose(1, 2), v_all.permute(0, 3, 1, 2)  # [B, Lk, ng, hn]
     elif g.key_blocks is not None:  # one contiguous run per request
         k_all = kv[0, layer][:, :Lk].index_select(0, g.key_blocks)
         v_all = kv[1, layer][:, :Lk].index_select(0, g.key_blocks)
