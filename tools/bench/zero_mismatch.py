@@ -240,9 +240,9 @@ def run(smoke: bool = False, rounds: int = 11, batch: int = 64, new_tokens: int 
                               "model": "tiny (demo's), seq_length 64"},
         notes=[f"{rounds} interleaved rounds after 1 warm-up; torch threads {threads}; "
                f"batch {batch} prompts of 4-8 tokens, {new_tokens} new tokens, temperature 1; "
-               f"a round's rollout phase: {rollout_reps} rollouts, timed together; tokens per rollout, "
-               f"off / on: {statistics.median(tokens['off'])} / {statistics.median(tokens['on'])}"
-               " (median)"])
+               f"a round's rollout phase: {rollout_reps} rollouts, timed together; tokens per "
+               f"rollout, off / on: {statistics.median(tokens['off'])} / "
+               f"{statistics.median(tokens['on'])} (median)"])
 
 
 def _args(ap) -> None:

@@ -20,7 +20,8 @@ row's place).
   shape and picks one blocking (checked for every row count and shift).
 * **attention**: SDPA over a KV cache (one query) and over a packed row (a causal block) reduce
   the keys in different orders. :func:`attention` reduces each query's keys in fixed chunks
-  (the chunks' partial sums added left to right; chunks past the query's keys add exact zeros).
+  (the chunks' partial sums added in one fixed pairwise order, :func:`_tree_sum`; chunks past the
+  query's keys add exact zeros).
   CUDA: the scores and the value sums of a (``QUERY_TILE`` queries, ``KEY_CHUNK`` keys) pair as
   GEMMs of one fixed shape. CPU (:func:`_cpu_attention`): a key head's query rows times all its
   keys as one GEMM, then ``p v`` per chunk of ``CPU_KEY_CHUNK`` keys as one GEMM of that fixed
@@ -321,8 +322,9 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     zero, and a row's weights do not depend on how many masked chunks follow its keys nor on
     the other rows: ``test_cpu_softmax_values_do_not_depend_on_the_masked_chunks``); per key
     chunk ``p v`` as one GEMM of contraction :data:`CPU_KEY_CHUNK` (:func:`_chunked_values`),
-    the chunks' results added by :func:`_tree_sum` (those past a query's keys add exact zeros). A query without keys gets every key's equal weight (finite).
-    ``keep_weights``: ``(out, (qf, kf, vt, p))``, what :func:`_cpu_attention_backward` reads."""
+    the chunks' results added by :func:`_tree_sum` (those past a query's keys add exact
+    zeros). A query without keys gets every key's equal weight (finite). ``keep_weights``:
+    ``(out, (qf, kf, vt, p))``, what :func:`_cpu_attention_backward` reads."""
     B, np_, Lq, hn = q.shape
     ng = k.shape[2]
     r = np_ // ng
