@@ -338,17 +338,16 @@ def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     if bias.shape[2] < Lk:
         bias = F.pad(bias, (0, Lk - bias.shape[2]), value=torch.finfo(torch.float32).min)
     qf = q.float().reshape(B, ng, rows, hn)
-    if rows < CPU_QUERY_TILE and Lq == 1:  # pad rows: zero queries (dropped), the one mask
-        qf = torch.cat((qf, qf.new_zeros(B, ng, CPU_QUERY_TILE - rows, hn)), dim=2)  # row
-        bias, shape = bias.view(bias.shape[0], 1, 1, Lk), (B, ng, CPU_QUERY_TILE, Lk)
-    elif rows < CPU_QUERY_TILE:  # pad rows: zero queries that attend every slot (dropped)
+    if rows < CPU_QUERY_TILE:  # pad rows: zero queries (dropped at the end)
         qf = torch.cat((qf, qf.new_zeros(B, ng, CPU_QUERY_TILE - rows, hn)), dim=2)
+    R = qf.shape[2]
+    if Lq == 1:  # the decoding step: its one mask row for every query row, pad rows too
+        bias, shape = bias.view(bias.shape[0], 1, 1, Lk), (B, ng, R, Lk)
+    elif rows < R:  # each query's mask row for its heads' rows; pad rows attend every slot
         bias = bias.unsqueeze(1).expand(B, r, Lq, Lk).reshape(B, 1, rows, Lk)
-        bias = torch.cat((bias, bias.new_zeros(B, 1, CPU_QUERY_TILE - rows, Lk)), 2)
-        shape = (B, ng, CPU_QUERY_TILE, Lk)
+        bias, shape = torch.cat((bias, bias.new_zeros(B, 1, R - rows, Lk)), 2), (B, ng, R, Lk)
     else:  # [B | 1, 1, 1, Lq | 1, Lk] over the scores' [B, ng, r, Lq, Lk]
         bias, shape = bias.view(bias.shape[0], 1, 1, *bias.shape[1:]), (B, ng, r, Lq, Lk)
-    R = qf.shape[2]
     s = torch.bmm(qf.view(B * ng, R, hn), kf.view(B * ng, Lk, hn).transpose(1, 2))
     s.view(shape).mul_(scale).add_(bias)
     p = torch.softmax(s, dim=-1).view(B, ng, R, nc, CPU_KEY_CHUNK)
@@ -486,33 +485,35 @@ def expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> 
 
 def _cpu_expert_linear(x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> torch.Tensor:
     """CPU :func:`expert_linear`: :func:`_grouped_rows`'s one grouped GEMM."""
-    places, offs = _expert_plan(counts, x.device)
-    out = _grouped_rows(_padded_rows(x, places, offs), offs, weights)
+    places, offs, rows = _expert_plan(counts, x.device)
+    out = _grouped_rows(_padded_rows(x, places, rows), offs, weights)
     return out if places is None else out.index_select(0, places)
 
 
 def _expert_plan(counts: list[int], device):
-    """``(places [N] | None, offs [E] int32)`` for :func:`_grouped_rows`: each expert's block of
-    ``counts[e]`` rows taken to :data:`ROW_TILE` rows at least (an empty expert stays empty;
-    ``offs``: the padded blocks' ends), ``places`` the real rows' places in the padded layout
-    (None where no expert needs padding)."""
+    """``(places [N] | None, offs [E] int32, rows)`` for :func:`_grouped_rows`: each expert's
+    block of ``counts[e]`` rows taken to :data:`ROW_TILE` rows at least (an empty expert stays
+    empty; ``offs``: the padded blocks' ends, ``rows`` the last), ``places`` the real rows'
+    places in the padded layout (None where no expert needs padding)."""
     padded = [ROW_TILE if 0 < c < ROW_TILE else c for c in counts]
-    offs = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=device)
+    ends = list(itertools.accumulate(padded))
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    rows = ends[-1] if ends else 0
     if padded == counts:
-        return None, offs
+        return None, offs, rows
     places, start = [], 0
     for c, pc in zip(counts, padded):  # host ints: a handful of experts
         places += range(start, start + c)
         start += pc
-    return torch.tensor(places, device=device), offs
+    return torch.tensor(places, device=device), offs, rows
 
 
-def _padded_rows(x: torch.Tensor, places, offs) -> torch.Tensor:
-    """``[P, ...]``: the rows of ``x [N, ...]`` at ``places`` of zeros (the padded layout of
+def _padded_rows(x: torch.Tensor, places, rows: int) -> torch.Tensor:
+    """``[rows, ...]``: the rows of ``x [N, ...]`` at ``places`` of zeros (the padded layout of
     :func:`_expert_plan`; ``x`` itself where ``places`` is None). Differentiable."""
     if places is None:
         return x
-    return x.new_zeros(int(offs[-1]), *x.shape[1:]).index_copy(0, places, x)
+    return x.new_zeros(rows, *x.shape[1:]).index_copy(0, places, x)
 
 
 def _grouped_rows(x: torch.Tensor, offs, weights: torch.Tensor) -> torch.Tensor:
@@ -530,9 +531,9 @@ def expert_mlp(x: torch.Tensor, counts: list[int], probs: torch.Tensor, fc1: tor
     rows padded once for both GEMMs (pad rows: zero inputs, zero probs; dropped at the end)."""
     if not cpu_forms(x):
         return expert_linear(activate(expert_linear(x, counts, fc1), probs), counts, fc2)
-    places, offs = _expert_plan(counts, x.device)
-    h = activate(_grouped_rows(_padded_rows(x, places, offs), offs, fc1),
-                 _padded_rows(probs, places, offs))
+    places, offs, rows = _expert_plan(counts, x.device)
+    h = activate(_grouped_rows(_padded_rows(x, places, rows), offs, fc1),
+                 _padded_rows(probs, places, rows))
     out = _grouped_rows(h, offs, fc2)
     return out if places is None else out.index_select(0, places)
 
