@@ -14,9 +14,10 @@ import logging
 import os
 import sys
 import warnings
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from gspo_megatron.config import TrainConfig
+if TYPE_CHECKING:  # only annotations: importing this module (as a spawned worker's re-imported
+    from gspo_megatron.config import TrainConfig  # main module does) imports no torch
 
 logger = logging.getLogger("gspo_megatron")
 
@@ -250,6 +251,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     rollout ranks (:class:`~gspo_megatron.rollouts.remote.RemoteRollouts`); on a rollout rank a
     :class:`~gspo_megatron.rollouts.remote.RolloutServer` over a full replica of the policy
     without optimizer (its weights come from the trainer ranks)."""
+    from gspo_megatron.backends.megatron.checkpoint import start_write_results_server
     from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy
@@ -268,6 +270,8 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     faults = faults or FaultInjector()
     rollout_rank = placement is not None and placement.is_rollout
     parallel = ParallelConfig() if rollout_rank else cfg.parallel
+    if not rollout_rank:  # before anything large is allocated (its docstring says why)
+        start_write_results_server()
     groups = initialize_distributed(parallel, cfg.model, seed=cfg.trainer.seed)
     if groups.is_logging_rank and not rollout_rank:
         os.makedirs(cfg.logging.run_dir, exist_ok=True)

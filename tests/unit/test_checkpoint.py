@@ -186,3 +186,76 @@ def test_a_pickled_rank_state_needs_allow_pickle(tmp_path):
         "samples"].samples == state["received"][3]["samples"].samples
     torch.save({"placement": "colocated", "partial": None}, path)  # old, but plain data
     assert ckpt.read_rank_state(str(tmp_path), 0) == {"placement": "colocated", "partial": None}
+
+
+# A fresh interpreter (megatron's results queue is per process): the trainer's SIGTERM handler
+# installed, the results server started, a torch_dist save and load; then what ran as children.
+_RESULTS_SERVER_SCRIPT = r"""
+import json, os, signal, sys
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from gspo_megatron.backends.megatron.checkpoint import start_write_results_server
+from gspo_megatron.compat import apply_compat
+
+def children():
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                out[int(pid)] = open(f"/proc/{pid}/cmdline", "rb").read()
+        except (OSError, IndexError):
+            pass
+    return out
+
+apply_compat()  # megatron-core on CPU (as every entry point does)
+signal.signal(signal.SIGTERM, lambda *a: None)  # as the trainer's checkpoint-and-exit handler
+if sys.argv[1] == "fork":
+    start_write_results_server()
+    start_write_results_server()  # a second call keeps the first server
+server = children()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=1)
+x = torch.arange(6.0)
+os.makedirs(sys.argv[2])
+dist_checkpointing.save({"x": ShardedTensor.from_rank_offsets("x", x)}, sys.argv[2])
+back = dist_checkpointing.load({"x": ShardedTensor.from_rank_offsets("x", torch.empty(6))}, sys.argv[2])
+caught = {}
+for pid in children():
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigCgt:"):
+            caught[pid] = bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+mine = open("/proc/self/cmdline", "rb").read()
+print(json.dumps({"equal": torch.equal(back["x"], x), "server": sorted(server),
+                  "children": sorted(children()), "caught_sigterm": caught,
+                  "spawned": sum(c != mine for c in children().values())}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "megatron"])
+def test_the_write_results_server_is_forked_before_the_first_save(tmp_path, start):
+    """``start_write_results_server``: megatron-core's results queue served by one forked child
+    (the interpreter's own command line, SIGTERM not caught), ready before the first save, which
+    then starts no interpreter. Without it ("megatron"), the first save spawns one: the cost the
+    function removes (a fresh interpreter re-importing the launching script)."""
+    import json
+    import subprocess
+    import sys
+
+    from gspo_megatron.backends.megatron.parallel import _free_port
+
+    proc = subprocess.run([sys.executable, "-c", _RESULTS_SERVER_SCRIPT, start,
+                           str(tmp_path / "ckpt"), str(_free_port())],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["equal"]
+    if start == "fork":
+        assert len(got["server"]) == 1 and got["children"] == got["server"], got
+        assert got["spawned"] == 0 and list(got["caught_sigterm"].values()) == [False], got
+    else:
+        assert got["server"] == [] and got["spawned"] >= 1, got  # (and a resource tracker)
