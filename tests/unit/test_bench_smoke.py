@@ -16,10 +16,10 @@ from tools.bench.common import validate_result  # noqa: E402
 pytestmark = pytest.mark.slow  # builds Megatron models (make test-fast skips it)
 
 
-def _warm_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> dict:
-    """``common.run_layout`` forked from the suite's warm interpreter (tests/helpers/warm.py):
-    the same ``--child`` on the same ranks, without ~10 s of imports per launch (the cold
-    ``torch.distributed.run`` launch is what ``make bench`` runs)."""
+def _warm_run(argv: list[str], nproc: int, timeout: float) -> dict:
+    """``python argv`` on ``nproc`` ranks forked from the suite's warm interpreter
+    (tests/helpers/warm.py); its last JSON line. The same process as a cold launch, without
+    ~10 s of imports (a cold launch is what ``make bench`` runs)."""
     import os
 
     from tests.helpers import warm
@@ -28,11 +28,20 @@ def _warm_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> 
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=root, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    proc = warm.run(["-m", module, "--child", json.dumps(spec)], env=env, cwd=root, nproc=nproc,
-                    timeout=timeout)
+    proc = warm.run(argv, env=env, cwd=root, nproc=nproc, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(lines[-1])
+
+
+def _warm_layout(module: str, spec: dict, nproc: int, timeout: float = 1800) -> dict:
+    """``common.run_layout``: the same ``--child`` on the same ranks, warm."""
+    return _warm_run(["-m", module, "--child", json.dumps(spec)], nproc, timeout)
+
+
+def _warm_child(module: str, args: list[str], timeout: float = 900) -> dict:
+    """``common.run_child`` (``python -m module args`` in a fresh process), warm."""
+    return _warm_run(["-m", module, *args], 1, timeout)
 
 
 def _warm_cli(args: list[str], nproc: int, timeout: float = 1800, bind_cores: bool = False) -> None:
@@ -51,6 +60,7 @@ def test_every_benchmark_runs_at_toy_size(tmp_path, monkeypatch):
 
     monkeypatch.setattr(common, "run_layout", _warm_layout)
     monkeypatch.setattr(common, "run_cli", _warm_cli)
+    monkeypatch.setattr(common, "run_child", _warm_child)
     out = tmp_path / "bench.json"
     rc = main(["--smoke", "--in-process", "--out", str(out)])
     report = json.loads(out.read_text())
