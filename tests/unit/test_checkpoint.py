@@ -230,7 +230,9 @@ for pid in children():
 mine = open("/proc/self/cmdline", "rb").read()
 print(json.dumps({"equal": torch.equal(back["x"], x), "server": sorted(server),
                   "children": sorted(children()), "caught_sigterm": caught,
-                  "spawned": sum(c != mine for c in children().values())}))
+                  "spawned": sum(c != mine for c in children().values())}), flush=True)
+if sys.argv[1] == "fork":  # killed, as a rank by the OOM killer (megatron's spawned server
+    os.kill(os.getpid(), signal.SIGKILL)  # would outlive it, holding this process's pipes)
 dist.destroy_process_group()
 """
 
@@ -239,23 +241,35 @@ dist.destroy_process_group()
 def test_the_write_results_server_is_forked_before_the_first_save(tmp_path, start):
     """``start_write_results_server``: megatron-core's results queue served by one forked child
     (the interpreter's own command line, SIGTERM not caught), ready before the first save, which
-    then starts no interpreter. Without it ("megatron"), the first save spawns one: the cost the
+    then starts no interpreter; killed with SIGKILL, the process leaves no server behind. Without it ("megatron"), the first save spawns one: the cost the
     function removes (a fresh interpreter re-importing the launching script)."""
     import json
+    import signal
     import subprocess
     import sys
+    import time
 
     from gspo_megatron.backends.megatron.parallel import _free_port
 
-    proc = subprocess.run([sys.executable, "-c", _RESULTS_SERVER_SCRIPT, start,
-                           str(tmp_path / "ckpt"), str(_free_port())],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as o, open(err, "w") as e:  # files: a leftover child holds no pipe
+        rc = subprocess.run([sys.executable, "-c", _RESULTS_SERVER_SCRIPT, start,
+                             str(tmp_path / "ckpt"), str(_free_port())], stdout=o, stderr=e,
+                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
+    assert rc == (-signal.SIGKILL if start == "fork" else 0), err.read_text()[-3000:]
+    got = json.loads(out.read_text().strip().splitlines()[-1])
     assert got["equal"]
     if start == "fork":
         assert len(got["server"]) == 1 and got["children"] == got["server"], got
         assert got["spawned"] == 0 and list(got["caught_sigterm"].values()) == [False], got
+        # The server ends with its killed parent.
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{got['server'][0]}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stat = f"/proc/{got['server'][0]}/stat"
+        alive = os.path.exists(stat) and open(stat).read().rsplit(")", 1)[1].split()[0] != "Z"
+        if alive:
+            os.kill(got["server"][0], signal.SIGKILL)
+        assert not alive, "the results server outlived its killed parent"
     else:
         assert got["server"] == [] and got["spawned"] >= 1, got  # (and a resource tracker)

@@ -180,11 +180,20 @@ class TrainingState:
     """Trainer state: data sampler position, counters (JSON-like values only)."""
 
 
-def _fresh_signal_handlers() -> None:
-    """The forked results server's initializer: a fresh process's handlers, not the trainer's
-    checkpoint-and-exit ones (a SIGTERM stops the server as it would a spawned one)."""
+def _results_server_init(parent: int) -> None:
+    """The forked results server's initializer: a fresh process's signal handlers, not the
+    trainer's checkpoint-and-exit ones; and, on Linux, killed with its parent (a rank killed
+    with SIGKILL would otherwise leave it holding the pages shared at the fork)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the server ends with the parent's exit only
+        return
+    if os.getppid() != parent:  # the parent died before the prctl
+        os._exit(0)
 
 
 def start_write_results_server() -> None:
@@ -200,7 +209,7 @@ def start_write_results_server() -> None:
 
     Call it early, before the model is built: a forked process keeps the pages its parent had at
     the fork, so forking while the process is small holds none of the model, optimizer or offload
-    buffers allocated later. The server never touches CUDA. A no-op when the queue exists or
+    buffers allocated later. The server never touches CUDA and ends with its rank. A no-op when the queue exists or
     this megatron-core has no such hook (its own spawned server is then used, as before).
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -210,7 +219,7 @@ def start_write_results_server() -> None:
     from multiprocessing.managers import SyncManager
 
     manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-    manager.start(_fresh_signal_handlers)
+    manager.start(_results_server_init, (os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
 
 
