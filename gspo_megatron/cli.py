@@ -251,7 +251,7 @@ def build(cfg: TrainConfig, prepared: Prepared, faults=None, placement=None, bri
     rollout ranks (:class:`~gspo_megatron.rollouts.remote.RemoteRollouts`); on a rollout rank a
     :class:`~gspo_megatron.rollouts.remote.RolloutServer` over a full replica of the policy
     without optimizer (its weights come from the trainer ranks)."""
-    from gspo_megatron.backends.megatron.checkpoint import start_write_results_server
+    from gspo_megatron.backends.megatron.checkpoint_writer import start_write_results_server
     from gspo_megatron.backends.megatron.engine.rollout import RolloutEngine
     from gspo_megatron.backends.megatron.parallel import initialize_distributed
     from gspo_megatron.backends.megatron.policy import build_policy

@@ -311,7 +311,7 @@ def convert_hf_to_mcore(hf_dir: str, out: str, *, expert_model_parallel_size: in
     """
     import torch.distributed as dist
 
-    from gspo_megatron.backends.megatron.checkpoint import start_write_results_server
+    from gspo_megatron.backends.megatron.checkpoint_writer import start_write_results_server
     from gspo_megatron.backends.megatron.model import build_gpt_model
     from gspo_megatron.backends.megatron.parallel import destroy_distributed, initialize_distributed
     from gspo_megatron.config.model import ParallelConfig, PrecisionConfig

@@ -8,6 +8,7 @@ import torch
 from gspo_megatron.algorithms import PolicyLossConfig
 from gspo_megatron.config.model import ParallelConfig, PrecisionConfig, model_config_from_preset
 from gspo_megatron.backends.megatron import checkpoint as ckpt
+from gspo_megatron.backends.megatron.checkpoint_writer import AsyncCheckpointWriter
 from gspo_megatron.policy import make_policy_batch
 from gspo_megatron.config import OptimConfig
 from gspo_megatron.backends.megatron.policy import build_policy
@@ -69,7 +70,7 @@ def test_background_save_holds_the_state_at_save_time(groups, tmp_path):
     from it continues exactly as the run did from that point."""
     policy = make_policy(groups)
     train_steps(policy, groups, 1)
-    writer = ckpt.AsyncCheckpointWriter()
+    writer = AsyncCheckpointWriter()
     ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(1, {"k": 1}), writer=writer)
     assert writer.pending
     assert ckpt.read_latest(str(tmp_path)) is None and ckpt.list_checkpoints(str(tmp_path)) == []
@@ -86,7 +87,7 @@ def test_an_aborted_background_save_never_becomes_the_latest(groups, tmp_path):
     policy = make_policy(groups)
     train_steps(policy, groups, 1)
     ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(1, {}))
-    writer = ckpt.AsyncCheckpointWriter()
+    writer = AsyncCheckpointWriter()
     ckpt.save_checkpoint(policy, str(tmp_path), ckpt.TrainingState(2, {}), writer=writer)
     writer.abort()
     assert not writer.pending
@@ -197,7 +198,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from gspo_megatron.backends.megatron.checkpoint import start_write_results_server
+from gspo_megatron.backends.megatron.checkpoint_writer import start_write_results_server
 from gspo_megatron.compat import apply_compat
 
 def children():

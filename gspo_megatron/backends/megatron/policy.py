@@ -17,6 +17,7 @@ import functools
 import torch
 
 from gspo_megatron.backends.megatron import checkpoint as ckpt
+from gspo_megatron.backends.megatron.checkpoint_writer import AsyncCheckpointWriter
 from gspo_megatron.backends.megatron.model import build_gpt_model
 from gspo_megatron.backends.megatron.offload import StateOffload
 from gspo_megatron.backends.megatron.parallel import drop_inference_buffers
@@ -75,7 +76,7 @@ class MegatronPolicy:
         """``trainer.offload``: the training state moved to host memory during rollouts
         (:meth:`training_state_offloaded`)."""
         self._model_routing = None
-        self._checkpoint_writer: ckpt.AsyncCheckpointWriter | None = None
+        self._checkpoint_writer: AsyncCheckpointWriter | None = None
         self._shard_index = None
         self._piece_loader = None
 
@@ -255,11 +256,11 @@ class MegatronPolicy:
                         before_commit=None, background: bool = False) -> str:
         """Model, optimizer, scheduler, RNG and ``(step, extra)`` (collective, atomic). With
         ``background`` the shards are written by a forked process and committed by
-        :meth:`wait_for_checkpoint` (:class:`.checkpoint.AsyncCheckpointWriter`)."""
+        :meth:`wait_for_checkpoint` (:class:`.checkpoint_writer.AsyncCheckpointWriter`)."""
         writer = None
         if background:
             if self._checkpoint_writer is None:
-                self._checkpoint_writer = ckpt.AsyncCheckpointWriter()
+                self._checkpoint_writer = AsyncCheckpointWriter()
             writer = self._checkpoint_writer
         return ckpt.save_checkpoint(self, save_dir, ckpt.TrainingState(step, extra),
                                     keep_last=keep_last, before_commit=before_commit,
