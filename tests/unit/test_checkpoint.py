@@ -193,6 +193,7 @@ def test_a_pickled_rank_state_needs_allow_pickle(tmp_path):
 # installed, the results server started, a torch_dist save and load; then what ran as children.
 _RESULTS_SERVER_SCRIPT = r"""
 import json, os, signal, sys
+import psutil
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
@@ -202,15 +203,7 @@ from gspo_megatron.backends.megatron.checkpoint_writer import start_write_result
 from gspo_megatron.compat import apply_compat
 
 def children():
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-                out[int(pid)] = open(f"/proc/{pid}/cmdline", "rb").read()
-        except (OSError, IndexError):
-            pass
-    return out
+    return {c.pid: c.cmdline() for c in psutil.Process().children()}
 
 apply_compat()  # megatron-core on CPU (as every entry point does)
 signal.signal(signal.SIGTERM, lambda *a: None)  # as the trainer's checkpoint-and-exit handler
@@ -222,13 +215,14 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], ra
 x = torch.arange(6.0)
 os.makedirs(sys.argv[2])
 dist_checkpointing.save({"x": ShardedTensor.from_rank_offsets("x", x)}, sys.argv[2])
-back = dist_checkpointing.load({"x": ShardedTensor.from_rank_offsets("x", torch.empty(6))}, sys.argv[2])
+back = dist_checkpointing.load({"x": ShardedTensor.from_rank_offsets("x", torch.empty(6))},
+                              sys.argv[2])
 caught = {}
 for pid in children():
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("SigCgt:"):
             caught[pid] = bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
-mine = open("/proc/self/cmdline", "rb").read()
+mine = psutil.Process().cmdline()
 print(json.dumps({"equal": torch.equal(back["x"], x), "server": sorted(server),
                   "children": sorted(children()), "caught_sigterm": caught,
                   "spawned": sum(c != mine for c in children().values())}), flush=True)
@@ -242,13 +236,16 @@ dist.destroy_process_group()
 def test_the_write_results_server_is_forked_before_the_first_save(tmp_path, start):
     """``start_write_results_server``: megatron-core's results queue served by one forked child
     (the interpreter's own command line, SIGTERM not caught), ready before the first save, which
-    then starts no interpreter; killed with SIGKILL, the process leaves no server behind. Without it ("megatron"), the first save spawns one: the cost the
-    function removes (a fresh interpreter re-importing the launching script)."""
+    then starts no interpreter; killed with SIGKILL, the process leaves no server behind.
+    Without it ("megatron"), the first save spawns one: the cost the function removes (a fresh
+    interpreter re-importing the launching script)."""
+    import contextlib
     import json
     import signal
     import subprocess
     import sys
-    import time
+
+    import psutil
 
     from gspo_megatron.backends.megatron.parallel import _free_port
 
@@ -264,13 +261,13 @@ def test_the_write_results_server_is_forked_before_the_first_save(tmp_path, star
         assert len(got["server"]) == 1 and got["children"] == got["server"], got
         assert got["spawned"] == 0 and list(got["caught_sigterm"].values()) == [False], got
         # The server ends with its killed parent.
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{got['server'][0]}") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        stat = f"/proc/{got['server'][0]}/stat"
-        alive = os.path.exists(stat) and open(stat).read().rsplit(")", 1)[1].split()[0] != "Z"
-        if alive:
-            os.kill(got["server"][0], signal.SIGKILL)
-        assert not alive, "the results server outlived its killed parent"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            server = psutil.Process(got["server"][0])
+            with contextlib.suppress(psutil.TimeoutExpired):
+                server.wait(30)
+            alive = server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+            if alive:
+                server.kill()
+            assert not alive, "the results server outlived its killed parent"
     else:
         assert got["server"] == [] and got["spawned"] >= 1, got  # (and a resource tracker)

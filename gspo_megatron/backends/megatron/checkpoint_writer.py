@@ -42,8 +42,9 @@ def start_write_results_server() -> None:
 
     Call it early, before the model is built: a forked process keeps the pages its parent had at
     the fork, so forking while the process is small holds none of the model, optimizer or offload
-    buffers allocated later. The server never touches CUDA and ends with its rank. A no-op when the queue exists or
-    this megatron-core has no such hook (its own spawned server is then used, as before).
+    buffers allocated later. The server never touches CUDA and ends with its rank. A no-op when
+    the queue exists or this megatron-core has no such hook (its own spawned server is then
+    used, as before).
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
